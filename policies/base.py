@@ -1,0 +1,177 @@
+"""Eviction policy base class, the registry, and the operations every home calls.
+
+A policy is a small strategy over a ``SlotState``: it may declare extra per-slot int64 fields, global
+words and a ghost ring, and overrides the hooks it needs. The common fields (see ``state.py``) are kept
+here, by ``insert``/``hit``/``remove``/``evict``, so a policy only writes what is its own.
+
+Homes (the hot tier, the simulator) call only these four functions:
+
+    insert(policy, st, slots, key64, parents, positions)   # under the home's lock
+    hit(policy, st, slots)                                 # may run without the lock
+    remove(policy, st, slots)                              # explicit removal, under the lock
+    evict(policy, st, n, evictable) -> slots               # under the lock; frees the victims
+
+``hit`` runs without the lock in the hot tier: a policy's ``on_hit`` may only do plain stores of
+aligned int64 words (a lost update under a race is fine; a torn structure is not).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from .state import SlotState
+
+_REGISTRY: dict[str, type["EvictionPolicy"]] = {}
+
+
+class UnknownPolicy(KeyError):
+    """An unknown policy name. The message lists the valid ones."""
+
+    def __str__(self) -> str:  # KeyError's str() would repr() the message
+        return str(self.args[0])
+
+
+class EvictionPolicy:
+    """Base class. Subclasses set ``name`` and override ``choose`` (and hooks as needed).
+
+    Args:
+        **params: policy parameters (e.g. ``small_ratio`` for S3-FIFO); unknown ones are an error.
+    """
+
+    name: str = ""
+    slot_fields: tuple[str, ...] = ()
+    global_fields: tuple[str, ...] = ()
+    #: True if ``on_hit`` changes structure that must be changed under the lock.
+    hit_needs_lock: bool = False
+
+    def __init__(self, **params):
+        if params:
+            raise TypeError(f"policy {self.name!r} takes no parameters, got {sorted(params)}")
+
+    def ghost_capacity(self, n_slots: int) -> int:
+        return 0
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def on_insert(self, st: SlotState, slots: np.ndarray) -> None:
+        """Called after the common fields of newly inserted ``slots`` are set."""
+
+    def on_hit(self, st: SlotState, slots: np.ndarray) -> None:
+        """Called after ``last_access``/``hits`` of ``slots`` were bumped."""
+
+    def on_remove(self, st: SlotState, slots: np.ndarray, evicted: bool) -> None:
+        """Called before ``slots`` stop being resident (``evicted``: chosen by ``choose``)."""
+
+    def choose(self, st: SlotState, n: int, candidates: np.ndarray) -> np.ndarray:
+        """Return up to ``n`` distinct victim slots among ``candidates`` (bool mask over slots).
+
+        May update the policy's own bookkeeping (a clock hand, reference bits, queue membership);
+        the victims are then removed by ``evict``.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def register(cls: type[EvictionPolicy] | None = None, *, name: str | None = None) -> Callable:
+    """Class decorator adding an eviction policy to the registry under ``name`` (default cls.name)."""
+
+    def wrap(c: type[EvictionPolicy]) -> type[EvictionPolicy]:
+        key = name or c.name
+        if not key:
+            raise ValueError(f"{c.__name__} has no name")
+        _REGISTRY[key] = c
+        return c
+
+    return wrap(cls) if cls is not None else wrap
+
+
+def names() -> list[str]:
+    """Registered eviction policy names."""
+    return sorted(_REGISTRY)
+
+
+def make(spec: "str | EvictionPolicy", **params) -> EvictionPolicy:
+    """Build a policy from its name (``"lru"``, ``"prefix_aware:s3fifo"``, ...) or pass one through."""
+    if isinstance(spec, EvictionPolicy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a policy is a name or an EvictionPolicy, got {type(spec).__name__}")
+    base_name, _, inner = spec.partition(":")
+    if base_name not in _REGISTRY:
+        raise UnknownPolicy(f"unknown eviction policy {spec!r}; valid: {', '.join(names())}")
+    cls = _REGISTRY[base_name]
+    if inner:
+        return cls(base=make(inner), **params)
+    return cls(**params)
+
+
+# ---- the operations homes call ------------------------------------------------------------------
+def insert(policy: EvictionPolicy, st: SlotState, slots: np.ndarray, key64: np.ndarray,
+           parents: np.ndarray, positions: np.ndarray) -> None:
+    """Make ``slots`` resident. ``parents``: parent slot per block or -1. Under the home's lock."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if not len(slots):
+        return
+    ticks = st.advance(len(slots))
+    st.resident[slots] = 1
+    st.key64[slots] = np.asarray(key64, dtype=np.uint64).view(np.int64)
+    st.last_access[slots] = ticks
+    st.insert_tick[slots] = ticks
+    st.hits[slots] = 0
+    st.n_children[slots] = 0
+    st.position[slots] = positions
+    parents = np.asarray(parents, dtype=np.int64)
+    # A parent only counts if it is resident (it may be in the same batch, inserted just above).
+    valid = parents >= 0
+    valid[valid] = st.resident[parents[valid]] == 1
+    st.parent[slots] = np.where(valid, parents, -1)
+    np.add.at(st.n_children, parents[valid], 1)
+    st.add_g("n_resident", len(slots))
+    policy.on_insert(st, slots)
+
+
+def hit(policy: EvictionPolicy, st: SlotState, slots: np.ndarray) -> None:
+    """Record hits on resident ``slots``. Relaxed: plain aligned stores, safe without the lock."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if not len(slots):
+        return
+    st.last_access[slots] = st.advance(len(slots))
+    st.hits[slots] += 1
+    policy.on_hit(st, slots)
+
+
+def remove(policy: EvictionPolicy, st: SlotState, slots: np.ndarray, *, evicted: bool = False) -> None:
+    """Stop tracking ``slots`` (resident ones only). Under the home's lock."""
+    slots = np.asarray(slots, dtype=np.int64)
+    slots = slots[st.resident[slots] == 1]
+    if not len(slots):
+        return
+    policy.on_remove(st, slots, evicted)
+    parents = st.parent[slots]
+    live = parents >= 0
+    np.subtract.at(st.n_children, parents[live], 1)
+    orphaned = st.n_children[slots] > 0
+    if orphaned.any():
+        # Children of a removed block lose their parent link (rare: prefix_aware never gets here).
+        st.parent[np.isin(st.parent, slots[orphaned])] = -1
+    st.resident[slots] = 0
+    st.parent[slots] = -1
+    st.n_children[slots] = 0
+    st.add_g("n_resident", -len(slots))
+
+
+def evict(policy: EvictionPolicy, st: SlotState, n: int, evictable: np.ndarray | None = None) -> np.ndarray:
+    """Choose up to ``n`` victims among resident (and ``evictable``) slots and remove them."""
+    candidates = st.resident == 1
+    if evictable is not None:
+        candidates &= evictable
+    if n <= 0 or not candidates.any():
+        return np.zeros(0, dtype=np.int64)
+    victims = np.asarray(policy.choose(st, int(n), candidates), dtype=np.int64)
+    if len(victims) and not candidates[victims].all():
+        raise RuntimeError(f"policy {policy.name!r} chose a slot that was not a candidate")
+    remove(policy, st, victims, evicted=True)
+    return victims

@@ -1,0 +1,49 @@
+"""The one exception family of tieredkv.
+
+Running out of room is a result (``PutResult.NO_SPACE``), never an exception. Everything here means
+"the call was wrong" or "the state is not what it must be"; each message says how to fix the call.
+"""
+
+
+class TieredKVError(Exception):
+    """Base class of every error tieredkv raises on purpose."""
+
+
+class InvalidInput(TieredKVError, ValueError):
+    """A call's arguments are wrong (shape, dtype, type, range)."""
+
+
+class InvalidPayload(InvalidInput):
+    """A payload or output buffer has the wrong size, dtype, shape or layout."""
+
+
+class InvalidName(InvalidInput):
+    """A segment or directory name that tieredkv refuses to use."""
+
+
+class SpecMismatch(TieredKVError):
+    """An existing segment or directory was made for a different KV spec (namespace)."""
+
+
+class FormatError(TieredKVError):
+    """Foreign magic, unknown layout/format version, or a header that does not parse."""
+
+
+class CorruptState(TieredKVError):
+    """Shared or on-disk state broke an invariant and could not be repaired."""
+
+
+class CapacityError(TieredKVError):
+    """The requested size cannot be reserved (e.g. /dev/shm or the disk is too small)."""
+
+
+class LockTimeout(TieredKVError, TimeoutError):
+    """A bounded wait for a lock ran out: some live process holds it far longer than it should."""
+
+
+class PermissionDenied(TieredKVError, PermissionError):
+    """A segment or directory is owned by another user or has unsafe permissions."""
+
+
+class WarmTierUnavailable(TieredKVError):
+    """The warm tier cannot be written (read-only directory, disk full, I/O error)."""

@@ -1,0 +1,142 @@
+"""Chained chunk keys.
+
+``k_0 = H(namespace_bytes || salt)`` and ``k_i = H(k_{i-1} || tokens_i)`` with tokens as little-endian
+uint32 and ``H = xxh3_128``. A chunk's K/V depend on every token before it, so its key covers the whole
+prefix; the salt isolates tenants. Keys are pure functions of their inputs: identical across processes,
+restarts and machines.
+
+Every key travels with its parent key and its chunk's token ids (``ChunkKeys``); tiers store both and a
+hit is confirmed by comparing them, so even a 128-bit collision never hands out wrong KV.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from tieredkv.errors import InvalidInput
+from tieredkv.spec import KVSpec
+
+KEY_BYTES = 16
+_MAX_TOKEN = 2**32 - 1
+
+
+def as_tokens(tokens: object) -> np.ndarray:
+    """Return token ids as a 1-D little-endian uint32 array, or raise with how to fix the call."""
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, (bytes, bytearray, str)):
+        raise InvalidInput("tokens must be a 1-D sequence of integer token ids, not bytes or str")
+    arr = np.asarray(tokens)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise InvalidInput(f"tokens must be 1-D (or shaped (1, n)), got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise InvalidInput(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and int(arr.min()) < 0:
+        raise InvalidInput("token ids must be >= 0; found a negative id")
+    if int(arr.max()) > _MAX_TOKEN:
+        raise InvalidInput(f"token ids must fit in uint32 (<= {_MAX_TOKEN})")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def _check_salt(salt: object) -> bytes:
+    if isinstance(salt, str):
+        raise InvalidInput("salt must be bytes; encode a tenant id first, e.g. tenant.encode()")
+    if not isinstance(salt, (bytes, bytearray, memoryview)):
+        raise InvalidInput(f"salt must be bytes, got {type(salt).__name__}")
+    return bytes(salt)
+
+
+def root_key(spec: KVSpec, salt: bytes = b"") -> bytes:
+    """``k_0``: the parent of a prompt's first chunk, one per (namespace, salt)."""
+    return xxhash.xxh3_128_digest(spec.namespace_bytes() + _check_salt(salt))
+
+
+class ChunkKeys:
+    """The keys of a prompt's full chunks, with what confirms each one.
+
+    Attributes:
+        keys: ``(n, 2)`` uint64, one 128-bit key per chunk (row ``i`` covers tokens ``[0, (i+1)*C)``).
+        parents: ``(n, 2)`` uint64, the key before each one (``k_0`` for the first).
+        tokens: ``(n, chunk_tokens)`` uint32, the chunk's own token ids.
+        start: index of the first chunk in the prompt (non-zero for a slice).
+
+    Indexing with an int gives the 16-byte key; slicing gives a ``ChunkKeys``.
+    """
+
+    __slots__ = ("keys", "parents", "tokens", "start")
+
+    def __init__(self, keys: np.ndarray, parents: np.ndarray, tokens: np.ndarray, start: int = 0):
+        self.keys = keys
+        self.parents = parents
+        self.tokens = tokens
+        self.start = start
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int | slice) -> "bytes | ChunkKeys":
+        if isinstance(index, slice):
+            begin, _, step = index.indices(len(self))
+            if step != 1:
+                raise InvalidInput("ChunkKeys slices must be contiguous")
+            return ChunkKeys(self.keys[index], self.parents[index], self.tokens[index], self.start + begin)
+        return self.keys[index].tobytes()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (row.tobytes() for row in self.keys)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Chunk index of each key in its prompt (grows with recompute cost)."""
+        return np.arange(self.start, self.start + len(self), dtype=np.int64)
+
+    @property
+    def key64(self) -> np.ndarray:
+        """The low 64 bits of each key (the index's hash; policies' ghost entries)."""
+        return self.keys[:, 0]
+
+    def __repr__(self) -> str:
+        return f"ChunkKeys(n={len(self)}, start={self.start})"
+
+
+def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b"") -> ChunkKeys:
+    """Return the chained key of every full chunk of ``tokens`` (a trailing partial chunk has none).
+
+    Args:
+        spec: the namespace; the first key depends on it.
+        tokens: 1-D token ids (list, numpy array or torch tensor), each in ``[0, 2**32)``.
+        salt: per-tenant bytes; prefixes stored under one salt are never found under another.
+
+    Raises:
+        InvalidInput: tokens not 1-D integers in range, or salt not bytes.
+    """
+    ids = as_tokens(tokens)
+    chunk = spec.chunk_tokens
+    n = len(ids) // chunk
+    table = ids[: n * chunk].reshape(n, chunk)
+    digests = bytearray((n + 1) * KEY_BYTES)
+    prev = root_key(spec, salt)
+    digests[:KEY_BYTES] = prev
+    raw = table.tobytes()
+    width = chunk * 4
+    h = xxhash.xxh3_128_digest
+    for i in range(n):
+        prev = h(prev + raw[i * width:(i + 1) * width])
+        digests[(i + 1) * KEY_BYTES:(i + 2) * KEY_BYTES] = prev
+    chain = np.frombuffer(bytes(digests), dtype="<u8").reshape(n + 1, 2)
+    return ChunkKeys(chain[1:], chain[:-1], table)
+
+
+def keys_from_bytes(keys: Sequence[bytes]) -> np.ndarray:
+    """``(n, 2)`` uint64 array from 16-byte keys (for callers holding raw keys)."""
+    for k in keys:
+        if len(k) != KEY_BYTES:
+            raise InvalidInput(f"a key is {KEY_BYTES} bytes, got {len(k)}")
+    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)

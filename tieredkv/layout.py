@@ -1,0 +1,42 @@
+"""Block bytes <-> arrays.
+
+One block is ``[layer][K, V][kv_head][token][head_dim]`` in the spec's dtype, C-contiguous (design.md
+section 4). Restoring layer ``l`` of a prefix is then one strided copy per block, and a batch of blocks
+is one ``(n, block_bytes)`` byte matrix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tieredkv.errors import InvalidPayload
+from tieredkv.spec import KVSpec
+
+
+def as_block_bytes(spec: KVSpec, payloads: np.ndarray, n: int, *, what: str = "payloads",
+                   writable: bool = False) -> np.ndarray:
+    """View ``n`` blocks as an ``(n, block_bytes)`` uint8 matrix without copying.
+
+    Accepted: the spec's numpy dtype shaped ``(n, *block_shape)`` or ``(n, elements_per_block)``, or
+    uint8 shaped ``(n, block_bytes)``. Anything else is an ``InvalidPayload`` that says what was expected.
+    """
+    if not isinstance(payloads, np.ndarray):
+        raise InvalidPayload(f"{what} must be a numpy array, got {type(payloads).__name__}")
+    if writable and not payloads.flags.writeable:
+        raise InvalidPayload(f"{what} is read-only; pass a writable array")
+    if payloads.dtype not in (spec.numpy_dtype, np.dtype(np.uint8)):
+        raise InvalidPayload(f"{what} dtype {payloads.dtype} does not match the spec's {spec.dtype} "
+                             f"(numpy {spec.numpy_dtype}); pass {spec.numpy_dtype} or raw uint8 bytes")
+    if payloads.nbytes != n * spec.block_bytes or (payloads.ndim and payloads.shape[0] != n):
+        raise InvalidPayload(f"{what} must hold {n} blocks of {spec.block_bytes} bytes "
+                             f"(shape ({n}, *{spec.block_shape})), got shape {payloads.shape} "
+                             f"dtype {payloads.dtype}")
+    if not payloads.flags.c_contiguous:
+        raise InvalidPayload(f"{what} must be C-contiguous; call np.ascontiguousarray first")
+    return payloads.reshape(-1).view(np.uint8).reshape(n, spec.block_bytes)
+
+
+def block_view(spec: KVSpec, raw: np.ndarray) -> np.ndarray:
+    """View ``(n, block_bytes)`` bytes as ``(n, layers, 2, kv_heads, chunk_tokens, head_dim)``."""
+    n = raw.shape[0]
+    return raw.reshape(-1).view(spec.numpy_dtype).reshape(n, *spec.block_shape)

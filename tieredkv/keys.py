@@ -70,13 +70,15 @@ class ChunkKeys:
     Indexing with an int gives the 16-byte key; slicing gives a ``ChunkKeys``.
     """
 
-    __slots__ = ("keys", "parents", "tokens", "start")
+    __slots__ = ("keys", "parents", "tokens", "start", "_positions")
 
-    def __init__(self, keys: np.ndarray, parents: np.ndarray, tokens: np.ndarray, start: int = 0):
+    def __init__(self, keys: np.ndarray, parents: np.ndarray, tokens: np.ndarray, start: int = 0,
+                 positions: np.ndarray | None = None):
         self.keys = keys
         self.parents = parents
         self.tokens = tokens
         self.start = start
+        self._positions = positions
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -86,7 +88,8 @@ class ChunkKeys:
             begin, _, step = index.indices(len(self))
             if step != 1:
                 raise InvalidInput("ChunkKeys slices must be contiguous")
-            return ChunkKeys(self.keys[index], self.parents[index], self.tokens[index], self.start + begin)
+            pos = None if self._positions is None else self._positions[index]
+            return ChunkKeys(self.keys[index], self.parents[index], self.tokens[index], self.start + begin, pos)
         return self.keys[index].tobytes()
 
     def __iter__(self) -> Iterator[bytes]:
@@ -95,12 +98,19 @@ class ChunkKeys:
     @property
     def positions(self) -> np.ndarray:
         """Chunk index of each key in its prompt (grows with recompute cost)."""
+        if self._positions is not None:
+            return self._positions
         return np.arange(self.start, self.start + len(self), dtype=np.int64)
 
     @property
     def key64(self) -> np.ndarray:
         """The low 64 bits of each key (the index's hash; policies' ghost entries)."""
         return self.keys[:, 0]
+
+    def take(self, rows: np.ndarray) -> "ChunkKeys":
+        """The keys at ``rows`` (any order), keeping each one's prompt position."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return ChunkKeys(self.keys[rows], self.parents[rows], self.tokens[rows], 0, self.positions[rows])
 
     def __repr__(self) -> str:
         return f"ChunkKeys(n={len(self)}, start={self.start})"

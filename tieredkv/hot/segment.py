@@ -1,0 +1,352 @@
+"""The shared-memory segment: layout, creation, attachment, listing.
+
+Layout (offsets from the segment base only; every process maps it at a different address)::
+
+    +-----------+------------------+---------------+-------------+--------------+----------+--------+
+    | header    | owner table      | slot table    | chunk tokens| hash index   | policy   | data   |
+    | 4 KiB     | MAX_OWNERS recs  | n_slots recs  | n x C x u32 | 2^k x int64  | state    | n x    |
+    |           | (+ pins, stats)  | (seqlocked)   |             | linear probe | (SoA)    | slot_b |
+    +-----------+------------------+---------------+-------------+--------------+----------+--------+
+
+Every region starts on a 4 KiB boundary, every slot's data on a 4 KiB boundary (memcpy speed, O_DIRECT
+friendly). Every field is an aligned 8-byte word, so none straddles a cache line and a concurrent
+reader never sees half a word.
+
+Creation is atomic: the creator builds and fully initialises the segment under a private temporary
+name, then ``link()``s it to the public name (``/dev/shm`` is where Linux keeps POSIX shared memory).
+A loser of the race (link fails with EEXIST) drops its copy and attaches to the winner's; an attacher
+therefore never sees a half-built header. The whole size is reserved with ``posix_fallocate`` first,
+so a full ``/dev/shm`` is a ``CapacityError`` at start-up, never a SIGBUS in some worker later.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import posix_ipc
+
+from tieredkv.errors import CapacityError, FormatError, InvalidName, PermissionDenied, SpecMismatch
+from tieredkv.spec import KVSpec
+
+MAGIC = 0x5EADBEEF_7D0C4B1E
+LAYOUT_VERSION = 1
+SHM_DIR = Path("/dev/shm")
+PREFIX = "tieredkv-"
+HEADER_BYTES = 4096
+PAGE = 4096
+MAX_OWNERS = 128
+#: Blocks one owner may hold pinned at once; get_many works in batches of this size.
+MAX_PINS = 512
+_NAME_RE = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+FREE, WRITING, READY = 0, 1, 2
+EMPTY, TOMBSTONE = -1, -2
+
+STAT_FIELDS = ("lookups", "hits", "misses", "bytes_in", "bytes_out", "puts", "exists", "no_space",
+               "evictions", "removed", "recoveries", "reclaimed", "torn_reads")
+
+HEADER_DTYPE = np.dtype([
+    ("magic", "<u8"), ("version", "<u8"), ("instance", "<u8"), ("created_ns", "<u8"),
+    ("uid", "<u8"), ("total_bytes", "<u8"), ("n_slots", "<u8"), ("slot_bytes", "<u8"),
+    ("block_bytes", "<u8"), ("chunk_tokens", "<u8"), ("index_slots", "<u8"),
+    ("owners_off", "<u8"), ("slots_off", "<u8"), ("tokens_off", "<u8"), ("index_off", "<u8"),
+    ("policy_off", "<u8"), ("policy_bytes", "<u8"), ("free_off", "<u8"), ("data_off", "<u8"),
+    # mutable, under the metadata lock
+    ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
+    ("free_top", "<u8"),       # entries in the free stack
+    ("used", "<u8"),           # slots WRITING or READY
+    ("tombstones", "<u8"),     # index entries marked deleted
+    ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
+    ("fingerprint", "S16"), ("policy", "S48"), ("spec_json", "S1024"),
+])
+assert HEADER_DTYPE.itemsize <= HEADER_BYTES  # static layout fact, not a runtime invariant
+
+SLOT_DTYPE = np.dtype([
+    ("gen", "<u8"),            # seqlock: odd while a writer owns the slot
+    ("key", "<u8", (2,)), ("parent", "<u8", (2,)),
+    ("state", "<u8"), ("owner", "<u8"), ("owner_token", "<u8"), ("pins", "<u8"),
+    ("position", "<u8"), ("length", "<u8"), ("_pad", "<u8"),
+])
+
+OWNER_DTYPE = np.dtype([
+    ("token", "<u8"), ("pid", "<u8"), ("start_time", "<u8"), ("n_pins", "<u8"),
+    ("stats", "<u8", (len(STAT_FIELDS),)),
+    ("pins", "<i8", (MAX_PINS,)),
+])
+
+
+def _round(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of every region for a given geometry."""
+
+    n_slots: int
+    slot_bytes: int
+    block_bytes: int
+    chunk_tokens: int
+    index_slots: int
+    owners_off: int
+    slots_off: int
+    tokens_off: int
+    index_off: int
+    policy_off: int
+    policy_bytes: int
+    free_off: int
+    data_off: int
+    total_bytes: int
+
+    @classmethod
+    def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
+        slot_bytes = _round(spec.block_bytes)
+        # Load factor <= 1/4 (plus <= 1/8 tombstones): probe runs stay short, and a batch lookup is
+        # as slow as its longest run.
+        index_slots = 1 << max(4, (4 * n_slots - 1).bit_length())
+        off = HEADER_BYTES
+        owners_off = off
+        off = _round(off + MAX_OWNERS * OWNER_DTYPE.itemsize)
+        slots_off = off
+        off = _round(off + n_slots * SLOT_DTYPE.itemsize)
+        tokens_off = off
+        off = _round(off + n_slots * spec.chunk_tokens * 4)
+        index_off = off
+        off = _round(off + index_slots * 8)
+        policy_off = off
+        off = _round(off + policy_bytes)
+        free_off = off
+        off = _round(off + n_slots * 8)
+        data_off = off
+        total = data_off + n_slots * slot_bytes
+        return cls(n_slots, slot_bytes, spec.block_bytes, spec.chunk_tokens, index_slots, owners_off,
+                   slots_off, tokens_off, index_off, policy_off, policy_bytes, free_off, data_off, total)
+
+    @classmethod
+    def slots_for(cls, spec: KVSpec, capacity_bytes: int, policy_bytes_of) -> int:
+        """The most slots whose whole segment fits in ``capacity_bytes``."""
+        per_slot = _round(spec.block_bytes) + SLOT_DTYPE.itemsize + spec.chunk_tokens * 4 + 16 + 8 + 64
+        n = max(1, capacity_bytes // per_slot)
+        while n > 1 and cls.compute(spec, n, policy_bytes_of(n)).total_bytes > capacity_bytes:
+            n = int(n * 0.98)
+        return n
+
+
+def check_name(name: str) -> str:
+    """Return ``/name`` or raise ``InvalidName``: letters, digits, ``._-``; no slashes or ``..``."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+        raise InvalidName(f"invalid segment name {name!r}: use 1-200 of [A-Za-z0-9._-], "
+                          "starting with a letter or digit, optionally with one leading '/'")
+    return name if name.startswith("/") else "/" + name
+
+
+def default_name(spec: KVSpec, numa_node: int | None = None) -> str:
+    suffix = f"-numa{numa_node}" if numa_node is not None else ""
+    return f"/{PREFIX}{spec.namespace}{suffix}"
+
+
+class Mapping:
+    """An open segment: its descriptor, its mapping and numpy views of every region.
+
+    Keep a ``Mapping`` open for as long as any view of it lives (a view over a closed mmap segfaults).
+    """
+
+    def __init__(self, name: str, fd: int, size: int, writable: bool = True):
+        self.name = name
+        self.fd = fd
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        self.mm = mmap.mmap(fd, size, access=access)
+        self.size = size
+        self.header = np.frombuffer(self.mm, dtype=HEADER_DTYPE, count=1)[0] if writable else \
+            np.frombuffer(self.mm, dtype=HEADER_DTYPE, count=1)[0]
+
+    def views(self):
+        h = self.header
+        n = int(h["n_slots"])
+        buf = self.mm
+        owners = np.frombuffer(buf, OWNER_DTYPE, MAX_OWNERS, int(h["owners_off"]))
+        slots = np.frombuffer(buf, SLOT_DTYPE, n, int(h["slots_off"]))
+        tokens = np.frombuffer(buf, "<u4", n * int(h["chunk_tokens"]), int(h["tokens_off"])).reshape(
+            n, int(h["chunk_tokens"]))
+        index = np.frombuffer(buf, "<i8", int(h["index_slots"]), int(h["index_off"]))
+        free = np.frombuffer(buf, "<i8", n, int(h["free_off"]))
+        data = np.frombuffer(buf, np.uint8, n * int(h["slot_bytes"]), int(h["data_off"])).reshape(
+            n, int(h["slot_bytes"]))[:, : int(h["block_bytes"])]
+        return owners, slots, tokens, index, free, data
+
+    def close(self) -> None:
+        # Views must be dropped by the caller first; mmap.close raises BufferError if any remain.
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view still lives: leave the mapping to the garbage collector, never segfault
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _shm_path(name: str) -> Path:
+    return SHM_DIR / name.lstrip("/")
+
+
+def _check_owner(fd: int, name: str) -> os.stat_result:
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid():
+        raise PermissionDenied(f"segment {name} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
+                               "refusing to use another user's cache")
+    return st
+
+
+def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> tuple[Mapping, bool]:
+    """Attach to segment ``name``, creating it with ``layout`` if it does not exist.
+
+    Args:
+        init: ``init(mapping)`` fills a fresh segment (every region but the magic) before it is published.
+
+    Returns:
+        (mapping, created)
+    """
+    for _ in range(8):
+        try:
+            return attach(spec, name), False
+        except posix_ipc.ExistentialError:
+            pass
+        mapping = _create_private(spec, name, layout, policy_name, mode, init)
+        try:
+            os.link(_shm_path(mapping.name), _shm_path(name))
+        except FileExistsError:
+            _discard(mapping)
+            continue  # lost the race: attach to the winner's segment
+        except OSError:
+            _discard(mapping)
+            raise
+        posix_ipc.unlink_shared_memory(mapping.name)
+        mapping.name = name
+        return mapping, True
+    raise FormatError(f"segment {name} keeps appearing and vanishing; is another process removing it?")
+
+
+def _discard(mapping: Mapping) -> None:
+    tmp = mapping.name
+    mapping.close()
+    try:
+        posix_ipc.unlink_shared_memory(tmp)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> Mapping:
+    free = os.statvfs(SHM_DIR)
+    room = free.f_bavail * free.f_frsize
+    if layout.total_bytes > room:
+        raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {SHM_DIR} has "
+                            f"{room / 2**20:.1f} MiB free; lower hot_bytes or enlarge /dev/shm")
+    tmp = f"/{PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=mode)
+    fd = shm.fd
+    try:
+        os.fchmod(fd, mode)  # the umask may have narrowed it; never widened
+        os.ftruncate(fd, layout.total_bytes)
+        try:
+            os.posix_fallocate(fd, 0, layout.total_bytes)
+        except OSError as e:
+            raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIR} for "
+                                f"segment {name}: {os.strerror(e.errno)}") from None
+    except BaseException:
+        os.close(fd)
+        posix_ipc.unlink_shared_memory(tmp)
+        raise
+    mapping = Mapping(tmp, fd, layout.total_bytes)
+    h = mapping.header
+    h["version"] = LAYOUT_VERSION
+    h["instance"] = secrets.randbits(63)
+    h["created_ns"] = __import__("time").time_ns()
+    h["uid"] = os.getuid()
+    h["total_bytes"] = layout.total_bytes
+    for field in ("n_slots", "slot_bytes", "block_bytes", "chunk_tokens", "index_slots", "owners_off",
+                  "slots_off", "tokens_off", "index_off", "policy_off", "policy_bytes", "free_off",
+                  "data_off"):
+        h[field] = getattr(layout, field)
+    h["fingerprint"] = spec.fingerprint.encode()
+    h["policy"] = policy_name.encode()[:48]
+    h["spec_json"] = json.dumps(spec.to_dict(), sort_keys=True).encode()[:1024]
+    init(mapping)
+    h["magic"] = MAGIC  # last: a segment without magic was never published
+    return mapping
+
+
+def read_header(mapping: Mapping) -> dict:
+    h = mapping.header
+    return {name: (h[name].decode(errors="replace") if isinstance(h[name], bytes) else int(h[name]))
+            for name in HEADER_DTYPE.names}
+
+
+def validate(mapping: Mapping, spec: KVSpec | None) -> None:
+    """Raise ``FormatError`` / ``SpecMismatch`` unless the segment is ours, current and for ``spec``."""
+    h = mapping.header
+    if mapping.size < HEADER_BYTES:
+        raise FormatError(f"segment {mapping.name} is {mapping.size} bytes: too small to be a tieredkv segment")
+    if int(h["magic"]) != MAGIC:
+        raise FormatError(f"segment {mapping.name} has foreign magic {int(h['magic']):#x}; "
+                          "it is not a tieredkv segment (remove it with `tieredkv rm` if it is stale)")
+    if int(h["version"]) != LAYOUT_VERSION:
+        raise FormatError(f"segment {mapping.name} has layout version {int(h['version'])}, this tieredkv "
+                          f"speaks {LAYOUT_VERSION}; remove it with `tieredkv rm --stale`")
+    if int(h["total_bytes"]) != mapping.size:
+        raise FormatError(f"segment {mapping.name} is {mapping.size} bytes but its header says "
+                          f"{int(h['total_bytes'])}")
+    n = int(h["n_slots"])
+    end = int(h["data_off"]) + n * int(h["slot_bytes"])
+    if n <= 0 or end != mapping.size or int(h["slot_bytes"]) < int(h["block_bytes"]):
+        raise FormatError(f"segment {mapping.name} has an inconsistent header")
+    if spec is not None and h["fingerprint"].decode(errors="replace") != spec.fingerprint:
+        try:
+            theirs = json.loads(h["spec_json"].decode())
+        except ValueError:
+            theirs = {}
+        ours = spec.to_dict()
+        diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k]}
+        detail = ", ".join(f"{k}: segment has {a!r}, you asked for {b!r}" for k, (a, b) in diff.items())
+        raise SpecMismatch(f"segment {mapping.name} was made for another KV spec ({detail or 'fingerprint differs'})")
+    if int(h["block_bytes"]) != (spec.block_bytes if spec else int(h["block_bytes"])):
+        raise SpecMismatch(f"segment {mapping.name} holds {int(h['block_bytes'])}-byte blocks")
+
+
+def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:
+    """Open an existing, published segment. Raises ``posix_ipc.ExistentialError`` if there is none."""
+    shm = posix_ipc.SharedMemory(name, 0 if writable else posix_ipc.O_RDONLY, read_only=not writable)
+    fd = shm.fd
+    try:
+        st = _check_owner(fd, name)
+        if st.st_mode & 0o077 and writable and spec is not None:
+            pass  # the creator chose a wider mode on purpose (mode=...); honour it
+        if st.st_size < HEADER_BYTES:
+            raise FormatError(f"segment {name} is {st.st_size} bytes: too small to be a tieredkv segment")
+        mapping = Mapping(name, fd, st.st_size, writable)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        validate(mapping, spec)
+    except BaseException:
+        mapping.close()
+        raise
+    return mapping
+
+
+def list_segment_names() -> list[str]:
+    if not SHM_DIR.is_dir():
+        return []
+    return sorted("/" + p.name for p in SHM_DIR.iterdir() if p.name.startswith(PREFIX))
+
+
+def segment_mode(name: str) -> int:
+    return stat.S_IMODE(os.stat(_shm_path(name)).st_mode)

@@ -1,0 +1,731 @@
+"""HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
+
+Concurrency (design.md section 6.1), in one paragraph: metadata (slot states, the index, the free stack,
+pins, policy state) changes only inside ``_critical()``, under an OFD lock the kernel releases if its
+holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
+fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
+the lock to *find* blocks; they read a slot's generation, its key and state, use the data, and re-read
+the generation, so a block recycled or torn meanwhile is a miss, never wrong bytes. ``get_many`` also
+pins the blocks it copies (pin count and state checked in one critical section) so they cannot be
+evicted under it; pins are recorded per owner so a dead reader's pins are reclaimed.
+
+Crash recovery (section 6.2): the lock holder marks the header ``dirty`` on entry and clears it on exit.
+A holder that finds ``dirty`` set knows the previous holder died inside a critical section and scrubs:
+it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot table.
+A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of space
+(owner = registry index + token; liveness = the owner's registry lock is held).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import time
+import warnings
+from typing import Callable
+
+import numpy as np
+import posix_ipc
+
+from tieredkv import policies
+from tieredkv.errors import CorruptState, InvalidInput
+from tieredkv.hot import locks
+from tieredkv.hot import segment as seg
+from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, TOMBSTONE, WRITING
+from tieredkv.keys import ChunkKeys
+from tieredkv.layout import as_block_bytes
+from tieredkv.spec import KVSpec
+from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+
+_STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
+_STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(PutResult.NO_SPACE)
+
+
+def _process_start_time(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class HotTier(Tier):
+    """Blocks in POSIX shared memory, shared by every process of the host that opens the same spec.
+
+    Args:
+        spec: the namespace; one segment per spec (and NUMA node).
+        capacity_bytes: total segment size to create (ignored when attaching to an existing segment).
+        n_slots: create exactly this many slots instead of deriving them from ``capacity_bytes``.
+        name: segment name; default ``/tieredkv-<namespace>``.
+        policy: eviction policy name for a new segment (default ``"lru"``); attaching with a different
+            name than the segment's is an error. ``None`` attaches with whatever the segment uses.
+        mode: permission bits of a new segment (default 0600: a KV cache holds users' prompts).
+        create: create the segment if missing (``False``: attach only).
+        lock_timeout_s: bound on every lock wait.
+        on_evict: called with an ``Evicted`` (keys and copied bytes) for blocks evicted to make room,
+            outside the lock, before their slots are reused: the demotion hook.
+        numa_node: suffix the segment name with the node (one segment per node).
+
+    Raises:
+        CapacityError: the segment does not fit in /dev/shm.
+        SpecMismatch: the existing segment was made for another spec.
+        FormatError: the existing segment is not ours or has another layout version.
+        PermissionDenied: the existing segment belongs to another user.
+        InvalidName: an unusable ``name``.
+    """
+
+    #: Evict at least this fraction of the slots whenever eviction runs: the policy's O(n_slots) pass is
+    #: then paid once per n_slots/512 blocks, so the per-block cost stays flat as the segment grows.
+    EVICT_BATCH_FRACTION = 1 / 512
+
+    def __init__(self, spec: KVSpec, capacity_bytes: int | None = None, *, n_slots: int | None = None,
+                 name: str | None = None, policy: str | None = "lru", mode: int = 0o600, create: bool = True,
+                 lock_timeout_s: float = 10.0, on_evict: Callable[[Evicted], None] | None = None,
+                 numa_node: int | None = None):
+        if not isinstance(spec, KVSpec):
+            raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
+        self.on_evict = on_evict
+        self.lock_timeout_s = float(lock_timeout_s)
+        self._args = dict(capacity_bytes=capacity_bytes, n_slots=n_slots, policy=policy, mode=mode,
+                          create=create)
+        self._tlock = threading.Lock()
+        self._hooks: dict[str, Callable[[], None]] = {}
+        self._closed = True
+        self._open(**self._args)
+
+    # ---- open / close ----------------------------------------------------------------------------
+    def _open(self, capacity_bytes, n_slots, policy, mode, create) -> None:
+        spec = self.spec
+        if policy is not None and not isinstance(policy, str):
+            raise InvalidInput("policy must be a registered policy name, e.g. 'lru'")
+        engine = policies.make(policy or "lru")
+        if create:
+            if n_slots is None:
+                if capacity_bytes is None:
+                    raise InvalidInput("give capacity_bytes (or n_slots) to create a hot tier segment")
+                if capacity_bytes <= 0:
+                    raise InvalidInput(f"capacity_bytes must be positive, got {capacity_bytes}")
+                n_slots = seg.Layout.slots_for(
+                    spec, int(capacity_bytes), lambda n: policies.StateLayout.for_policy(engine, n).nbytes)
+            if int(n_slots) <= 0:
+                raise InvalidInput(f"n_slots must be positive, got {n_slots}")
+            layout = seg.Layout.compute(spec, int(n_slots), policies.StateLayout.for_policy(engine, int(n_slots)).nbytes)
+            if capacity_bytes is not None and layout.total_bytes > capacity_bytes and n_slots is None:
+                raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block")
+            self._map, self.created = seg.create_or_attach(spec, self.name, layout, engine.name, mode,
+                                                           lambda m: self._init_segment(m, engine))
+        else:
+            self._map, self.created = seg.attach(spec, self.name), False
+        h = self._map.header
+        seg_policy = h["policy"].decode()
+        if policy is not None and seg_policy != engine.name:
+            self._map.close()
+            raise InvalidInput(f"segment {self.name} uses eviction policy {seg_policy!r}, not {policy!r}; "
+                               "pass policy=None to attach with the segment's policy")
+        self._policy = policies.make(seg_policy)
+        self._h = h
+        self._owners, self._slots, self._tokens, self._index, self._free, self._data = self._map.views()
+        self.n_slots = int(h["n_slots"])
+        self._mask = int(h["index_slots"]) - 1
+        self._state = policies.SlotState.over(self._policy, self.n_slots, self._map.mm, int(h["policy_off"]))
+        if self._state.layout.nbytes != int(h["policy_bytes"]):
+            raise CorruptState(f"segment {self.name}: policy state size does not match the header")
+        self._fd = self._map.fd
+        self._instance = int(h["instance"])
+        self._inode = os.fstat(self._fd).st_ino
+        self._pid = os.getpid()
+        self._last_check = time.monotonic()
+        self._closed = False
+        self._owner, self._token = -1, 0
+        self._stats = np.zeros(len(STAT_FIELDS), dtype=np.uint64)  # until registered
+        self._register()
+
+    @staticmethod
+    def _init_segment(mapping: seg.Mapping, engine) -> None:
+        owners, slots, tokens, index, free, data = mapping.views()
+        index[:] = EMPTY
+        n = len(slots)
+        free[:] = np.arange(n - 1, -1, -1)  # pop from the end: slot 0 first
+        mapping.header["free_top"] = n
+        policies.SlotState.over(engine, n, mapping.mm, int(mapping.header["policy_off"])).reset()
+        del owners, slots, tokens, index, free, data
+
+    def _register(self) -> None:
+        """Take a free owner registry byte for this handle's lifetime and record who we are."""
+        with self._critical(register=True):
+            for i in range(seg.MAX_OWNERS):
+                if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
+                    if self._owners[i]["token"]:
+                        self._reclaim_owner(i)  # its previous holder died without closing
+                    self._owner = i
+                    self._token = secrets.randbits(63) | 1
+                    rec = self._owners[i]
+                    rec["token"] = self._token
+                    rec["pid"] = self._pid
+                    rec["start_time"] = _process_start_time(self._pid)
+                    rec["n_pins"] = 0
+                    self._stats = rec["stats"]
+                    return
+        raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles")
+
+    def close(self) -> None:
+        """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""
+        if self._closed:
+            return
+        if os.getpid() == self._pid:
+            try:
+                with self._critical():
+                    self._release_pins()
+                    self._owners[self._owner]["token"] = 0
+                locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
+            except Exception as e:  # closing must not raise on a broken segment
+                warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
+        self._drop_mapping()
+
+    def _drop_mapping(self) -> None:
+        self._closed = True
+        # Drop every view before closing the mmap: a view over a closed mapping would segfault.
+        self._owners = self._slots = self._tokens = self._index = self._free = self._data = None
+        self._state = self._h = self._stats = None
+        self._map.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def _check(self) -> None:
+        """Called by every public method: refuse closed handles, reattach after fork or unlink."""
+        if self._closed:
+            raise InvalidInput(f"hot tier {self.name} is closed")
+        if os.getpid() != self._pid:
+            # A forked child shares the parent's open file description (and so its locks): it needs
+            # its own. The parent still owns the registry entry, so don't deregister it.
+            self._drop_mapping()
+            self._open(**self._args)
+            return
+        now = time.monotonic()
+        if now - self._last_check > 1.0:
+            self._last_check = now
+            if not self._still_published():
+                warnings.warn(f"tieredkv: segment {self.name} was removed or replaced; reattaching",
+                              RuntimeWarning, stacklevel=3)
+                self.close()
+                self._open(**self._args)
+
+    def _still_published(self) -> bool:
+        try:
+            return os.stat(seg._shm_path(self.name)).st_ino == self._inode
+        except FileNotFoundError:
+            return False
+
+    # ---- the critical section --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _critical(self, register: bool = False):
+        """Hold the metadata lock. Repairs first if the previous holder died inside it."""
+        with self._tlock:
+            locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
+            try:
+                h = self._h
+                if int(h["dirty"]):
+                    self._scrub()
+                h["dirty"] = (0 if register else self._owner) + 1
+                self._hook("critical")
+                yield
+                # Reached only if the body finished: an exception (or a death) leaves it dirty.
+                h["dirty"] = 0
+            finally:
+                locks.unlock(self._fd, locks.META_LOCK_BYTE)
+
+    def _hook(self, name: str) -> None:
+        fn = self._hooks.get(name)
+        if fn is not None:
+            fn()
+
+    # ---- liveness and recovery -----------------------------------------------------------------
+    def _owner_alive(self, i: int, token: int) -> bool:
+        if i == self._owner and token == self._token:
+            return True
+        if int(self._owners[i]["token"]) != token:
+            return False
+        return locks.is_locked(self._fd, locks.REGISTRY_BASE + i)
+
+    def _reclaim_owner(self, i: int) -> int:
+        """Free the WRITING slots and drop the pins of dead owner ``i``. Under the lock."""
+        rec = self._owners[i]
+        token = int(rec["token"])
+        slots = self._slots
+        mine = np.flatnonzero((slots["state"] == WRITING) & (slots["owner"] == i) & (slots["owner_token"] == token))
+        self._free_slots(mine)
+        n_pins = int(rec["n_pins"])
+        if n_pins:
+            pinned = rec["pins"][:n_pins]
+            np.subtract.at(slots["pins"], pinned, 1)
+            rec["n_pins"] = 0
+        rec["token"] = 0
+        self._stats[_STAT["reclaimed"]] += len(mine)
+        return len(mine)
+
+    def _reclaim_dead(self) -> int:
+        """Reclaim every dead owner's WRITING slots and pins. Under the lock. Returns slots freed."""
+        freed = 0
+        for i in np.flatnonzero(self._owners["token"]):
+            i = int(i)
+            if i != self._owner and not locks.is_locked(self._fd, locks.REGISTRY_BASE + i):
+                freed += self._reclaim_owner(i)
+        return freed
+
+    def recover(self) -> dict:
+        """Reclaim what dead processes left (WRITING slots, pins) and scrub; returns what was done."""
+        self._check()
+        with self._critical():
+            freed = self._reclaim_dead()
+            self._scrub()
+        return {"reclaimed_slots": freed, "scrubs": int(self._h["scrubs"])}
+
+    def _scrub(self) -> None:
+        """Rebuild derived metadata from the slot table. Under the lock.
+
+        The slot table is the truth; the index, the free stack, pin counts, the used count and the
+        policy's residency are derived from it. A slot a dead writer left half-published (READY with
+        an odd generation) or WRITING by a dead owner is freed.
+        """
+        slots = self._slots
+        state = slots["state"]
+        odd_ready = (state == READY) & (slots["gen"] % 2 == 1)
+        bad_state = state > READY
+        writing = np.flatnonzero(state == WRITING)
+        dead = [s for s in writing if not self._owner_alive(int(slots["owner"][s]), int(slots["owner_token"][s]))]
+        broken = np.concatenate([np.flatnonzero(odd_ready | bad_state), np.asarray(dead, dtype=np.int64)])
+        if len(broken):
+            gen = slots["gen"][broken]
+            slots["gen"][broken] = gen + 1 + (gen + 1) % 2  # to the next even value: readers re-check
+            slots["state"][broken] = FREE
+        # Pins: only live owners' pin lists count.
+        pins = np.zeros(self.n_slots, dtype=np.uint64)
+        for i in np.flatnonzero(self._owners["token"]):
+            rec = self._owners[int(i)]
+            if self._owner_alive(int(i), int(rec["token"])):
+                n_pins = min(int(rec["n_pins"]), seg.MAX_PINS)
+                np.add.at(pins, rec["pins"][:n_pins], 1)
+            else:
+                rec["n_pins"] = 0
+                rec["token"] = 0
+        slots["pins"] = pins
+        # Free stack and index from the slot table.
+        used = np.flatnonzero(slots["state"] != FREE)
+        free = np.flatnonzero(slots["state"] == FREE)[::-1]
+        self._free[: len(free)] = free
+        self._h["free_top"] = len(free)
+        self._h["used"] = len(used)
+        self._rebuild_index(used)
+        # Policy residency must equal READY.
+        st, engine = self._state, self._policy
+        ready = slots["state"] == READY
+        stale = np.flatnonzero((st.resident == 1) & ~ready)
+        st.resident[stale] = 0
+        missing = np.flatnonzero(ready & (st.resident != 1))
+        if len(missing):
+            policies.insert(engine, st, missing, slots["key"][missing, 0], np.full(len(missing), -1),
+                            slots["position"][missing].astype(np.int64))
+        st.parent[(st.resident != 1) | (st.parent >= self.n_slots)] = -1
+        live_parent = st.parent[(st.resident == 1) & (st.parent >= 0)]
+        st.n_children[:] = np.bincount(live_parent, minlength=self.n_slots)[: self.n_slots]
+        st.set_g("n_resident", int(np.count_nonzero(st.resident == 1)))
+        repair = getattr(engine, "repair", None)
+        if repair is not None:
+            repair(st)
+        self._h["scrubs"] += 1
+        self._stats[_STAT["recoveries"]] += 1
+
+    # ---- index -----------------------------------------------------------------------------------
+    def _find(self, keys: np.ndarray) -> np.ndarray:
+        """Slot holding each key (WRITING or READY) or -1. Lock-free; the answer is a hint that
+        callers confirm against the slot (its key, state and generation)."""
+        n = len(keys)
+        out = np.full(n, -1, dtype=np.int64)
+        if not n:
+            return out
+        index, slots_key, mask = self._index, self._slots["key"], self._mask
+        lo, hi = keys[:, 0], keys[:, 1]
+        pos = (lo & np.uint64(mask)).astype(np.int64)
+        active = np.arange(n)
+        for _ in range(mask + 1):  # bounded even if a racing writer fills the index meanwhile
+            entry = index[pos]
+            live = entry >= 0
+            cand = np.where(live, entry, 0)
+            hit = live & (slots_key[cand, 0] == lo[active]) & (slots_key[cand, 1] == hi[active])
+            out[active[hit]] = entry[hit]
+            go_on = ~(hit | (entry == EMPTY))
+            if not go_on.any():
+                break
+            active, pos = active[go_on], (pos[go_on] + 1) & mask
+        return out
+
+    def _index_insert(self, slot: int, lo: int) -> None:
+        index, mask = self._index, self._mask
+        pos = lo & mask
+        for _ in range(mask + 1):
+            e = int(index[pos])
+            if e == EMPTY or e == TOMBSTONE:
+                if e == TOMBSTONE:
+                    self._h["tombstones"] -= 1
+                index[pos] = slot
+                return
+            pos = (pos + 1) & mask
+        raise CorruptState(f"segment {self.name}: hash index is full")  # impossible at load <= 1/2
+
+    def _index_remove(self, slots: np.ndarray) -> None:
+        if not len(slots):
+            return
+        index, mask = self._index, self._mask
+        for s in slots:
+            pos = int(self._slots["key"][s, 0]) & mask
+            for _ in range(mask + 1):
+                e = int(index[pos])
+                if e == s:
+                    index[pos] = TOMBSTONE
+                    self._h["tombstones"] += 1
+                    break
+                if e == EMPTY:
+                    break
+                pos = (pos + 1) & mask
+        if int(self._h["tombstones"]) > (mask + 1) // 8:
+            self._rebuild_index(np.flatnonzero(self._slots["state"] != FREE))
+
+    def _rebuild_index(self, used: np.ndarray) -> None:
+        """Re-place every used slot, vectorised: one numpy pass per probe distance."""
+        index, mask = self._index, self._mask
+        index[:] = EMPTY
+        pending = np.asarray(used, dtype=np.int64)
+        pos = (self._slots["key"][pending, 0] & np.uint64(mask)).astype(np.int64)
+        while len(pending):
+            empty = index[pos] == EMPTY
+            cand_pos = pos[empty]
+            uniq, first = np.unique(cand_pos, return_index=True)
+            placed = np.flatnonzero(empty)[first]
+            index[uniq] = pending[placed]
+            keep = np.ones(len(pending), dtype=bool)
+            keep[placed] = False
+            pending, pos = pending[keep], (pos[keep] + 1) & mask
+        self._h["tombstones"] = 0
+
+    # ---- slot bookkeeping (under the lock) -------------------------------------------------------
+    def _free_slots(self, slots: np.ndarray) -> None:
+        """WRITING/READY slots -> FREE, out of the index and the policy, onto the free stack."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not len(slots):
+            return
+        rec = self._slots
+        policies.remove(self._policy, self._state, slots)
+        self._index_remove(slots)
+        gen = rec["gen"][slots]
+        rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
+        rec["state"][slots] = FREE
+        top = int(self._h["free_top"])
+        self._free[top:top + len(slots)] = slots
+        self._h["free_top"] = top + len(slots)
+        self._h["used"] -= len(slots)
+
+    def _take_free(self, n: int) -> np.ndarray:
+        top = int(self._h["free_top"])
+        k = min(n, top)
+        got = self._free[top - k:top][::-1].copy()
+        self._h["free_top"] = top - k
+        return got
+
+    def _choose_victims(self, n: int) -> np.ndarray:
+        """Let the policy pick up to ``n`` READY, unpinned victims and detach them from index and
+        policy; they become WRITING by us (generation odd) until reused or freed."""
+        rec = self._slots
+        evictable = (rec["state"] == READY) & (rec["pins"] == 0)
+        victims = policies.evict(self._policy, self._state, n, evictable)
+        if len(victims):
+            self._index_remove(victims)
+            self._claim(victims)
+            self._stats[_STAT["evictions"]] += len(victims)
+        return victims
+
+    def _claim(self, slots: np.ndarray) -> None:
+        rec = self._slots
+        rec["gen"][slots] += 1  # odd: readers treat the slot as being rewritten
+        rec["state"][slots] = WRITING
+        rec["owner"][slots] = self._owner
+        rec["owner_token"][slots] = self._token
+
+    # ---- the block interface -------------------------------------------------------------------
+    def _confirmed(self, keys: ChunkKeys, found: np.ndarray) -> np.ndarray:
+        """Bool per key: slot ``found`` holds it READY with the same parent and chunk tokens."""
+        ok = found >= 0
+        s = np.where(ok, found, 0)
+        rec = self._slots
+        ok &= (rec["state"][s] == READY) & (rec["gen"][s] % 2 == 0)
+        ok &= (rec["parent"][s] == keys.parents).all(axis=1)
+        ok &= (self._tokens[s] == keys.tokens).all(axis=1)
+        return ok
+
+    def _check_keys(self, keys: ChunkKeys) -> None:
+        if not isinstance(keys, ChunkKeys):
+            raise InvalidInput("keys must be a ChunkKeys (from tieredkv.chunk_keys)")
+        if keys.tokens.shape[1:] != (self.spec.chunk_tokens,):
+            raise InvalidInput(f"keys were made with chunk_tokens={keys.tokens.shape[1]}, "
+                               f"this tier's spec has {self.spec.chunk_tokens}")
+
+    def contains_many(self, keys: ChunkKeys) -> np.ndarray:
+        self._check()
+        self._check_keys(keys)
+        return self._confirmed(keys, self._find(keys.keys))
+
+    def match(self, keys: ChunkKeys) -> int:
+        self._check()
+        self._check_keys(keys)
+        ok = self._confirmed(keys, self._find(keys.keys))
+        n = int(np.argmin(ok)) if not ok.all() else len(ok)
+        self._stats[_STAT["lookups"]] += 1
+        return n
+
+    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+        """Copy the leading resident blocks into ``out`` rows; return how many.
+
+        ``out``: the spec's dtype (or uint8) holding ``len(keys)`` blocks. Rows past the returned count
+        are untouched or partially written; never use them.
+        """
+        self._check()
+        self._check_keys(keys)
+        n = len(keys)
+        dst = as_block_bytes(self.spec, out, n, what="out", writable=True)
+        done = 0
+        while done < n:
+            batch = min(n - done, seg.MAX_PINS)
+            got = self._get_batch(keys[done:done + batch], dst[done:done + batch])
+            done += got
+            if got < batch:
+                break
+        st = self._stats
+        st[_STAT["hits"]] += done
+        st[_STAT["misses"]] += n - done
+        st[_STAT["bytes_out"]] += done * self.spec.block_bytes
+        return done
+
+    def _get_batch(self, keys: ChunkKeys, dst: np.ndarray) -> int:
+        found = self._find(keys.keys)
+        ok = self._confirmed(keys, found)
+        n = int(np.argmin(ok)) if not ok.all() else len(ok)
+        if n == 0:
+            return 0
+        slots = found[:n]
+        rec = self._slots
+        with self._critical():
+            # Re-check under the lock and pin in the same critical section (design.md 6.1 #3).
+            ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
+            n = int(np.argmin(ok)) if not ok.all() else n
+            slots = slots[:n]
+            gens = rec["gen"][slots].copy()
+            rec["pins"][slots] += 1
+            me = self._owners[self._owner]
+            me["pins"][:n] = slots
+            me["n_pins"] = n
+        try:
+            self._hook("copy")
+            np.take(self._data, slots, axis=0, out=dst[:n], mode="clip")  # "raise" would buffer out
+        finally:
+            with self._critical():
+                self._release_pins()
+        # Seqlock check: a pinned slot is never recycled, so this only fires on a broken invariant.
+        same = rec["gen"][slots] == gens
+        if not same.all():
+            n = int(np.argmin(same))
+            self._stats[_STAT["torn_reads"]] += 1
+        if self._policy.hit_needs_lock:
+            with self._critical():
+                policies.hit(self._policy, self._state, slots[:n])
+        else:
+            policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
+        return n
+
+    def _release_pins(self) -> None:
+        me = self._owners[self._owner]
+        n_pins = int(me["n_pins"])
+        if n_pins:
+            np.subtract.at(self._slots["pins"], me["pins"][:n_pins], 1)
+            me["n_pins"] = 0
+
+    def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
+        """Store blocks. Returns one ``PutResult`` code per key (int8 array).
+
+        A key already READY, or being written by anyone (this call included, for repeated keys), is
+        EXISTS. When the segment is full the policy evicts; if nothing can be evicted the key is
+        NO_SPACE. Evicted blocks are handed to ``on_evict`` before their slots are reused.
+        """
+        self._check()
+        self._check_keys(keys)
+        n = len(keys)
+        src = as_block_bytes(self.spec, payloads, n)
+        codes = np.full(n, _EXISTS, dtype=np.int8)
+        if n == 0:
+            return codes
+        _, first = np.unique(keys.keys, axis=0, return_index=True)
+        todo = np.sort(first)
+        todo = todo[self._find(keys.keys[todo]) < 0]  # lock-free pre-check; re-checked below
+        if not len(todo):
+            self._stats[_STAT["exists"]] += n
+            return codes
+        rec = self._slots
+        with self._critical():
+            found = self._find(keys.keys[todo])
+            self._reclaim_abandoned(found)
+            todo = todo[self._find(keys.keys[todo]) < 0]
+            slots = self._take_free(len(todo))
+            if len(slots) < len(todo) and self._reclaim_dead():
+                slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
+            n_free = len(slots)
+            victims = np.zeros(0, dtype=np.int64)
+            if n_free < len(todo):
+                want = max(len(todo) - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
+                victims = self._choose_victims(want)
+                if not len(victims) and self._reclaim_dead():
+                    slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
+                    n_free = len(slots)
+                    if n_free < len(todo):
+                        victims = self._choose_victims(want)
+            if len(victims):
+                victim_keys = ChunkKeys(rec["key"][victims].copy(), rec["parent"][victims].copy(),
+                                        self._tokens[victims].copy(), 0,
+                                        rec["position"][victims].astype(np.int64))
+                slots = np.concatenate([slots, victims])
+            stored = todo[: len(slots)]
+            codes[todo[len(slots):]] = _NO_SPACE
+            use, spare = slots[: len(stored)], slots[len(stored):]  # spare: surplus victims only
+            self._claim(use[:n_free])  # victims are claimed already
+            rec["key"][use] = keys.keys[stored]
+            rec["parent"][use] = keys.parents[stored]
+            rec["position"][use] = keys.positions[stored]
+            rec["length"][use] = self.spec.block_bytes
+            for s, lo in zip(use.tolist(), keys.keys[stored, 0].tolist()):
+                self._index_insert(s, lo)
+            self._h["used"] += n_free
+        evicted = None
+        if len(victims):
+            # The victims are WRITING by us: nobody else touches their bytes until we publish.
+            payload = self._data[victims].copy() if self.on_evict is not None else None
+            evicted = Evicted(victim_keys, payload)
+        self._hook("write")
+        self._tokens[use] = keys.tokens[stored]
+        data = self._data
+        for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
+            np.copyto(data[slot], src[row])
+        with self._critical():
+            rec["gen"][use] += 1  # even again: published
+            rec["state"][use] = READY
+            parents = self._find(keys.parents[stored])
+            policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
+                            keys.positions[stored])
+            self._release_spare(spare)
+        codes[stored] = _STORED
+        st = self._stats
+        st[_STAT["puts"]] += len(stored)
+        st[_STAT["bytes_in"]] += len(stored) * self.spec.block_bytes
+        st[_STAT["exists"]] += int(np.count_nonzero(codes == _EXISTS))
+        st[_STAT["no_space"]] += int(np.count_nonzero(codes == _NO_SPACE))
+        if evicted is not None and self.on_evict is not None:
+            self.on_evict(evicted)
+        return codes
+
+    def _reclaim_abandoned(self, found: np.ndarray) -> None:
+        """Free WRITING slots among ``found`` whose writer died, so their keys can be stored again."""
+        rec = self._slots
+        cand = found[found >= 0]
+        cand = cand[(rec["state"][cand] == WRITING) & (rec["owner"][cand] != self._owner)]
+        dead = [s for s in cand.tolist()
+                if not self._owner_alive(int(rec["owner"][s]), int(rec["owner_token"][s]))]
+        if dead:
+            self._free_slots(np.asarray(dead, dtype=np.int64))
+            self._stats[_STAT["reclaimed"]] += len(dead)
+
+    def _release_spare(self, spare: np.ndarray) -> None:
+        """Claimed (WRITING by us, out of the index and policy) slots -> FREE. Under the lock."""
+        if not len(spare):
+            return
+        rec = self._slots
+        gen = rec["gen"][spare]
+        rec["gen"][spare] = gen + 1 + (gen + 1) % 2
+        rec["state"][spare] = FREE
+        top = int(self._h["free_top"])
+        self._free[top:top + len(spare)] = spare
+        self._h["free_top"] = top + len(spare)
+        self._h["used"] -= len(spare)
+
+    def remove(self, keys: ChunkKeys) -> int:
+        """Remove resident, unpinned blocks; returns how many were removed."""
+        self._check()
+        self._check_keys(keys)
+        with self._critical():
+            found = self._find(keys.keys)
+            ok = self._confirmed(keys, found) & (self._slots["pins"][np.maximum(found, 0)] == 0)
+            slots = np.unique(found[ok])
+            self._free_slots(slots)
+        self._stats[_STAT["removed"]] += len(slots)
+        return len(slots)
+
+    def evict(self, n: int) -> Evicted:
+        """Evict up to ``n`` blocks chosen by the policy; returns their keys and bytes."""
+        self._check()
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise InvalidInput(f"n must be a non-negative integer, got {n!r}")
+        rec = self._slots
+        with self._critical():
+            victims = self._choose_victims(int(n))
+            keys = ChunkKeys(rec["key"][victims].copy(), rec["parent"][victims].copy(),
+                             self._tokens[victims].copy(), 0, rec["position"][victims].astype(np.int64))
+        payloads = self._data[victims].copy()
+        with self._critical():
+            self._release_spare(victims)
+        return Evicted(keys, payloads)
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        self._check()
+        totals = self._owners["stats"].sum(axis=0)
+        s = {name: int(totals[i]) for name, i in _STAT.items()}
+        state = self._slots["state"]
+        return TierStats(
+            name="hot", capacity_blocks=self.n_slots, used_blocks=int(np.count_nonzero(state == READY)),
+            hits=s["hits"], misses=s["misses"], bytes_in=s["bytes_in"], bytes_out=s["bytes_out"],
+            puts=s["puts"], evictions=s["evictions"], recoveries=s["recoveries"],
+            extra={"segment": self.name, "policy": self._policy.name, "segment_bytes": self._map.size,
+                   "writing_blocks": int(np.count_nonzero(state == WRITING)),
+                   "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
+                   **{k: s[k] for k in ("lookups", "exists", "no_space", "removed", "reclaimed", "torn_reads")}})
+
+    def live_handles(self) -> int:
+        """Open handles (processes, or several handles in one process) attached right now."""
+        return sum(1 for i in np.flatnonzero(self._owners["token"])
+                   if self._owner_alive(int(i), int(self._owners[int(i)]["token"])))
+
+    def slot_census(self) -> dict:
+        """Counts of slots by state, and WRITING slots split by live and dead owners (for checks)."""
+        self._check()
+        rec = self._slots
+        writing = np.flatnonzero(rec["state"] == WRITING)
+        live = sum(1 for s in writing if self._owner_alive(int(rec["owner"][s]), int(rec["owner_token"][s])))
+        return {"capacity": self.n_slots, "free": int(np.count_nonzero(rec["state"] == FREE)),
+                "ready": int(np.count_nonzero(rec["state"] == READY)), "writing_live": live,
+                "writing_dead": len(writing) - live, "pinned": int(np.count_nonzero(rec["pins"]))}
+
+    def unlink(self) -> None:
+        """Remove the segment's name (mappers keep their mapping until they close). Then close."""
+        try:
+            if self._still_published():
+                posix_ipc.unlink_shared_memory(self.name)
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.n_slots} slots"
+        return f"HotTier({self.name!r}, {state})"

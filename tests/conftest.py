@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny specs and unique segment names (always unlinked)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import posix_ipc
+import pytest
+
+from tieredkv import KVSpec
+
+
+@pytest.fixture
+def tiny_spec() -> KVSpec:
+    """2 layers x 2 (K,V) x 1 head x 4 tokens x 8 dims x fp32 = 512-byte blocks."""
+    return KVSpec(model_id="test/tiny", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32",
+                  chunk_tokens=4)
+
+
+@pytest.fixture
+def seg_name():
+    """A fresh segment name, unlinked after the test whatever happened."""
+    name = f"/tieredkv-test-{os.getpid()}-{secrets.token_hex(4)}"
+    yield name
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass

@@ -141,27 +141,47 @@ class Index:
     def __init__(self, path: str, *, sync: str, map_size: int, map_max: int, readonly: bool = False):
         self.path = path
         self.readonly = readonly
+        self.sync_mode = sync
         self.map_max = max(int(map_max), int(map_size))
-        kwargs = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
-                      meminit=False, max_readers=510, sync=sync != "none", metasync=sync == "full",
-                      readonly=readonly, create=not readonly)
-        try:
-            self.env = lmdb.open(path, **kwargs)
-        except lmdb.Error as exc:
-            if not readonly or not _is_permission(exc):
-                raise
-            # A read-only directory: the lock file cannot be opened for writing. Read without the
-            # reader table; safe only because nobody can write here either.
-            self.env = lmdb.open(path, lock=False, **kwargs)
-        self.blocks = self.env.open_db(DB_BLOCKS, create=not readonly)
-        self.slots = self.env.open_db(DB_SLOTS, create=not readonly)
-        self.free = self.env.open_db(DB_FREE, create=not readonly)
-        self.inflight = self.env.open_db(DB_INFLIGHT, create=not readonly)
-        self.info = self.env.open_db(DB_INFO, create=not readonly)
+        self._key = (os.getpid(), os.path.realpath(path))
+        shared = _ENVS.get(self._key)
+        if shared is None:
+            shared = _SharedEnv(path, sync=sync, map_size=map_size, readonly=readonly)
+            _ENVS[self._key] = shared
+        elif shared.readonly and not readonly:
+            raise WarmTierUnavailable(f"{path} is already open read-only in this process; close that "
+                                      f"handle before opening it for writing")
+        shared.refs += 1
+        self._shared = shared
+        self.env = shared.env
+        # A handle asking for more durability than the environment was opened with syncs by hand.
+        self._extra_sync = _SYNC_RANK[sync] > _SYNC_RANK[shared.sync]
+        self.blocks, self.slots, self.free, self.inflight, self.info = shared.dbs
         self.writes = 0
+        self._closed = False
 
     def close(self) -> None:
-        self.env.close()
+        """Release this handle; the environment closes with its last handle in this process.
+
+        In a forked child, closing a handle inherited from the parent closes the child's copy of the
+        environment: py-lmdb refuses to open a path twice in one process, and the copy must not be
+        used. Closing it in the child leaves the parent's locks and reader slots alone (both are
+        per pid).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._shared.pid != os.getpid():
+            _ENVS.pop(self._key, None)
+            if not self._shared.closed:
+                self._shared.closed = True
+                self.env.close()
+            return
+        self._shared.refs -= 1
+        if self._shared.refs == 0 and _ENVS.get(self._key) is self._shared:
+            del _ENVS[self._key]
+            self._shared.closed = True
+            self.env.close()
 
     def reader_check(self) -> int:
         """Clear reader slots of dead processes (they pin old pages); return how many were cleared."""
@@ -224,6 +244,8 @@ class Index:
             except BaseException:
                 txn.abort()
                 raise
+            if self._extra_sync:
+                self.env.sync(True)
             self.writes += 1
             if self.writes % 1024 == 0:
                 # A reader killed mid-transaction pins old pages until cleared; clear now and then.
@@ -240,6 +262,42 @@ class Index:
 
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
+
+
+_SYNC_RANK = {"none": 0, "data": 1, "full": 2}
+
+
+class _SharedEnv:
+    """The one LMDB environment of a path in this process (LMDB allows only one per process)."""
+
+    def __init__(self, path: str, *, sync: str, map_size: int, readonly: bool):
+        self.sync = sync
+        self.readonly = readonly
+        self.refs = 0
+        self.pid = os.getpid()
+        self.closed = False
+        kwargs = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
+                      meminit=False, max_readers=510, sync=sync != "none", metasync=sync == "full",
+                      readonly=readonly, create=not readonly)
+        try:
+            self.env = lmdb.open(path, **kwargs)
+        except lmdb.Error as exc:
+            if not readonly or not _is_permission(exc):
+                raise
+            # A read-only directory: the lock file cannot be opened for writing. Read without the
+            # reader table; safe only because nobody can write here either.
+            self.env = lmdb.open(path, lock=False, **kwargs)
+        try:
+            self.dbs = tuple(self.env.open_db(name, create=not readonly)
+                             for name in (DB_BLOCKS, DB_SLOTS, DB_FREE, DB_INFLIGHT, DB_INFO))
+        except BaseException:
+            self.env.close()
+            raise
+
+
+#: (pid, realpath) -> the environment shared by every handle of this process. Keyed by pid so a
+#: forked child never reuses its parent's environment.
+_ENVS: dict[tuple[int, str], _SharedEnv] = {}
 
 
 def _is_permission(exc: Exception) -> bool:

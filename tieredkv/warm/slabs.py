@@ -134,10 +134,6 @@ class Slabs:
             except OSError:
                 pass
 
-    def forget(self) -> None:
-        """Drop the descriptors without closing them (a forked child must not touch the parent's)."""
-        self.fds = []
-
     # ---- I/O -------------------------------------------------------------------------------------
     def _runs(self, slots: np.ndarray):
         """Yield ``(begin, end)`` index ranges of ``slots`` that are consecutive within one slab."""

@@ -58,11 +58,6 @@ SYNC_MODES = ("none", "data", "full")
 VERIFY_MODES = ("always", "sampled", "never")
 DEFAULT_SLAB_BYTES = 1 << 30
 
-#: Environments left behind by a fork: LMDB forbids using (or closing) them in the child, and
-#: dropping the last reference would close them, so the child keeps them referenced until exit.
-_ABANDONED: list[Any] = []
-
-
 class WarmTier(Tier):
     """Blocks of one namespace in ``<directory>/<spec.namespace>/``, shared by processes, kept on disk.
 
@@ -326,9 +321,10 @@ class WarmTier(Tier):
             self._after_fork()
 
     def _after_fork(self) -> None:
-        # LMDB: never use an environment opened by the parent. Keep it referenced (closing it here
-        # could disturb the parent's locks), open our own, and start with empty per-process state.
-        _ABANDONED.append(self._index)
+        # LMDB: never use an environment opened by the parent. Drop the inherited copy (see
+        # Index.close), open our own, and start with empty per-process state. Slab descriptors are
+        # plain fds: inherited ones work for pread/pwrite as they are.
+        self._index.close()
         self._reset_process_state()
         self._open_index()
 
@@ -581,9 +577,11 @@ class WarmTier(Tier):
         cur = txn.cursor(db=self._index.free)
         if cur.first():
             while len(slots) < need:
-                slots.append(ix.SLOT_KEY.unpack(cur.key())[0])
-                if not cur.delete():  # delete moves to the next entry; False at the end
+                key = cur.key()
+                if not key:  # past the last entry (delete leaves the cursor on the next one)
                     break
+                slots.append(ix.SLOT_KEY.unpack(key)[0])
+                cur.delete()
         if len(slots) < need:
             hwm = ix.get_u64(txn, self._index.info, ix.INFO_HWM)
             take = min(need - len(slots), self.n_slots - hwm)
@@ -916,9 +914,10 @@ class WarmTier(Tier):
             if self._closed:
                 return
             if os.getpid() != self._pid:
-                # Forked child that never used the tier: the parent's handles are not ours to close.
-                _ABANDONED.append(self._index)
-                self._slabs.forget()
+                # Forked child that never used the tier: drop the inherited environment copy, leave
+                # the slab descriptors (closing a dup in the child cannot disturb the parent).
+                self._index.close()
+                self._slabs.close()
                 self._closed = True
                 return
             try:

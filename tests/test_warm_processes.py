@@ -74,6 +74,7 @@ def test_crash_consistency_random_kills(tmp_path):
     spec_args = dict(TEST_SPEC_ARGS, num_layers=16, head_dim=64)  # 8 KiB blocks, 3 slots per 2 blocks
     spec = KVSpec(**spec_args)
     kills = int(os.environ.get("TIEREDKV_KILLS", "12"))
+    claims_seen = 0
     for round_ in range(kills):
         proc = start_writer(tmp_path, capacity_slots=capacity, batches=100_000, seed=round_,
                             sync=rng.choice(["none", "none", "data"]), chunks=12, spec_args=spec_args)
@@ -83,6 +84,7 @@ def test_crash_consistency_random_kills(tmp_path):
         proc.wait(timeout=30)
         tier_dir = str(tmp_path / spec.namespace)
         counts = check_index(tier_dir, allow_claims=True)
+        claims_seen += counts["claimed"] > 0
         report = admin.verify(tier_dir)
         assert report["bad_blocks"] == [], report["bad_blocks"]
         assert report["blocks_checked"] == counts["used"]
@@ -92,6 +94,7 @@ def test_crash_consistency_random_kills(tmp_path):
             pass
         counts = check_index(tier_dir)
         assert counts["used"] + counts["free"] + counts["never_used"] == counts["n_slots"]
+    print(f"{claims_seen} of {kills} kills left a claim between claim and commit")
     with WarmTier(spec, tmp_path) as t:
         k = chunk_keys(spec, np.arange(t.n_slots * spec.chunk_tokens) + 50_000_000)  # all new
         codes = t.put_many(k, payload_for(k, spec.block_bytes))

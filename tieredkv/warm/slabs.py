@@ -124,13 +124,28 @@ class Slabs:
 
     def open(self) -> None:
         flags = (os.O_RDONLY if self.readonly else os.O_RDWR) | os.O_CLOEXEC
-        self.fds = [os.open(self.path(i), flags) for i in range(self.n_slabs)]
+        fds = []
+        try:
+            for i in range(self.n_slabs):
+                try:
+                    fds.append(os.open(self.path(i), flags))
+                except FileNotFoundError:
+                    if not self.readonly:
+                        raise
+                    fds.append(-1)  # read-only and missing: every read of it is a short read
+        except BaseException:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        self.fds = fds
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
         for fd in fds:
             try:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             except OSError:
                 pass
 
@@ -167,6 +182,9 @@ class Slabs:
             fd = self.fds[first // self.slots_per_slab]
             offset = (first % self.slots_per_slab) * self.slot_bytes
             want = (e - b - 1) * self.slot_bytes + self.block_bytes
+            if fd < 0:
+                ok[b:e] = False
+                continue
             got = os.preadv(fd, self._iov(rows, idx, b, e), offset)
             if got < want:
                 # Short only at end of file (a truncated slab): every block past ``got`` is incomplete.

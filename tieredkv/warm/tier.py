@@ -198,7 +198,12 @@ class WarmTier(Tier):
                             self.block_bytes, readonly=self.readonly)
         self._open_index()
         if not self.readonly:
+            n_slots = self._index.read(lambda txn: ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS))
+            if n_slots != self.n_slots:
+                raise CorruptState(f"{path}: the index says {n_slots} slots, meta.json says "
+                                   f"{self.n_slots}; run `tieredkv verify {path}`")
             try:
+                self._repair_slabs()
                 self._slabs.open()
             except PermissionError:
                 self.readonly = True  # files we may not write: serve reads
@@ -208,11 +213,6 @@ class WarmTier(Tier):
         if self.readonly:
             self._slabs.open()
         else:
-            n_slots = self._index.read(lambda txn: ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS))
-            if n_slots != self.n_slots:
-                raise CorruptState(f"{path}: the index says {n_slots} slots, meta.json says "
-                                   f"{self.n_slots}; run `tieredkv verify {path}`")
-            self._repair_slabs()
             self._reap_claims(only_if_any=True)
 
     def _index_sizes(self) -> tuple[int, int]:

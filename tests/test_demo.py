@@ -1,0 +1,110 @@
+"""The serving demo: its private cache, its numbers, and one tiny end-to-end run on real processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tieredkv import KVSpec
+from tieredkv import demo
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC = KVSpec(model_id="demo-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=4)
+
+
+def _kv(n_tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((2, 2, 2, n_tokens, 4), generator=g)
+
+
+def test_private_cache_contract():
+    cache = demo.PrivatePrefixCache(SPEC)
+    tokens = np.arange(10)
+    kv = _kv(8)
+    assert cache.lookup(tokens).tokens == 0
+    assert cache.store(tokens[:8], kv) == 2
+    assert cache.store(tokens[:8], kv) == 0          # already there
+    hit = cache.lookup(tokens)
+    assert (hit.tokens, hit.hot_blocks, hit.warm_blocks) == (8, 2, 0)
+    out = torch.zeros((2, 2, 2, 8, 4))
+    assert cache.load(hit, out) == 8
+    assert torch.equal(out, kv)
+    assert cache.lookup(tokens[:8]).tokens == 4      # a hit leaves at least one token to compute
+    assert cache.lookup(tokens, salt=b"other").tokens == 0
+    assert cache.stats()["bytes"] == 2 * SPEC.block_bytes
+
+
+def test_private_cache_capacity_drops_least_recent():
+    cache = demo.PrivatePrefixCache(SPEC, capacity_bytes=2 * SPEC.block_bytes)
+    cache.store(np.arange(12), _kv(12))
+    assert cache.stats()["blocks"] == 2
+    assert cache.lookup(np.arange(13)).tokens == 0   # the first block went first: the chain is cut
+
+
+def test_summary_and_table():
+    settings = demo.Settings(workers=2, requests_per_worker=2, prefix_tokens=8, suffix_tokens=4,
+                             chunk_tokens=4, new_tokens=2)
+    done = [{"ttft_ms": t, "total_ms": t + 1, "cached_tokens": c, "computed_tokens": 12 - c,
+             "prompt_tokens": 12, "new_tokens": 2, "restore_ms": 0.1, "store_ms": 0.1}
+            for t, c in ((10.0, 0), (2.0, 8), (3.0, 8), (4.0, 8))]
+    stats = [{"prefix_hot_blocks": 2, "prefix_warm_blocks": 2, "cache": {}}] * 2
+    shared = demo.summarize("shared", settings, SPEC, done, stats, wall_s=2.0, pss=100, rss=200)
+    assert shared["prefix_hit_rate"] == 0.75 == shared["ideal_prefix_hit_rate"]
+    assert shared["prefix_kv_bytes"] == 2 * SPEC.block_bytes            # held once
+    private = demo.summarize("private", settings, SPEC, done, stats, wall_s=2.0, pss=100, rss=200)
+    assert private["prefix_kv_bytes"] == 4 * SPEC.block_bytes           # once per worker
+    assert private["ideal_prefix_hit_rate"] == 0.5
+    assert shared["tokens_per_s"] == 4.0 and shared["ttft_p50_ms"] == 3.5
+    doc = {"settings": {**demo.Settings().__dict__, "kv_bytes_per_token": SPEC.bytes_per_token},
+           "configs": {"no_cache": {**shared, "prefix_hit_rate": 0.0}, "shared": shared}}
+    table = demo.format_table(doc)
+    assert "shared vs no_cache" in table and "TTFT p50" in table
+
+
+def test_bad_flags_are_refused():
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert demo.main(parser.parse_args(["--configs", "nope"])) == 2
+    assert demo.main(parser.parse_args(["--configs", "restart"])) == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--workers", "0"])
+    assert parser.parse_args(["--hot-bytes", "512M"]).hot_bytes == 512 << 20
+
+
+def test_demo_end_to_end_on_worker_processes(tmp_path):
+    """2 workers x 2 requests through all four configurations; checks the JSON's shape and hit rates."""
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tieredkv.demo", "--workers", "2", "--requests-per-worker", "2",
+         "--prefix-tokens", "128", "--suffix-tokens", "16", "--new-tokens", "2", "--no-progress",
+         "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"settings", "configs"}
+    assert list(doc["configs"]) == ["no_cache", "private", "shared", "restart"]
+    for name, c in doc["configs"].items():
+        for field in ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s", "prefix_hit_rate", "prefix_kv_bytes",
+                      "pss_bytes"):
+            assert isinstance(c[field], (int, float)), (name, field)
+        assert c["requests"] == 4 and c["pss_bytes"] > 0 and c["tokens_per_s"] > 0
+    c = doc["configs"]
+    assert c["no_cache"]["prefix_hit_rate"] == 0 and c["no_cache"]["prefix_kv_bytes"] == 0
+    assert c["private"]["prefix_hit_rate"] == 0.5                  # each worker's first request misses
+    assert c["shared"]["prefix_hit_rate"] == 0.75                   # only the service's first misses
+    assert c["restart"]["prefix_hit_rate"] == 1.0                   # every block comes from the warm tier
+    block = doc["settings"]["block_bytes"]
+    assert c["shared"]["prefix_kv_bytes"] == 2 * block              # 128 tokens = 2 blocks, held once
+    assert c["private"]["prefix_kv_bytes"] == 2 * 2 * block         # ... and once per worker
+    assert doc["settings"]["workers"] == 2 and doc["settings"]["prefix_tokens"] == 128
+    assert png.stat().st_size > 0
+    assert "restart vs no_cache" in proc.stdout
+    assert not [p for p in os.listdir("/dev/shm") if doc["settings"]["namespace_tag"] in p]

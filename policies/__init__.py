@@ -2,11 +2,16 @@
 
 Policies see only the struct-of-arrays slot state (``state.SlotState``), never a tier, so the same code
 decides in the hot tier's shared memory and in the offline simulator.
+
+Eviction policies by name (``make("s3fifo")``, ``make("prefix_aware:arc")``): lru, fifo, lfu, clock,
+sieve, s3fifo, arc, prefix_aware (wraps any of them), cost_aware. Tier movement rules:
+``promotion.make("on_nth_hit:2")``, ``demotion.make("write_through")``.
 """
 
 from .base import EvictionPolicy, UnknownPolicy, evict, hit, insert, make, names, register, remove
 from .state import SlotState, StateLayout
-from . import lru  # noqa: F401  (registers)
+from . import arc, clock, cost_aware, fifo, lfu, lru, prefix_aware, s3fifo, sieve  # noqa: F401  (register)
+from . import demotion, promotion
 
-__all__ = ["EvictionPolicy", "SlotState", "StateLayout", "UnknownPolicy", "evict", "hit", "insert",
-           "make", "names", "register", "remove"]
+__all__ = ["EvictionPolicy", "SlotState", "StateLayout", "UnknownPolicy", "demotion", "evict", "hit",
+           "insert", "make", "names", "promotion", "register", "remove"]

@@ -11,6 +11,10 @@ Homes (the hot tier, the simulator) call only these four functions:
     remove(policy, st, slots)                              # explicit removal, under the lock
     evict(policy, st, n, evictable) -> slots               # under the lock; frees the victims
 
+``evict`` also takes ``incoming=key64s`` (the keys about to be inserted): ARC adapts its target and
+picks its victim list from them, as in the paper. A home that does not pass them still gets valid
+decisions (ARC then adapts when the keys are inserted).
+
 ``hit`` runs without the lock in the hot tier: a policy's ``on_hit`` may only do plain stores of
 aligned int64 words (a lost update under a race is fine; a torn structure is not).
 """
@@ -43,6 +47,8 @@ class EvictionPolicy:
     name: str = ""
     slot_fields: tuple[str, ...] = ()
     global_fields: tuple[str, ...] = ()
+    #: Number of ghost lists (each holds ``ghost_capacity(n_slots)`` keys).
+    ghost_lists: int = 1
     #: True if ``on_hit`` changes structure that must be changed under the lock.
     hit_needs_lock: bool = False
 
@@ -51,6 +57,7 @@ class EvictionPolicy:
             raise TypeError(f"policy {self.name!r} takes no parameters, got {sorted(params)}")
 
     def ghost_capacity(self, n_slots: int) -> int:
+        """Live keys each ghost list holds for a cache of ``n_slots`` (0: the policy keeps no ghosts)."""
         return 0
 
     # ---- hooks --------------------------------------------------------------------------------
@@ -62,6 +69,10 @@ class EvictionPolicy:
 
     def on_remove(self, st: SlotState, slots: np.ndarray, evicted: bool) -> None:
         """Called before ``slots`` stop being resident (``evicted``: chosen by ``choose``)."""
+
+    def on_miss(self, st: SlotState, key64s: np.ndarray) -> None:
+        """Called by ``evict(..., incoming=key64s)`` before choosing: these keys missed and will be
+        inserted next."""
 
     def choose(self, st: SlotState, n: int, candidates: np.ndarray) -> np.ndarray:
         """Return up to ``n`` distinct victim slots among ``candidates`` (bool mask over slots).
@@ -94,7 +105,17 @@ def names() -> list[str]:
 
 
 def make(spec: "str | EvictionPolicy", **params) -> EvictionPolicy:
-    """Build a policy from its name (``"lru"``, ``"prefix_aware:s3fifo"``, ...) or pass one through."""
+    """Build a policy from its name (``"lru"``, ``"prefix_aware:s3fifo"``, ...) or pass one through.
+
+    Args:
+        spec: a registered name; ``wrapper:inner`` builds a wrapping policy (``prefix_aware``) over
+            another one; an ``EvictionPolicy`` instance is returned as is.
+        **params: the policy's parameters (e.g. ``small_ratio=0.1`` for S3-FIFO).
+
+    Raises:
+        UnknownPolicy: the name (or the inner name) is not registered; the message lists the valid ones.
+        TypeError: a parameter the policy does not take.
+    """
     if isinstance(spec, EvictionPolicy):
         return spec
     if not isinstance(spec, str):
@@ -153,25 +174,51 @@ def remove(policy: EvictionPolicy, st: SlotState, slots: np.ndarray, *, evicted:
     parents = st.parent[slots]
     live = parents >= 0
     np.subtract.at(st.n_children, parents[live], 1)
-    orphaned = st.n_children[slots] > 0
-    if orphaned.any():
-        # Children of a removed block lose their parent link (rare: prefix_aware never gets here).
-        st.parent[np.isin(st.parent, slots[orphaned])] = -1
+    orphaned = slots[st.n_children[slots] > 0]
+    if len(orphaned):
+        # Children of a removed block lose their parent link (prefix_aware never gets here). One
+        # O(n_slots) pass with a mask: cheaper than a set membership test (np.isin sorts).
+        gone = np.zeros(st.n_slots + 1, dtype=bool)   # index -1 (no parent) lands on the spare last entry
+        gone[orphaned] = True
+        st.parent[gone[st.parent]] = -1
     st.resident[slots] = 0
     st.parent[slots] = -1
     st.n_children[slots] = 0
     st.add_g("n_resident", -len(slots))
 
 
-def evict(policy: EvictionPolicy, st: SlotState, n: int, evictable: np.ndarray | None = None) -> np.ndarray:
-    """Choose up to ``n`` victims among resident (and ``evictable``) slots and remove them."""
+def evict(policy: EvictionPolicy, st: SlotState, n: int, evictable: np.ndarray | None = None, *,
+          incoming: np.ndarray | None = None) -> np.ndarray:
+    """Choose up to ``n`` victims among resident (and ``evictable``) slots and remove them.
+
+    Args:
+        policy: the policy.
+        st: its state.
+        n: victims wanted (0 is fine: ``incoming`` is still recorded).
+        evictable: optional bool mask over slots; False slots (pinned, being written) are never chosen.
+        incoming: optional key64s that missed and are about to be inserted, oldest first.
+
+    Returns:
+        The victim slots (int64, distinct, in eviction order); fewer than ``n`` if too few candidates.
+    """
+    if incoming is not None:
+        incoming = np.asarray(incoming).astype(np.uint64, copy=False).view(np.int64)
+        policy.on_miss(st, incoming)
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
     candidates = st.resident == 1
     if evictable is not None:
         candidates &= evictable
-    if n <= 0 or not candidates.any():
+    if not candidates.any():
         return np.zeros(0, dtype=np.int64)
-    victims = np.asarray(policy.choose(st, int(n), candidates), dtype=np.int64)
+    st.incoming = incoming
+    try:
+        victims = np.asarray(policy.choose(st, int(n), candidates), dtype=np.int64)
+    finally:
+        st.incoming = None
     if len(victims) and not candidates[victims].all():
         raise RuntimeError(f"policy {policy.name!r} chose a slot that was not a candidate")
+    if len(np.unique(victims)) != len(victims) or len(victims) > n:
+        raise RuntimeError(f"policy {policy.name!r} chose {len(victims)} victims for n={n}, or a slot twice")
     remove(policy, st, victims, evicted=True)
     return victims

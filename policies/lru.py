@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from .base import EvictionPolicy, register
+from .order import oldest
 
-
-def oldest(field: np.ndarray, n: int, candidates: np.ndarray) -> np.ndarray:
-    """The ``n`` candidate slots with the smallest ``field`` values, smallest first."""
-    slots = np.flatnonzero(candidates)
-    if n < len(slots):
-        part = np.argpartition(field[slots], n - 1)[:n]
-        slots = slots[part]
-    return slots[np.argsort(field[slots], kind="stable")][:n]
+__all__ = ["LRU", "oldest"]
 
 
 @register
 class LRU(EvictionPolicy):
+    """Least recently used: the victim is the block whose last insert or hit is oldest.
+
+    Hits are one plain store (``last_access``), so they never need the lock.
+    """
+
     name = "lru"
 
     def choose(self, st, n, candidates):

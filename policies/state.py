@@ -23,6 +23,19 @@ Common fields, kept by ``policies.base`` for every policy:
 ==============  =================================================================================
 
 Common globals: ``tick`` (logical clock, +1 per insert or hit batch element) and ``n_resident``.
+
+Ghosts (recently evicted keys, for S3-FIFO and ARC) live in the same buffer as a fixed-size structure:
+one FIFO ring per ghost list plus one open-addressed hash table over all lists, so "is this key a
+ghost, and in which list" costs O(1) and the whole thing works over shared memory (no Python dicts)::
+
+    ghost region (int64 words)
+    | per list: head, tail, live | ring keys: lists x R | ring flags: lists x R | table key: T | table ref: T |
+
+- a list holds at most ``ghost_slots`` live keys; pushing onto a full list drops its oldest live key;
+- a ring entry whose key was removed (it became resident again) stays as a dead flag word until the
+  head passes it; the ring is twice the list's capacity so dead entries rarely force out live ones;
+- the table maps key -> ring entry (``ref = list * R + index + 1``, 0 = empty) with linear probing and
+  backward-shift deletion (no tombstones), and is kept at most half full.
 """
 
 from __future__ import annotations
@@ -33,38 +46,68 @@ COMMON_SLOT_FIELDS = ("resident", "key64", "last_access", "insert_tick", "hits",
                       "n_children", "position")
 COMMON_GLOBAL_FIELDS = ("tick", "n_resident")
 WORD = 8
+_M64 = (1 << 64) - 1
+_FIB = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing (Knuth, TAOCP vol. 3, 6.4)
+
+#: Ghost ring entry flags.
+GHOST_LIVE = 1
+#: A policy-defined mark on a live ghost entry (ARC: "p was already adapted for this key").
+GHOST_MARK = 2
 
 
 class StateLayout:
-    """Where each array sits inside a state buffer, for ``n_slots`` slots and one policy."""
+    """Where each array sits inside a state buffer, for ``n_slots`` slots and one policy.
+
+    Args:
+        n_slots: slots (the cache's capacity in blocks).
+        slot_fields: the policy's own per-slot int64 fields (the common ones are always there).
+        global_fields: the policy's own global int64 words.
+        ghost_slots: live keys each ghost list may hold (0: no ghosts).
+        ghost_lists: number of ghost lists (S3-FIFO: 1; ARC: 2, for B1 and B2).
+    """
 
     def __init__(self, n_slots: int, slot_fields: tuple[str, ...], global_fields: tuple[str, ...],
-                 ghost_slots: int):
+                 ghost_slots: int, ghost_lists: int = 1):
         if n_slots <= 0:
             raise ValueError(f"n_slots must be positive, got {n_slots}")
         self.n_slots = int(n_slots)
         self.slot_fields = COMMON_SLOT_FIELDS + tuple(f for f in slot_fields if f not in COMMON_SLOT_FIELDS)
         self.global_fields = COMMON_GLOBAL_FIELDS + tuple(
-            f for f in global_fields if f not in COMMON_GLOBAL_FIELDS) + ("ghost_head", "ghost_len")
-        self.ghost_slots = int(ghost_slots)
+            f for f in global_fields if f not in COMMON_GLOBAL_FIELDS)
+        self.ghost_slots = max(int(ghost_slots), 0)
+        self.ghost_lists = int(ghost_lists) if self.ghost_slots else 0
+        self.ghost_ring = 2 * self.ghost_slots
+        live_max = self.ghost_slots * self.ghost_lists
+        # Table at most half full: probes stay short with linear probing.
+        self.ghost_table = _pow2(2 * live_max) if live_max else 0
         # Each region starts on a 64-byte line.
         self.globals_offset = 0
         globals_bytes = _round(len(self.global_fields) * WORD, 64)
         self.fields_offset = globals_bytes
         self.field_stride = _round(self.n_slots * WORD, 64)
         self.ghost_offset = self.fields_offset + len(self.slot_fields) * self.field_stride
-        self.nbytes = self.ghost_offset + _round(max(self.ghost_slots, 1) * WORD, 64)
+        ghost_words = 3 * self.ghost_lists + 2 * self.ghost_lists * self.ghost_ring + 2 * self.ghost_table
+        self.nbytes = self.ghost_offset + _round(max(ghost_words, 1) * WORD, 64)
 
     @classmethod
     def for_policy(cls, policy, n_slots: int) -> "StateLayout":
+        """The layout ``policy`` needs for ``n_slots`` slots."""
         return cls(n_slots, tuple(policy.slot_fields), tuple(policy.global_fields),
-                   policy.ghost_capacity(n_slots))
+                   policy.ghost_capacity(n_slots), getattr(policy, "ghost_lists", 1))
 
 
 class SlotState:
-    """The arrays of a layout over a buffer. Attribute access: ``st.last_access``, ``st.g("tick")``."""
+    """The arrays of a layout over a buffer. Attribute access: ``st.last_access``, ``st.g("tick")``.
+
+    Args:
+        layout: where the arrays sit.
+        buffer: any writable buffer of at least ``offset + layout.nbytes`` bytes.
+        offset: byte offset of the state in ``buffer`` (a multiple of 8).
+    """
 
     def __init__(self, layout: StateLayout, buffer, offset: int = 0):
+        if offset % WORD:
+            raise ValueError(f"state offset must be a multiple of {WORD}, got {offset}")
         self.layout = layout
         base = np.frombuffer(buffer, dtype=np.uint8, count=layout.nbytes, offset=offset)
         self._globals = base[: len(layout.global_fields) * WORD].view(np.int64)
@@ -73,8 +116,21 @@ class SlotState:
         for i, name in enumerate(layout.slot_fields):
             start = layout.fields_offset + i * layout.field_stride
             setattr(self, name, base[start:start + n * WORD].view(np.int64))
-        self.ghost = base[layout.ghost_offset:layout.ghost_offset + max(layout.ghost_slots, 1) * WORD].view(np.int64)
+        words = base[layout.ghost_offset:].view(np.int64)
+        L, R, T = layout.ghost_lists, layout.ghost_ring, layout.ghost_table
+        self._ghead = words[0:3 * L:3]      # absolute index of each list's oldest ring entry
+        self._gtail = words[1:3 * L:3]      # absolute index of each list's next ring entry
+        self._glive = words[2:3 * L:3]      # live keys per list
+        at = 3 * L
+        self._gring = words[at:at + L * R]
+        self._gflag = words[at + L * R:at + 2 * L * R]
+        at += 2 * L * R
+        self._tkey = words[at:at + T]
+        self._tref = words[at + T:at + 2 * T]
+        self._tbits = T.bit_length() - 1 if T else 0
         self.n_slots = n
+        #: Keys about to be inserted, while ``evict(..., incoming=...)`` runs (process-local).
+        self.incoming: np.ndarray | None = None
 
     @classmethod
     def private(cls, policy, n_slots: int) -> "SlotState":
@@ -90,15 +146,17 @@ class SlotState:
         return cls(StateLayout.for_policy(policy, n_slots), buffer, offset)
 
     def reset(self) -> None:
-        """Empty state: nothing resident, clock at zero."""
+        """Empty state: nothing resident, clock at zero, no ghosts."""
         self._globals[:] = 0
         for name in self.layout.slot_fields:
             getattr(self, name)[:] = 0
         self.parent[:] = -1
-        self.ghost[:] = 0
+        for a in (self._ghead, self._gtail, self._glive, self._gring, self._gflag, self._tkey, self._tref):
+            a[:] = 0
 
     # ---- globals ------------------------------------------------------------------------------
     def g(self, name: str) -> int:
+        """The global int64 word ``name``."""
         return int(self._globals[self._gindex[name]])
 
     def set_g(self, name: str, value: int) -> None:
@@ -110,44 +168,189 @@ class SlotState:
         self._globals[i] += delta
         return int(self._globals[i])
 
+    def gf(self, name: str) -> float:
+        """The global word ``name`` read as a float64 (same 8 bytes; 0 reads as 0.0)."""
+        return float(self._globals.view(np.float64)[self._gindex[name]])
+
+    def set_gf(self, name: str, value: float) -> None:
+        self._globals.view(np.float64)[self._gindex[name]] = value
+
+    def f64(self, field: str) -> np.ndarray:
+        """A per-slot field viewed as float64 (for priorities that are not integers)."""
+        return getattr(self, field).view(np.float64)
+
     def advance(self, n: int) -> np.ndarray:
         """Reserve ``n`` consecutive ticks; return them (1-based, increasing)."""
         end = self.add_g("tick", n)
         return np.arange(end - n + 1, end + 1, dtype=np.int64)
 
-    # ---- ghosts: a FIFO ring of recently evicted key64s ------------------------------------------
-    def ghost_push(self, key64s: np.ndarray) -> None:
-        cap = self.layout.ghost_slots
-        if cap <= 0:
-            return
-        for k in np.asarray(key64s, dtype=np.int64):
-            head = self.g("ghost_head")
-            self.ghost[head % cap] = k
-            self.set_g("ghost_head", (head + 1) % cap)
-            self.set_g("ghost_len", min(self.g("ghost_len") + 1, cap))
-
-    def ghost_contains(self, key64: int) -> bool:
-        n = self.g("ghost_len")
-        return bool(n) and bool(np.any(self.ghost[:n] == key64)) if n < self.layout.ghost_slots else \
-            bool(n) and bool(np.any(self.ghost[: self.layout.ghost_slots] == key64))
-
-    def ghost_remove(self, key64: int) -> bool:
-        """Forget one ghost entry equal to key64 (it became resident again). True if found."""
-        n = min(self.g("ghost_len"), self.layout.ghost_slots)
-        hits = np.flatnonzero(self.ghost[:n] == key64)
-        if not len(hits):
-            return False
-        # Overwrite with a value no key64 takes in practice, keeping the ring's order intact.
-        self.ghost[hits[0]] = _GHOST_HOLE
-        return True
-
     @property
     def resident_slots(self) -> np.ndarray:
         return np.flatnonzero(self.resident)
 
+    # ---- ghosts ---------------------------------------------------------------------------------
+    # Scalar code on purpose: ghost operations touch one key at a time under the home's lock, and a
+    # probe is a handful of word reads; numpy would only add per-call overhead here.
+    def ghost_len(self, lst: int = 0) -> int:
+        """Live keys in ghost list ``lst``."""
+        return int(self._glive[lst]) if self.layout.ghost_lists else 0
 
-_GHOST_HOLE = np.int64(-0x7FFF_FFFF_FFFF_FFFF)
+    def ghost_find(self, key64: int) -> tuple[int, int]:
+        """``(list, flags)`` of ``key64`` if it is a ghost, else ``(-1, 0)``."""
+        i = self._tfind(int(key64))
+        if i < 0:
+            return -1, 0
+        ref = int(self._tref[i]) - 1
+        return ref // self.layout.ghost_ring, int(self._gflag[ref])
+
+    def ghost_lookup(self, key64s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised ``ghost_find``: per key its list (-1 if no ghost) and its flags."""
+        keys = np.asarray(key64s).astype(np.int64, copy=False).reshape(-1)
+        lists = np.full(len(keys), -1, dtype=np.int64)
+        flags = np.zeros(len(keys), dtype=np.int64)
+        T = self.layout.ghost_table
+        if not T or not len(keys) or not self._glive.any():
+            return lists, flags
+        # Same probe sequence as _tfind, all keys at once: a few rounds of array ops.
+        idx = ((keys.view(np.uint64) * np.uint64(_FIB)) >> np.uint64(64 - self._tbits)).astype(np.int64)
+        pending = np.arange(len(keys))
+        while len(pending):
+            at = idx[pending]
+            ref = self._tref[at]
+            live = ref != 0
+            match = live & (self._tkey[at] == keys[pending])
+            if match.any():
+                ring = ref[match] - 1
+                lists[pending[match]] = ring // self.layout.ghost_ring
+                flags[pending[match]] = self._gflag[ring]
+            pending = pending[live & ~match]
+            idx[pending] = (idx[pending] + 1) & (T - 1)
+        return lists, flags
+
+    def ghost_contains(self, key64: int) -> bool:
+        return self._tfind(int(key64)) >= 0
+
+    def ghost_mark(self, key64: int) -> bool:
+        """Set ``GHOST_MARK`` on a live ghost entry. True if ``key64`` is a ghost."""
+        i = self._tfind(int(key64))
+        if i < 0:
+            return False
+        self._gflag[int(self._tref[i]) - 1] |= GHOST_MARK
+        return True
+
+    def ghost_push(self, key64s, lst: int = 0) -> None:
+        """Append keys (oldest first) to ghost list ``lst``, dropping its oldest live keys if full."""
+        if not self.layout.ghost_lists:
+            return
+        R, cap = self.layout.ghost_ring, self.layout.ghost_slots
+        for k in np.atleast_1d(np.asarray(key64s, dtype=np.int64)).tolist():
+            self.ghost_remove(k)
+            if self._glive[lst] >= cap:
+                self.ghost_pop(lst)
+            if self._gtail[lst] - self._ghead[lst] >= R:  # ring full: live ones and dead holes
+                self._ghost_compact(lst)
+            tail = int(self._gtail[lst])
+            ref = lst * R + tail % R
+            self._gring[ref] = k
+            self._gflag[ref] = GHOST_LIVE
+            self._tinsert(k, ref + 1)
+            self._gtail[lst] = tail + 1
+            self._glive[lst] += 1
+
+    def ghost_pop(self, lst: int = 0) -> int | None:
+        """Forget and return the oldest live key of list ``lst`` (None if it has none)."""
+        R = self.layout.ghost_ring
+        head, tail = int(self._ghead[lst]), int(self._gtail[lst])
+        while head < tail:
+            ref = lst * R + head % R
+            head += 1
+            if self._gflag[ref]:
+                self._ghead[lst] = head
+                key = int(self._gring[ref])
+                self._gflag[ref] = 0
+                self._tdelete(self._tfind(key))
+                self._glive[lst] -= 1
+                return key
+        self._ghead[lst] = head
+        return None
+
+    def _ghost_compact(self, lst: int) -> None:
+        """Squeeze the dead entries out of list ``lst``'s ring, keeping the live ones in order.
+
+        Rare (the ring is twice the list's capacity) and O(ring): amortised over the pushes since.
+        """
+        R = self.layout.ghost_ring
+        head, tail = int(self._ghead[lst]), int(self._gtail[lst])
+        idx = lst * R + np.arange(head, tail) % R
+        keep = self._gflag[idx] != 0
+        keys, flags = self._gring[idx][keep], self._gflag[idx][keep]
+        new = lst * R + np.arange(head, head + len(keys)) % R
+        self._gflag[idx] = 0
+        self._gring[new] = keys
+        self._gflag[new] = flags
+        for k, ref in zip(keys.tolist(), new.tolist()):
+            self._tref[self._tfind(k)] = ref + 1
+        self._gtail[lst] = head + len(keys)
+
+    def ghost_remove(self, key64: int) -> int:
+        """Forget ``key64`` (it became resident again). Returns its list, or -1 if it was no ghost."""
+        if not self.layout.ghost_lists:
+            return -1
+        i = self._tfind(int(key64))
+        if i < 0:
+            return -1
+        ref = int(self._tref[i]) - 1
+        lst = ref // self.layout.ghost_ring
+        self._gflag[ref] = 0
+        self._tdelete(i)
+        self._glive[lst] -= 1
+        return lst
+
+    def _home(self, key: int) -> int:
+        return ((key & _M64) * _FIB & _M64) >> (64 - self._tbits)
+
+    def _tfind(self, key: int) -> int:
+        if not self.layout.ghost_table:
+            return -1
+        mask = self.layout.ghost_table - 1
+        i = self._home(key)
+        tkey, tref = self._tkey, self._tref
+        while tref[i]:
+            if tkey[i] == key:
+                return i
+            i = (i + 1) & mask
+        return -1
+
+    def _tinsert(self, key: int, ref: int) -> None:
+        mask = self.layout.ghost_table - 1
+        i = self._home(key)
+        while self._tref[i]:
+            i = (i + 1) & mask
+        self._tkey[i] = key
+        self._tref[i] = ref
+
+    def _tdelete(self, i: int) -> None:
+        # Backward-shift deletion (Knuth, TAOCP vol. 3, 6.4, Algorithm R): move later entries of the
+        # probe run into the hole unless their home lies cyclically in (hole, entry].
+        mask = self.layout.ghost_table - 1
+        tkey, tref = self._tkey, self._tref
+        j = i
+        while True:
+            j = (j + 1) & mask
+            if not tref[j]:
+                break
+            h = self._home(int(tkey[j]))
+            if (i < j and i < h <= j) or (i > j and (h > i or h <= j)):
+                continue
+            tkey[i] = tkey[j]
+            tref[i] = tref[j]
+            i = j
+        tref[i] = 0
 
 
 def _round(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 7).bit_length()

@@ -1,0 +1,80 @@
+"""Demotion (admission to the warm tier) rules: when does a hot block get written to SSD?
+
+A rule answers two questions: ``at_store`` (write every block to warm when it is stored in hot:
+write-through, needed for full cold-start recovery) and ``should_demote(hot_hits)`` (of the blocks
+just evicted from hot, which to write to warm)::
+
+    from tieredkv.policies import demotion
+    rule = demotion.make("on_nth_hit:2")
+    rule.at_store, rule.should_demote(np.array([0, 1, 3]))   # -> False, [False, False, True]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .rules import RuleRegistry
+
+_RULES = RuleRegistry("demotion")
+register, names, make = _RULES.register, _RULES.names, _RULES.make
+
+__all__ = ["DemotionRule", "OnEvict", "OnNthHit", "WriteThrough", "make", "names", "register"]
+
+
+class DemotionRule:
+    """Base class: set ``at_store`` and override ``should_demote``."""
+
+    name = ""
+    #: Write each block to the warm tier as soon as it is stored in the hot tier.
+    at_store: bool = False
+
+    def should_demote(self, hot_hits: np.ndarray) -> np.ndarray:
+        """Bool per block evicted from hot: write it to warm. ``hot_hits``: its hits while hot."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+@register
+class OnEvict(DemotionRule):
+    """Write a block to warm when the hot tier evicts it (the classic exclusive two-level cache)."""
+
+    name = "on_evict"
+
+    def should_demote(self, hot_hits):
+        return np.ones(np.shape(hot_hits), dtype=bool)
+
+
+@register
+class WriteThrough(DemotionRule):
+    """Write every block to warm at store time; evictions then need no write (already there)."""
+
+    name = "write_through"
+    at_store = True
+
+    def should_demote(self, hot_hits):
+        return np.zeros(np.shape(hot_hits), dtype=bool)
+
+
+@register
+class OnNthHit(DemotionRule):
+    """On eviction, write to warm only blocks hit at least N times while hot: spares the SSD the
+    one-off blocks (as NVIDIA Dynamo's KV block manager does for offload).
+
+    Args:
+        n: hits needed (``"on_nth_hit:2"``).
+    """
+
+    name = "on_nth_hit"
+
+    def __init__(self, n: int = 1):
+        if n < 0:
+            raise ValueError(f"on_nth_hit needs N >= 0, got {n}")
+        self.n = int(n)
+
+    def should_demote(self, hot_hits):
+        return np.asarray(hot_hits) >= self.n
+
+    def __repr__(self):
+        return f"OnNthHit({self.n})"

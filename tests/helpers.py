@@ -15,3 +15,23 @@ def payload_for(spec: KVSpec, keys) -> np.ndarray:
     # Make every 16-byte lane differ too, so a shifted copy is caught.
     out = out ^ (np.arange(spec.block_bytes, dtype=np.uint32) % 251).astype(np.uint8)
     return np.ascontiguousarray(out)
+
+
+def kv_for(spec: KVSpec, tokens, salt: bytes = b"") -> np.ndarray:
+    """A (layers, 2, kv_heads, n_tokens, head_dim) KV array whose every full chunk's bytes are derived
+    from that chunk's key (the trailing partial chunk is zeros). Compare as bytes: raw bytes may
+    spell NaNs."""
+    from tieredkv import chunk_keys
+
+    tokens = np.asarray(tokens)
+    keys = chunk_keys(spec, tokens, salt)
+    kv = np.zeros((spec.num_layers, 2, spec.num_kv_heads, len(tokens), spec.head_dim), spec.numpy_dtype)
+    blocks = payload_for(spec, keys).view(spec.numpy_dtype).reshape(len(keys), *spec.block_shape)
+    C = spec.chunk_tokens
+    for i in range(len(keys)):
+        kv[:, :, :, i * C:(i + 1) * C, :] = blocks[i]
+    return kv
+
+
+def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()

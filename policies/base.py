@@ -147,9 +147,12 @@ def insert(policy: EvictionPolicy, st: SlotState, slots: np.ndarray, key64: np.n
     parents = np.asarray(parents, dtype=np.int64)
     # A parent only counts if it is resident (it may be in the same batch, inserted just above).
     valid = parents >= 0
-    valid[valid] = st.resident[parents[valid]] == 1
-    st.parent[slots] = np.where(valid, parents, -1)
-    np.add.at(st.n_children, parents[valid], 1)
+    if valid.any():
+        valid[valid] = st.resident[parents[valid]] == 1
+        st.parent[slots] = np.where(valid, parents, -1)
+        np.add.at(st.n_children, parents[valid], 1)
+    else:
+        st.parent[slots] = -1
     st.add_g("n_resident", len(slots))
     policy.on_insert(st, slots)
 
@@ -173,7 +176,8 @@ def remove(policy: EvictionPolicy, st: SlotState, slots: np.ndarray, *, evicted:
     policy.on_remove(st, slots, evicted)
     parents = st.parent[slots]
     live = parents >= 0
-    np.subtract.at(st.n_children, parents[live], 1)
+    if live.any():
+        np.subtract.at(st.n_children, parents[live], 1)
     orphaned = slots[st.n_children[slots] > 0]
     if len(orphaned):
         # Children of a removed block lose their parent link (prefix_aware never gets here). One
@@ -218,7 +222,7 @@ def evict(policy: EvictionPolicy, st: SlotState, n: int, evictable: np.ndarray |
         st.incoming = None
     if len(victims) and not candidates[victims].all():
         raise RuntimeError(f"policy {policy.name!r} chose a slot that was not a candidate")
-    if len(np.unique(victims)) != len(victims) or len(victims) > n:
+    if len(victims) > n or (len(victims) > 1 and len(np.unique(victims)) != len(victims)):
         raise RuntimeError(f"policy {policy.name!r} chose {len(victims)} victims for n={n}, or a slot twice")
     remove(policy, st, victims, evicted=True)
     return victims

@@ -1,0 +1,91 @@
+"""The ``tieredkv simulate`` subcommand: argument wiring and the text table.
+
+``tieredkv/cli.py`` registers it as ``add_arguments(subparser)`` plus ``main(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tieredkv import policies
+
+from .plot import plot_mrc
+from .replay import run_simulation
+from .synthetic import synthetic_trace
+from .trace import read_trace
+
+__all__ = ["add_arguments", "main", "format_table"]
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``simulate`` options to ``parser``."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="trace file: Mooncake JSONL (hash_ids), our JSONL (blocks) or CSV")
+    src.add_argument("--synthetic", type=int, metavar="N",
+                     help="generate N synthetic requests (system prompts, sessions, one-offs) instead")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
+    parser.add_argument("--format", choices=["jsonl", "csv"], help="trace format (default: from the suffix)")
+    parser.add_argument("--policy", default="lru",
+                        help=f"comma-separated eviction policies (valid: {', '.join(policies.names())}; "
+                             "prefix_aware:BASE wraps BASE)")
+    parser.add_argument("--capacity", default="1%,5%,10%,20%",
+                        help="comma-separated sizes in blocks, or N%% of the trace's unique blocks")
+    parser.add_argument("--hot", help="two-level replay: comma-separated hot sizes (blocks or N%%)")
+    parser.add_argument("--warm", help="two-level replay: warm size(s), one or one per hot size")
+    parser.add_argument("--promotion", default="always", help="two-level: promotion rule (always, never, on_nth_hit:N)")
+    parser.add_argument("--demotion", default="on_evict",
+                        help="two-level: demotion rule (on_evict, write_through, on_nth_hit:N)")
+    parser.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument("--plot", metavar="OUT.png", help="draw the miss-ratio curves into OUT.png (matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def format_table(result: dict) -> str:
+    """The results as an aligned text table."""
+    two_level = any("hot_blocks" in r for r in result["results"])
+    head = ["policy", "hot", "warm"] if two_level else ["policy", "capacity"]
+    head += ["% unique", "block hit", "prefix hit", "req/s"]
+    rows = []
+    for r in result["results"]:
+        size = [r["hot_blocks"], r["warm_blocks"]] if two_level else [r["capacity_blocks"]]
+        rows.append([r["policy"], *map(str, size), f"{100 * r['capacity_fraction']:.1f}",
+                     f"{r['block_hit_ratio']:.4f}", f"{r['prefix_hit_ratio']:.4f}", f"{r['requests_per_s'] or 0:.0f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = [f"trace {result['trace']}: {result['requests']} requests, {result['accesses']} block accesses, "
+             f"{result['unique_blocks']} unique blocks"]
+    lines += ["  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths)))
+              for row in [head, *rows]]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``tieredkv simulate``; print the table; write ``--json`` / ``--plot``. Returns the exit code."""
+    if args.trace:
+        trace = read_trace(args.trace, fmt=args.format)
+    else:
+        trace = synthetic_trace(args.synthetic, seed=args.seed)
+    if bool(args.warm) != bool(args.hot):
+        print("tieredkv simulate: --hot and --warm go together", file=sys.stderr)
+        return 2
+    try:
+        result = run_simulation(trace, _csv(args.policy), _csv(args.capacity),
+                                hot=_csv(args.hot) if args.hot else None,
+                                warm=_csv(args.warm) if args.warm else None,
+                                promotion=args.promotion, demotion=args.demotion,
+                                progress=not args.no_progress and sys.stderr.isatty())
+    except policies.UnknownPolicy as e:
+        print(f"tieredkv simulate: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot_mrc(result, args.plot)
+    return 0

@@ -55,11 +55,13 @@ class TierStats:
 class Evicted:
     """Blocks a tier evicted, handed back so the caller may demote them.
 
-    ``payloads`` is ``None`` when the tier could not keep the bytes (the caller then only learns keys).
+    ``payloads`` is ``None`` when the tier could not keep the bytes (the caller then only learns keys);
+    ``hits`` (when the tier tracks them) is each block's hit count while it was resident.
     """
 
     keys: ChunkKeys
     payloads: np.ndarray | None
+    hits: np.ndarray | None = None
 
 
 class Tier(abc.ABC):

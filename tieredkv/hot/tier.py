@@ -103,10 +103,14 @@ class HotTier(Tier):
         if policy is not None and not isinstance(policy, str):
             raise InvalidInput("policy must be a registered policy name, e.g. 'lru'")
         engine = policies.make(policy or "lru")
-        if create:
+        if create and capacity_bytes is None and n_slots is None:
+            try:  # no size given: attach to the segment other processes made
+                self._map, self.created = seg.attach(spec, self.name), False
+            except posix_ipc.ExistentialError:
+                raise InvalidInput(f"segment {self.name} does not exist yet; give capacity_bytes (or "
+                                   "n_slots) to create it") from None
+        elif create:
             if n_slots is None:
-                if capacity_bytes is None:
-                    raise InvalidInput("give capacity_bytes (or n_slots) to create a hot tier segment")
                 if capacity_bytes <= 0:
                     raise InvalidInput(f"capacity_bytes must be positive, got {capacity_bytes}")
                 n_slots = seg.Layout.slots_for(
@@ -319,12 +323,11 @@ class HotTier(Tier):
                 rec["token"] = 0
         slots["pins"] = pins
         # Free stack and index from the slot table.
-        used = np.flatnonzero(slots["state"] != FREE)
         free = np.flatnonzero(slots["state"] == FREE)[::-1]
         self._free[: len(free)] = free
         self._h["free_top"] = len(free)
-        self._h["used"] = len(used)
-        self._rebuild_index(used)
+        self._h["used"] = self.n_slots - len(free)
+        self._rebuild_index(self._indexed_slots())
         # Policy residency must equal READY.
         st, engine = self._state, self._policy
         ready = slots["state"] == READY
@@ -381,12 +384,13 @@ class HotTier(Tier):
             pos = (pos + 1) & mask
         raise CorruptState(f"segment {self.name}: hash index is full")  # impossible at load <= 1/2
 
-    def _index_remove(self, slots: np.ndarray) -> None:
+    def _index_remove(self, slots: np.ndarray, key_lo: np.ndarray) -> None:
+        """Tombstone the entries of ``slots`` (whose keys' low words are ``key_lo``)."""
         if not len(slots):
             return
         index, mask = self._index, self._mask
-        for s in slots:
-            pos = int(self._slots["key"][s, 0]) & mask
+        for s, lo in zip(slots.tolist(), key_lo.tolist()):
+            pos = lo & mask
             for _ in range(mask + 1):
                 e = int(index[pos])
                 if e == s:
@@ -397,7 +401,13 @@ class HotTier(Tier):
                     break
                 pos = (pos + 1) & mask
         if int(self._h["tombstones"]) > (mask + 1) // 8:
-            self._rebuild_index(np.flatnonzero(self._slots["state"] != FREE))
+            self._rebuild_index(self._indexed_slots())
+
+    def _indexed_slots(self) -> np.ndarray:
+        """Slots the index must hold: READY or WRITING with a key. Victims detached from their old
+        key (zeroed, see ``_choose_victims``) and FREE slots are not indexed."""
+        rec = self._slots
+        return np.flatnonzero((rec["state"] != FREE) & (rec["key"] != 0).any(axis=1))
 
     def _rebuild_index(self, used: np.ndarray) -> None:
         """Re-place every used slot, vectorised: one numpy pass per probe distance."""
@@ -424,10 +434,10 @@ class HotTier(Tier):
             return
         rec = self._slots
         policies.remove(self._policy, self._state, slots)
-        self._index_remove(slots)
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
         rec["state"][slots] = FREE
+        self._index_remove(slots, rec["key"][slots, 0])
         top = int(self._h["free_top"])
         self._free[top:top + len(slots)] = slots
         self._h["free_top"] = top + len(slots)
@@ -440,17 +450,22 @@ class HotTier(Tier):
         self._h["free_top"] = top - k
         return got
 
-    def _choose_victims(self, n: int) -> np.ndarray:
-        """Let the policy pick up to ``n`` READY, unpinned victims and detach them from index and
-        policy; they become WRITING by us (generation odd) until reused or freed."""
+    def _choose_victims(self, n: int, incoming: np.ndarray | None = None) -> tuple[np.ndarray, Evicted]:
+        """Let the policy pick up to ``n`` READY, unpinned victims and detach them from the index and
+        the policy: they become WRITING by us (generation odd), with their key zeroed, until reused
+        or freed. Returns the victims and what they held (keys, hit counts; bytes still in place)."""
         rec = self._slots
         evictable = (rec["state"] == READY) & (rec["pins"] == 0)
-        victims = policies.evict(self._policy, self._state, n, evictable)
+        victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
+        old = Evicted(ChunkKeys(rec["key"][victims].copy(), rec["parent"][victims].copy(),
+                                self._tokens[victims].copy(), 0, rec["position"][victims].astype(np.int64)),
+                      None, self._state.hits[victims].copy())  # remove() leaves hits: demotion rules use them
         if len(victims):
-            self._index_remove(victims)
             self._claim(victims)
+            rec["key"][victims] = 0
+            self._index_remove(victims, old.keys.keys[:, 0])
             self._stats[_STAT["evictions"]] += len(victims)
-        return victims
+        return victims, old
 
     def _claim(self, slots: np.ndarray) -> None:
         rec = self._slots
@@ -498,12 +513,37 @@ class HotTier(Tier):
         """
         self._check()
         self._check_keys(keys)
+        dst = as_block_bytes(self.spec, out, len(keys), what="out", writable=True)
+
+        def copy(first: int, slots: np.ndarray) -> None:
+            rows = dst[first:first + len(slots)]
+            np.take(self._data, slots, axis=0, out=rows, mode="clip")  # "raise" would buffer out
+
+        return self._read(keys, copy)
+
+    def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
+        """Like ``get_many``, but hand each block to ``sink(i, block_bytes)`` while it is pinned.
+
+        ``block_bytes`` is a uint8 view of the slot in shared memory, valid only during the call:
+        copy it where it belongs (e.g. a strided slice of a model's cache tensor), which saves the
+        intermediate copy ``get_many`` would make. Returns how many leading blocks were delivered.
+        """
+        self._check()
+        self._check_keys(keys)
+        data = self._data
+
+        def copy(first: int, slots: np.ndarray) -> None:
+            for i, slot in enumerate(slots.tolist()):
+                sink(first + i, data[slot])
+
+        return self._read(keys, copy)
+
+    def _read(self, keys: ChunkKeys, copy: Callable[[int, np.ndarray], None]) -> int:
         n = len(keys)
-        dst = as_block_bytes(self.spec, out, n, what="out", writable=True)
         done = 0
         while done < n:
             batch = min(n - done, seg.MAX_PINS)
-            got = self._get_batch(keys[done:done + batch], dst[done:done + batch])
+            got = self._read_batch(keys[done:done + batch], done, copy)
             done += got
             if got < batch:
                 break
@@ -513,7 +553,7 @@ class HotTier(Tier):
         st[_STAT["bytes_out"]] += done * self.spec.block_bytes
         return done
 
-    def _get_batch(self, keys: ChunkKeys, dst: np.ndarray) -> int:
+    def _read_batch(self, keys: ChunkKeys, first: int, copy) -> int:
         found = self._find(keys.keys)
         ok = self._confirmed(keys, found)
         n = int(np.argmin(ok)) if not ok.all() else len(ok)
@@ -533,7 +573,7 @@ class HotTier(Tier):
             me["n_pins"] = n
         try:
             self._hook("copy")
-            np.take(self._data, slots, axis=0, out=dst[:n], mode="clip")  # "raise" would buffer out
+            copy(first, slots)
         finally:
             with self._critical():
                 self._release_pins()
@@ -585,19 +625,17 @@ class HotTier(Tier):
             if len(slots) < len(todo) and self._reclaim_dead():
                 slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
             n_free = len(slots)
-            victims = np.zeros(0, dtype=np.int64)
+            victims, old = np.zeros(0, dtype=np.int64), None
             if n_free < len(todo):
                 want = max(len(todo) - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
-                victims = self._choose_victims(want)
+                incoming = keys.keys[todo[n_free:], 0]
+                victims, old = self._choose_victims(want, incoming)
                 if not len(victims) and self._reclaim_dead():
                     slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
                     n_free = len(slots)
                     if n_free < len(todo):
-                        victims = self._choose_victims(want)
+                        victims, old = self._choose_victims(want, incoming)
             if len(victims):
-                victim_keys = ChunkKeys(rec["key"][victims].copy(), rec["parent"][victims].copy(),
-                                        self._tokens[victims].copy(), 0,
-                                        rec["position"][victims].astype(np.int64))
                 slots = np.concatenate([slots, victims])
             stored = todo[: len(slots)]
             codes[todo[len(slots):]] = _NO_SPACE
@@ -614,7 +652,7 @@ class HotTier(Tier):
         if len(victims):
             # The victims are WRITING by us: nobody else touches their bytes until we publish.
             payload = self._data[victims].copy() if self.on_evict is not None else None
-            evicted = Evicted(victim_keys, payload)
+            evicted = Evicted(old.keys, payload, old.hits)
         self._hook("write")
         self._tokens[use] = keys.tokens[stored]
         data = self._data
@@ -680,13 +718,11 @@ class HotTier(Tier):
             raise InvalidInput(f"n must be a non-negative integer, got {n!r}")
         rec = self._slots
         with self._critical():
-            victims = self._choose_victims(int(n))
-            keys = ChunkKeys(rec["key"][victims].copy(), rec["parent"][victims].copy(),
-                             self._tokens[victims].copy(), 0, rec["position"][victims].astype(np.int64))
+            victims, old = self._choose_victims(int(n))
         payloads = self._data[victims].copy()
         with self._critical():
             self._release_spare(victims)
-        return Evicted(keys, payloads)
+        return Evicted(old.keys, payloads, old.hits)
 
     # ---- introspection ---------------------------------------------------------------------------
     def stats(self) -> TierStats:

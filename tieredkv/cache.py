@@ -1,0 +1,415 @@
+"""TieredCache: the object users hold. Lookup across tiers, load, store, promotion and demotion.
+
+```
+lookup(tokens) --keys--> hot.contains_many --(misses)--> warm.contains_many --> PrefixHit
+load(hit, out)  : hot blocks copied straight from shared memory into ``out`` (one copy, pinned);
+                  warm blocks read into a staging buffer, scattered into ``out``, promoted from there
+store(tokens,kv): new full chunks -> hot (evictions demoted to warm) [+ warm if write-through]
+```
+
+A block may be hot while its parent is warm: the hit is the longest run of leading blocks each found
+in *some* tier. Nothing here holds a lock across calls; a block lost between ``lookup`` and ``load``
+truncates the load, it never corrupts it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+from tieredkv import policies
+from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
+from tieredkv.hot import HotTier
+from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
+from tieredkv.policies import demotion as demotion_rules
+from tieredkv.policies import promotion as promotion_rules
+from tieredkv.spec import KVSpec
+from tieredkv.tier import Evicted, PutResult
+
+HOT, WARM = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixHit:
+    """The result of ``lookup``: how much of a prompt's prefix the tiers hold, and where.
+
+    Attributes:
+        tokens: cached prefix length in tokens (a multiple of ``chunk_tokens``, always < the prompt).
+        prompt_tokens: the prompt's length.
+        keys: the keys of the hit blocks.
+        where: per hit block, ``HOT`` (0) or ``WARM`` (1).
+    """
+
+    tokens: int
+    prompt_tokens: int
+    keys: ChunkKeys
+    where: np.ndarray
+
+    @property
+    def blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def hot_blocks(self) -> int:
+        return int(np.count_nonzero(self.where == HOT))
+
+    @property
+    def warm_blocks(self) -> int:
+        return int(np.count_nonzero(self.where == WARM))
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens the model still has to compute."""
+        return self.prompt_tokens - self.tokens
+
+
+_COUNTERS = ("lookups", "prompt_tokens", "hit_tokens", "hot_hit_tokens", "warm_hit_tokens", "prefill_tokens",
+             "loaded_tokens", "lost_blocks", "stored_blocks", "hot_bytes_read", "warm_bytes_read",
+             "hot_bytes_written", "warm_bytes_written", "promotions", "demotions", "warm_errors")
+
+
+class TieredCache:
+    """A hot (shared memory) tier in front of an optional warm (SSD) tier, for one KV spec.
+
+    Args:
+        spec: the model's KV geometry and namespace.
+        hot_bytes: size of the shared-memory segment to create (attaching processes may pass the same).
+        warm_dir: directory of the warm tier; ``None``: hot tier only.
+        warm_bytes: warm tier capacity (required with ``warm_dir``).
+        eviction: eviction policy name for both tiers (see ``tieredkv.policies.names()``).
+        promotion: ``"always"``, ``"on_nth_hit:N"`` or ``"never"`` (warm -> hot on load).
+        demotion: ``"on_evict"``, ``"write_through"`` or ``"on_nth_hit:N"`` (hot -> warm).
+        hot_name: segment name (default derived from the spec).
+        warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
+        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
+        numa_node: one hot segment per NUMA node (see docs/tuning.md).
+
+    Raises:
+        InvalidInput: a bad argument (the message says which and how to fix it).
+        TieredKVError: a tier could not be opened (see ``HotTier`` and ``WarmTier``).
+    """
+
+    def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
+                 eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
+                 hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
+                 numa_node: int | None = None, lock_timeout_s: float = 10.0):
+        if not isinstance(spec, KVSpec):
+            raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
+        self.spec = spec
+        try:
+            policies.make(eviction)
+            self.promotion = promotion_rules.make(promotion)
+            self.demotion = demotion_rules.make(demotion)
+        except (KeyError, ValueError, TypeError) as e:
+            raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
+        if warm_dir is not None and not warm_bytes:
+            raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.warm = None
+        self.hot = None
+        try:
+            if warm_dir is not None:
+                from tieredkv.warm import WarmTier
+
+                self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
+                                     policy=eviction)
+            self.hot = HotTier(spec, hot_bytes, name=hot_name, policy=eviction, numa_node=numa_node,
+                               lock_timeout_s=lock_timeout_s,
+                               on_evict=self._demote if self.warm is not None else None)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- lookup ---------------------------------------------------------------------------------
+    def lookup(self, tokens: Any, salt: bytes = b"") -> PrefixHit:
+        """Find the longest cached prefix of ``tokens`` (1-D ints) under ``salt``.
+
+        A hit never covers the whole prompt: the model needs at least one token to compute logits.
+        """
+        ids = as_tokens(tokens)
+        usable = max(len(ids) - 1, 0) // self.spec.chunk_tokens
+        keys = chunk_keys(self.spec, ids[: usable * self.spec.chunk_tokens], salt)
+        where = np.full(len(keys), -1, dtype=np.int8)
+        if len(keys):
+            where[self.hot.contains_many(keys)] = HOT
+            missing = np.flatnonzero(where < 0)
+            if len(missing) and self.warm is not None:
+                # Only the part before the first block that is in neither tier can be used.
+                candidates = missing
+                in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(candidates)),
+                                          default=np.zeros(len(candidates), dtype=bool))
+                where[candidates[in_warm]] = WARM
+        run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
+        hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
+                        where=where[:run].copy())
+        with self._lock:
+            c = self._counts
+            c["lookups"] += 1
+            c["prompt_tokens"] += len(ids)
+            c["hit_tokens"] += hit.tokens
+            c["hot_hit_tokens"] += hit.hot_blocks * self.spec.chunk_tokens
+            c["warm_hit_tokens"] += hit.warm_blocks * self.spec.chunk_tokens
+            c["prefill_tokens"] += hit.prefill_tokens
+        return hit
+
+    # ---- load -----------------------------------------------------------------------------------
+    def load(self, hit: PrefixHit, out: Any) -> int:
+        """Copy the hit's blocks into ``out[:, :, :, :n, :]``; return ``n``, the tokens loaded.
+
+        ``out``: numpy array or torch tensor shaped ``(layers, 2, kv_heads, >= hit.tokens, head_dim)``
+        in the spec's dtype (bfloat16: a torch bfloat16 tensor, or numpy uint16). A CUDA tensor is
+        filled through pinned host memory. Blocks evicted since ``lookup`` truncate the result.
+        """
+        if not isinstance(hit, PrefixHit):
+            raise InvalidInput("load() takes the PrefixHit returned by lookup()")
+        if hit.blocks == 0:
+            return 0
+        target, finish = self._host_view(out, hit.tokens)
+        C = self.spec.chunk_tokens
+        loaded = 0  # leading blocks in place
+        i = 0
+        while i < hit.blocks:
+            j = i
+            tier = hit.where[i]
+            while j < hit.blocks and hit.where[j] == tier:
+                j += 1
+            run = hit.keys[i:j]
+            if tier == HOT:
+                got = self._load_hot(run, target, i)
+            else:
+                got = self._load_warm(run, target, i)
+            loaded += got
+            if got < j - i:
+                break
+            i = j
+        finish(loaded * C)
+        with self._lock:
+            self._counts["loaded_tokens"] += loaded * C
+            self._counts["lost_blocks"] += hit.blocks - loaded
+        return loaded * C
+
+    def _load_hot(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
+        C = self.spec.chunk_tokens
+        shape = self.spec.block_shape
+
+        def sink(i: int, block: np.ndarray) -> None:
+            at = (first + i) * C
+            np.copyto(target[:, :, :, at:at + C, :], block.view(self.spec.numpy_dtype).reshape(shape))
+
+        got = self.hot.read_into(keys, sink)
+        with self._lock:
+            self._counts["hot_bytes_read"] += got * self.spec.block_bytes
+        return got
+
+    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
+        C = self.spec.chunk_tokens
+        staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
+        for i in range(got):
+            at = (first + i) * C
+            np.copyto(target[:, :, :, at:at + C, :], staging[i])
+        with self._lock:
+            self._counts["warm_bytes_read"] += got * self.spec.block_bytes
+        if got:
+            self._promote(keys[:got], staging[:got])
+        return got
+
+    def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Promote warm blocks just read, per the promotion rule, from the bytes in hand."""
+        with self._lock:
+            counts = np.empty(len(keys), dtype=np.int64)
+            for i, k in enumerate(keys):
+                n = self._warm_hits.pop(k, 0) + 1
+                self._warm_hits[k] = n
+                counts[i] = n
+            while len(self._warm_hits) > 65536:  # a bounded, per-process memory of warm hits
+                self._warm_hits.popitem(last=False)
+        chosen = np.flatnonzero(self.promotion.should_promote(counts))
+        if len(chosen):
+            codes = self.hot.put_many(keys.take(chosen), payloads[chosen])
+            with self._lock:
+                self._counts["promotions"] += int(np.count_nonzero(codes == PutResult.STORED))
+
+    # ---- store ----------------------------------------------------------------------------------
+    def store(self, tokens: Any, kv: Any, salt: bytes = b"") -> int:
+        """Cache the full chunks among the first ``n_tokens`` tokens, ``n_tokens = kv.shape[3]``.
+
+        Blocks already present in a tier (or being written by another process) are skipped.
+        Returns the number of blocks newly stored in the hot tier.
+        """
+        ids = as_tokens(tokens)
+        src = self._host_source(kv)
+        n_tokens = src.shape[3]
+        if n_tokens > len(ids):
+            raise InvalidInput(f"kv holds {n_tokens} tokens but only {len(ids)} token ids were given")
+        C = self.spec.chunk_tokens
+        keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt)
+        if not len(keys):
+            return 0
+        todo = np.flatnonzero(~self.hot.contains_many(keys))
+        if len(todo) and self.warm is not None and not self.demotion.at_store:
+            in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(todo)),
+                                      default=np.zeros(len(todo), dtype=bool))
+            todo = todo[~in_warm]
+        if not len(todo):
+            return 0
+        new = keys.take(todo)
+        payloads = np.empty((len(todo), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        for row, b in enumerate(todo.tolist()):
+            np.copyto(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
+        codes = self.hot.put_many(new, payloads)
+        stored = int(np.count_nonzero(codes == PutResult.STORED))
+        if self.warm is not None and self.demotion.at_store:
+            wcodes = self._warm_call(lambda: self.warm.put_many(new, payloads), default=None)
+            if wcodes is not None:
+                with self._lock:
+                    self._counts["warm_bytes_written"] += int(np.count_nonzero(wcodes == PutResult.STORED)) * \
+                        self.spec.block_bytes
+        with self._lock:
+            self._counts["stored_blocks"] += stored
+            self._counts["hot_bytes_written"] += stored * self.spec.block_bytes
+        return stored
+
+    def _demote(self, evicted: Evicted) -> None:
+        """The hot tier's on_evict hook: write evicted blocks to warm per the demotion rule."""
+        if evicted.payloads is None or not len(evicted.keys):
+            return
+        hits = evicted.hits if evicted.hits is not None else np.zeros(len(evicted.keys), dtype=np.int64)
+        chosen = np.flatnonzero(self.demotion.should_demote(hits))
+        if not len(chosen):
+            return
+        codes = self._warm_call(lambda: self.warm.put_many(evicted.keys.take(chosen), evicted.payloads[chosen]),
+                                default=None)
+        if codes is not None:
+            n = int(np.count_nonzero(codes == PutResult.STORED))
+            with self._lock:
+                self._counts["demotions"] += n
+                self._counts["warm_bytes_written"] += n * self.spec.block_bytes
+
+    def _warm_call(self, fn, default):
+        """Run a warm-tier call; a warm failure degrades to a miss (counted, warned once), never an
+        exception on the serving path. The hot tier keeps serving."""
+        try:
+            return fn()
+        except TieredKVError as e:
+            with self._lock:
+                first = self._counts["warm_errors"] == 0
+                self._counts["warm_errors"] += 1
+            if first:
+                warnings.warn(f"tieredkv: warm tier failed ({e}); serving from the hot tier",
+                              RuntimeWarning, stacklevel=3)
+            return default
+
+    # ---- tensors ----------------------------------------------------------------------------------
+    def _expected_shape(self, n_tokens: int) -> tuple[int, ...]:
+        s = self.spec
+        return (s.num_layers, 2, s.num_kv_heads, n_tokens, s.head_dim)
+
+    def _check_array(self, arr: np.ndarray, what: str, min_tokens: int) -> None:
+        s = self.spec
+        if arr.ndim != 5 or arr.shape[:3] != (s.num_layers, 2, s.num_kv_heads) or arr.shape[4] != s.head_dim:
+            raise InvalidPayload(f"{what} must be shaped (num_layers={s.num_layers}, 2, num_kv_heads="
+                                 f"{s.num_kv_heads}, n_tokens, head_dim={s.head_dim}), got {tuple(arr.shape)}")
+        if arr.shape[3] < min_tokens:
+            raise InvalidPayload(f"{what} holds {arr.shape[3]} tokens; the hit needs {min_tokens}")
+
+    def _torch_dtype_ok(self, t) -> bool:
+        return str(t.dtype).removeprefix("torch.") == self.spec.dtype
+
+    def _host_view(self, out: Any, min_tokens: int):
+        """A writable numpy view of ``out`` (or of a pinned staging buffer) and a ``finish(n)`` to
+        call once ``n`` tokens are in place."""
+        if isinstance(out, np.ndarray):
+            if out.dtype != self.spec.numpy_dtype:
+                raise InvalidPayload(f"out dtype {out.dtype} != the spec's {self.spec.dtype} "
+                                     f"(numpy {self.spec.numpy_dtype})")
+            if not out.flags.writeable:
+                raise InvalidPayload("out is read-only")
+            self._check_array(out, "out", min_tokens)
+            return out, lambda n: None
+        torch = _torch_or_none(out)
+        if torch is None:
+            raise InvalidPayload(f"out must be a numpy array or a torch tensor, got {type(out).__name__}")
+        if not self._torch_dtype_ok(out):
+            raise InvalidPayload(f"out dtype {out.dtype} != the spec's {self.spec.dtype}")
+        self._check_array(out, "out", min_tokens)
+        if out.device.type == "cpu":
+            return _numpy_of(out, self.spec.numpy_dtype), lambda n: None
+        # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call.
+        staging = torch.empty(self._expected_shape(min_tokens), dtype=out.dtype, pin_memory=True)
+        host = _numpy_of(staging, self.spec.numpy_dtype)
+
+        def finish(n: int) -> None:
+            if n:
+                out[:, :, :, :n, :].copy_(staging[:, :, :, :n, :], non_blocking=True)
+                torch.cuda.current_stream(out.device).synchronize()  # staging must outlive the copy
+
+        return host, finish
+
+    def _host_source(self, kv: Any) -> np.ndarray:
+        if isinstance(kv, np.ndarray):
+            if kv.dtype != self.spec.numpy_dtype:
+                raise InvalidPayload(f"kv dtype {kv.dtype} != the spec's {self.spec.dtype} "
+                                     f"(numpy {self.spec.numpy_dtype})")
+            self._check_array(kv, "kv", 0)
+            return kv
+        torch = _torch_or_none(kv)
+        if torch is None:
+            raise InvalidPayload(f"kv must be a numpy array or a torch tensor, got {type(kv).__name__}")
+        if not self._torch_dtype_ok(kv):
+            raise InvalidPayload(f"kv dtype {kv.dtype} != the spec's {self.spec.dtype}")
+        self._check_array(kv, "kv", 0)
+        if kv.device.type != "cpu":
+            kv = kv.detach().to("cpu")
+        return _numpy_of(kv.detach(), self.spec.numpy_dtype)
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """This process's cache counters plus each tier's ``TierStats`` (the hot tier's are per host)."""
+        with self._lock:
+            doc = dict(self._counts)
+        doc["prefix_hit_rate"] = doc["hit_tokens"] / doc["prompt_tokens"] if doc["prompt_tokens"] else 0.0
+        doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
+        doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
+        return doc
+
+    def close(self) -> None:
+        """Close both tiers (idempotent). Shared state stays for other processes and restarts."""
+        for tier in (self.hot, self.warm):
+            if tier is not None:
+                tier.close()
+
+    def __enter__(self) -> "TieredCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        warm = "" if self.warm is None else f", warm={self.warm!r}"
+        return f"TieredCache({self.spec.namespace}, hot={self.hot!r}{warm})"
+
+
+def _torch_or_none(obj: Any):
+    if type(obj).__module__.split(".")[0] != "torch":
+        return None
+    import torch
+
+    return torch if isinstance(obj, torch.Tensor) else None
+
+
+def _numpy_of(t, numpy_dtype: np.dtype) -> np.ndarray:
+    """A numpy view sharing ``t``'s memory (any strides); bfloat16 is viewed as uint16."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint16) if hasattr(torch, "uint16") else t.view(torch.int16)
+    arr = t.numpy()
+    return arr.view(numpy_dtype) if arr.dtype != numpy_dtype else arr

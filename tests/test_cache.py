@@ -269,3 +269,8 @@ def test_eight_processes_store_and_load_the_same_prefixes(spec, make, tmp_path, 
     assert sum(n for _, n in got) > 0
     census = cache.hot.slot_census()
     assert census["writing_live"] == census["writing_dead"] == census["pinned"] == 0
+    # Counters live in the segment: this process sees every worker's lookups (per host, not per process).
+    stats = cache.stats()
+    assert stats["lookups"] == 8 * 60
+    assert stats["loaded_tokens"] == sum(n for _, n in got)
+    assert sum(stats["lookup_hist"]) == 8 * 60

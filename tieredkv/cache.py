@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -68,11 +69,6 @@ class PrefixHit:
         return self.prompt_tokens - self.tokens
 
 
-_COUNTERS = ("lookups", "prompt_tokens", "hit_tokens", "hot_hit_tokens", "warm_hit_tokens", "prefill_tokens",
-             "loaded_tokens", "lost_blocks", "stored_blocks", "hot_bytes_read", "warm_bytes_read",
-             "hot_bytes_written", "warm_bytes_written", "promotions", "demotions", "warm_errors")
-
-
 class TieredCache:
     """A hot (shared memory) tier in front of an optional warm (SSD) tier, for one KV spec.
 
@@ -110,7 +106,7 @@ class TieredCache:
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._warned = False
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.warm = None
         self.hot = None
@@ -133,6 +129,7 @@ class TieredCache:
 
         A hit never covers the whole prompt: the model needs at least one token to compute logits.
         """
+        started = time.perf_counter()
         ids = as_tokens(tokens)
         usable = max(len(ids) - 1, 0) // self.spec.chunk_tokens
         keys = chunk_keys(self.spec, ids[: usable * self.spec.chunk_tokens], salt)
@@ -149,14 +146,10 @@ class TieredCache:
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
                         where=where[:run].copy())
-        with self._lock:
-            c = self._counts
-            c["lookups"] += 1
-            c["prompt_tokens"] += len(ids)
-            c["hit_tokens"] += hit.tokens
-            c["hot_hit_tokens"] += hit.hot_blocks * self.spec.chunk_tokens
-            c["warm_hit_tokens"] += hit.warm_blocks * self.spec.chunk_tokens
-            c["prefill_tokens"] += hit.prefill_tokens
+        C = self.spec.chunk_tokens
+        self._count(lookups=1, prompt_tokens=len(ids), hit_tokens=hit.tokens, hot_hit_tokens=hit.hot_blocks * C,
+                    warm_hit_tokens=hit.warm_blocks * C, prefill_tokens=hit.prefill_tokens)
+        self._observe("lookup", time.perf_counter() - started)
         return hit
 
     # ---- load -----------------------------------------------------------------------------------
@@ -171,6 +164,7 @@ class TieredCache:
             raise InvalidInput("load() takes the PrefixHit returned by lookup()")
         if hit.blocks == 0:
             return 0
+        started = time.perf_counter()
         target, finish = self._host_view(out, hit.tokens)
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
@@ -190,9 +184,8 @@ class TieredCache:
                 break
             i = j
         finish(loaded * C)
-        with self._lock:
-            self._counts["loaded_tokens"] += loaded * C
-            self._counts["lost_blocks"] += hit.blocks - loaded
+        self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
+        self._observe("load", time.perf_counter() - started)
         return loaded * C
 
     def _load_hot(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
@@ -204,8 +197,7 @@ class TieredCache:
             np.copyto(target[:, :, :, at:at + C, :], block.view(self.spec.numpy_dtype).reshape(shape))
 
         got = self.hot.read_into(keys, sink)
-        with self._lock:
-            self._counts["hot_bytes_read"] += got * self.spec.block_bytes
+        self._count(hot_bytes_read=got * self.spec.block_bytes)
         return got
 
     def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
@@ -215,8 +207,7 @@ class TieredCache:
         for i in range(got):
             at = (first + i) * C
             np.copyto(target[:, :, :, at:at + C, :], staging[i])
-        with self._lock:
-            self._counts["warm_bytes_read"] += got * self.spec.block_bytes
+        self._count(warm_bytes_read=got * self.spec.block_bytes)
         if got:
             self._promote(keys[:got], staging[:got])
         return got
@@ -234,8 +225,7 @@ class TieredCache:
         chosen = np.flatnonzero(self.promotion.should_promote(counts))
         if len(chosen):
             codes = self.hot.put_many(keys.take(chosen), payloads[chosen])
-            with self._lock:
-                self._counts["promotions"] += int(np.count_nonzero(codes == PutResult.STORED))
+            self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
 
     # ---- store ----------------------------------------------------------------------------------
     def store(self, tokens: Any, kv: Any, salt: bytes = b"") -> int:
@@ -269,12 +259,9 @@ class TieredCache:
         if self.warm is not None and self.demotion.at_store:
             wcodes = self._warm_call(lambda: self.warm.put_many(new, payloads), default=None)
             if wcodes is not None:
-                with self._lock:
-                    self._counts["warm_bytes_written"] += int(np.count_nonzero(wcodes == PutResult.STORED)) * \
-                        self.spec.block_bytes
-        with self._lock:
-            self._counts["stored_blocks"] += stored
-            self._counts["hot_bytes_written"] += stored * self.spec.block_bytes
+                n = int(np.count_nonzero(wcodes == PutResult.STORED))
+                self._count(warm_bytes_written=n * self.spec.block_bytes)
+        self._count(stored_blocks=stored, hot_bytes_written=stored * self.spec.block_bytes)
         return stored
 
     def _demote(self, evicted: Evicted) -> None:
@@ -289,9 +276,7 @@ class TieredCache:
                                 default=None)
         if codes is not None:
             n = int(np.count_nonzero(codes == PutResult.STORED))
-            with self._lock:
-                self._counts["demotions"] += n
-                self._counts["warm_bytes_written"] += n * self.spec.block_bytes
+            self._count(demotions=n, warm_bytes_written=n * self.spec.block_bytes)
 
     def _warm_call(self, fn, default):
         """Run a warm-tier call; a warm failure degrades to a miss (counted, warned once), never an
@@ -299,9 +284,9 @@ class TieredCache:
         try:
             return fn()
         except TieredKVError as e:
+            self._count(warm_errors=1)
             with self._lock:
-                first = self._counts["warm_errors"] == 0
-                self._counts["warm_errors"] += 1
+                first, self._warned = not self._warned, True
             if first:
                 warnings.warn(f"tieredkv: warm tier failed ({e}); serving from the hot tier",
                               RuntimeWarning, stacklevel=3)
@@ -371,10 +356,22 @@ class TieredCache:
         return _numpy_of(kv.detach(), self.spec.numpy_dtype)
 
     # ---- introspection ------------------------------------------------------------------------------
-    def stats(self) -> dict:
-        """This process's cache counters plus each tier's ``TierStats`` (the hot tier's are per host)."""
+    def _count(self, **deltas: int) -> None:
+        """Add to this handle's counter row in the hot segment (summed over rows: per host)."""
         with self._lock:
-            doc = dict(self._counts)
+            counters = self.hot.counters
+            for name, n in deltas.items():
+                if n:
+                    counters.add(name, n)
+
+    def _observe(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self.hot.counters.observe(what, seconds)
+
+    def stats(self) -> dict:
+        """Per-host counters of every process using this cache (they live in the hot segment), the
+        prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
+        doc = self.hot.host_counters()
         doc["prefix_hit_rate"] = doc["hit_tokens"] / doc["prompt_tokens"] if doc["prompt_tokens"] else 0.0
         doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None

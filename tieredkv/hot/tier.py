@@ -51,6 +51,27 @@ def _process_start_time(pid: int) -> int:
         return 0
 
 
+class OwnerCounters:
+    """This handle's row of TieredCache counters in the segment. Only its owner writes it."""
+
+    _INDEX = {name: i for i, name in enumerate(seg.CACHE_FIELDS)}
+    _BOUNDS = np.asarray(seg.LATENCY_BUCKETS_S)
+
+    def __init__(self, row):
+        self.values = row["cache"]
+        self.lookup_hist = row["lookup_hist"]
+        self.load_hist = row["load_hist"]
+
+    def add(self, name: str, n: int) -> None:
+        self.values[self._INDEX[name]] += n
+
+    def observe(self, what: str, seconds: float) -> None:
+        """Record a lookup or load latency (``what`` is ``"lookup"`` or ``"load"``)."""
+        hist = self.lookup_hist if what == "lookup" else self.load_hist
+        hist[int(np.searchsorted(self._BOUNDS, seconds))] += 1
+        self.values[self._INDEX[what + "_ns"]] += int(seconds * 1e9)
+
+
 class HotTier(Tier):
     """Blocks in POSIX shared memory, shared by every process of the host that opens the same spec.
 
@@ -173,6 +194,7 @@ class HotTier(Tier):
                     rec["start_time"] = _process_start_time(self._pid)
                     rec["n_pins"] = 0
                     self._stats = rec["stats"]
+                    self.counters = OwnerCounters(rec)
                     return
         raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles")
 
@@ -738,6 +760,17 @@ class HotTier(Tier):
                    "writing_blocks": int(np.count_nonzero(state == WRITING)),
                    "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
                    **{k: s[k] for k in ("lookups", "exists", "no_space", "removed", "reclaimed", "torn_reads")}})
+
+    def host_counters(self) -> dict:
+        """TieredCache counters and latency histograms summed over every handle: per host."""
+        self._check()
+        owners = self._owners
+        totals = owners["cache"].sum(axis=0)
+        doc = {name: int(totals[i]) for i, name in enumerate(seg.CACHE_FIELDS)}
+        doc["lookup_hist"] = owners["lookup_hist"].sum(axis=0).tolist()
+        doc["load_hist"] = owners["load_hist"].sum(axis=0).tolist()
+        doc["latency_buckets_s"] = list(seg.LATENCY_BUCKETS_S)
+        return doc
 
     def live_handles(self) -> int:
         """Open handles (processes, or several handles in one process) attached right now."""

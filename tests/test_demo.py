@@ -48,6 +48,9 @@ def test_private_cache_capacity_drops_least_recent():
     assert cache.lookup(np.arange(13)).tokens == 0   # the first block went first: the chain is cut
 
 
+PSS = {"Pss": 100, "Pss_Anon": 60, "Pss_Shmem": 30, "Pss_File": 10}
+
+
 def test_summary_and_table():
     settings = demo.Settings(workers=2, requests_per_worker=2, prefix_tokens=8, suffix_tokens=4,
                              chunk_tokens=4, new_tokens=2)
@@ -55,17 +58,23 @@ def test_summary_and_table():
              "prompt_tokens": 12, "new_tokens": 2, "restore_ms": 0.1, "store_ms": 0.1}
             for t, c in ((10.0, 0), (2.0, 8), (3.0, 8), (4.0, 8))]
     stats = [{"prefix_hot_blocks": 2, "prefix_warm_blocks": 2, "cache": {}}] * 2
-    shared = demo.summarize("shared", settings, SPEC, done, stats, wall_s=2.0, pss=100, rss=200)
+    shared = demo.summarize("shared", settings, SPEC, done, stats, wall_s=2.0, pss=PSS, rss=200)
     assert shared["prefix_hit_rate"] == 0.75 == shared["ideal_prefix_hit_rate"]
     assert shared["prefix_kv_bytes"] == 2 * SPEC.block_bytes            # held once
-    private = demo.summarize("private", settings, SPEC, done, stats, wall_s=2.0, pss=100, rss=200)
+    private = demo.summarize("private", settings, SPEC, done, stats, wall_s=2.0, pss=PSS, rss=200)
     assert private["prefix_kv_bytes"] == 4 * SPEC.block_bytes           # once per worker
     assert private["ideal_prefix_hit_rate"] == 0.5
     assert shared["tokens_per_s"] == 4.0 and shared["ttft_p50_ms"] == 3.5
+    assert (shared["pss_bytes"], shared["pss_shmem_bytes"]) == (100, 30)
     doc = {"settings": {**demo.Settings().__dict__, "kv_bytes_per_token": SPEC.bytes_per_token},
            "configs": {"no_cache": {**shared, "prefix_hit_rate": 0.0}, "shared": shared}}
     table = demo.format_table(doc)
     assert "shared vs no_cache" in table and "TTFT p50" in table
+
+
+def test_pss_of_this_process():
+    mine = demo.pss_bytes(os.getpid())
+    assert mine["Pss"] > 0 and mine["Pss"] >= mine["Pss_Anon"]
 
 
 def test_bad_flags_are_refused():

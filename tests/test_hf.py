@@ -159,6 +159,22 @@ def test_decode_continues_from_a_restored_cache(models, namespace, tmp_path):
         assert out.tolist() == ref.tolist()
 
 
+def test_reused_cpu_host_buffer_gives_the_same_result(models, namespace, tmp_path):
+    model = models("llama")
+    ids = prompt(100, seed=10)
+    with open_cache(model, namespace, tmp_path) as cache:
+        runner = CachedPrefill(model, cache, reuse_host_buffer=True)
+        runner.prefill(ids[:, :70])
+        first = runner.prefill(ids, all_logits=True)
+        kept = runner._host_buf
+        second = runner.prefill(ids, all_logits=True)   # the same buffer, reloaded
+        assert runner._host_buf is kept is not None
+        assert first.cached_tokens == 64 and second.cached_tokens == 96
+        assert_matches_full(model, first, ids, torch.float32)
+        assert_matches_full(model, second, ids, torch.float32)
+        assert first.cache.layers[0].keys.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+
+
 def test_update_path_gives_the_same_result(models, namespace, tmp_path, monkeypatch):
     model = models("qwen2")
     ids = prompt(80, seed=4)
@@ -313,7 +329,7 @@ def test_cuda_path_pinned_staging(namespace, tmp_path, dtype):
         assert first.stored_blocks == 6
         res = runner.prefill(ids, all_logits=True)
         assert res.cached_tokens == 96 and res.logits.device.type == "cuda"
-        assert runner._pinned is not None and runner._pinned.is_pinned()
+        assert runner._host_buf is not None and runner._host_buf.is_pinned()
         ref = full_logits(model, ids.to("cuda"))[:, 96:]
         tol = 1e-4 if dtype == torch.float32 else 2e-2   # GPU kernels differ by query length
         assert (res.logits.float() - ref.float()).abs().max().item() <= tol

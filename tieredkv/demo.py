@@ -23,7 +23,6 @@ import argparse
 import collections
 import dataclasses
 import json
-import math
 import os
 import queue
 import shutil
@@ -253,16 +252,23 @@ def _plain(value: Any) -> Any:
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def pss_bytes(pid: int) -> int:
-    """Proportional set size of a process: private pages plus its share of shared ones."""
+_PSS_FIELDS = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File")
+
+
+def pss_bytes(pid: int) -> dict:
+    """Proportional set size of a process (private pages plus its share of shared ones), in bytes, with
+    its split into anonymous memory, shared memory (the hot tier) and file pages (mapped files: libraries,
+    the warm tier's slabs and index). Zeros for a field the kernel does not report."""
+    out = dict.fromkeys(_PSS_FIELDS, 0)
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+                name, _, rest = line.partition(":")
+                if name in out:
+                    out[name] = int(rest.split()[0]) * 1024
     except OSError:
         pass
-    return 0
+    return out
 
 
 def rss_bytes(pid: int) -> int:
@@ -281,7 +287,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], stats: list[dict],
-              wall_s: float, pss: int, rss: int) -> dict:
+              wall_s: float, pss: dict, rss: int) -> dict:
     """The numbers of one configuration (the JSON's ``configs[config]``)."""
     chunk = spec.chunk_tokens
     prefix_full = settings.prefix_tokens // chunk * chunk
@@ -311,9 +317,11 @@ def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], s
         "token_hit_rate": (sum(d["cached_tokens"] for d in done) / sum(d["prompt_tokens"] for d in done)
                            if total else 0.0),
         "prefix_kv_bytes": held * spec.block_bytes,
-        "prefix_warm_kv_bytes": max((s["prefix_warm_blocks"] for s in stats), default=0) * spec.block_bytes,
         "cache_kv_bytes": cache_bytes,
-        "pss_bytes": pss,
+        "pss_bytes": pss["Pss"],
+        "pss_anon_bytes": pss["Pss_Anon"],
+        "pss_shmem_bytes": pss["Pss_Shmem"],
+        "pss_file_bytes": pss["Pss_File"],
         "rss_bytes": rss,
         "computed_tokens": sum(d["computed_tokens"] for d in done),
         "cached_tokens": sum(d["cached_tokens"] for d in done),
@@ -433,7 +441,8 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
             progress.advance()
         wall = time.perf_counter() - start
         # Memory while every worker is alive and idle, before anything else touches the caches.
-        pss = sum(pss_bytes(pid) for pid in pool.pids.values())
+        per_worker = [pss_bytes(pid) for pid in pool.pids.values()]
+        pss = {k: sum(p[k] for p in per_worker) for k in _PSS_FIELDS}
         rss = sum(rss_bytes(pid) for pid in pool.pids.values())
         prefix = requests[0][: settings.prefix_tokens]
         for q in pool.tasks:
@@ -444,11 +453,21 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
     return summarize(config, settings, spec, done, stats, wall, pss, rss)
 
 
-def drop_hot_tier(spec: KVSpec) -> None:
-    """Remove the hot tier's shared-memory segment of ``spec`` (what a host reboot does)."""
-    from tieredkv.hot import unlink_segment
+def drop_hot_tier(spec: KVSpec) -> bool:
+    """Remove the hot tier's shared-memory segment of ``spec`` (what a host reboot does).
 
-    unlink_segment(spec)
+    Processes that still map it keep their mapping; new ones create a fresh, empty segment.
+    Returns whether there was a segment to remove.
+    """
+    import posix_ipc
+
+    from tieredkv.hot.segment import default_name
+
+    try:
+        posix_ipc.unlink_shared_memory(default_name(spec))
+    except posix_ipc.ExistentialError:
+        return False
+    return True
 
 
 def run_demo(settings: Settings, *, progress: bool = True) -> dict:
@@ -494,7 +513,7 @@ def _size(n: float) -> str:
 
 
 def format_table(doc: dict) -> str:
-    """The write-up's table: one row per configuration, then the changes against no_cache."""
+    """The write-up's table: one row per configuration, then the changes against no_cache and private."""
     head = ("config", "prefix KV held", "PSS (workers)", "TTFT p50", "TTFT p99", "tokens/s", "prefix hit")
     rows = [head]
     for name, c in doc["configs"].items():
@@ -505,10 +524,12 @@ def format_table(doc: dict) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    base = doc["configs"].get("no_cache")
-    if base:
+    for base_name, others in (("no_cache", ("private", "shared", "restart")), ("private", ("shared",))):
+        base = doc["configs"].get(base_name)
+        if not base:
+            continue
         for name, c in doc["configs"].items():
-            if name == "no_cache":
+            if name not in others:
                 continue
             parts = []
             if base["ttft_p50_ms"]:
@@ -517,7 +538,7 @@ def format_table(doc: dict) -> str:
                 parts.append(f"memory {100 * (c['pss_bytes'] / base['pss_bytes'] - 1):+.0f}%")
             if base["tokens_per_s"]:
                 parts.append(f"throughput {100 * (c['tokens_per_s'] / base['tokens_per_s'] - 1):+.0f}%")
-            lines.append(f"{name} vs no_cache: " + ", ".join(parts))
+            lines.append(f"{name} vs {base_name}: " + ", ".join(parts))
     s = doc["settings"]
     lines.append(f"{s['workers']} workers x {s['requests_per_worker']} requests, prompt = {s['prefix_tokens']} "
                  f"shared + {s['suffix_tokens']} own tokens, {s['new_tokens']} new tokens each, "

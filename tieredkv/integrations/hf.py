@@ -143,6 +143,11 @@ class CachedPrefill:
             without a cache (a baseline with the same code path).
         spec: the spec to key blocks with; default the cache's ``spec`` attribute, else
             ``spec_for_model(model)``.
+        reuse_host_buffer: keep one host buffer (the largest prompt's KV) for all calls. Default: yes on
+            CUDA (a pinned buffer: pinning is expensive), no on CPU, where the restored prefix becomes the
+            cache's own memory and a kept buffer would hold one more prefix-sized copy per worker between
+            requests. On CPU, ``True`` trades that memory for the page faults of fresh memory (about
+            3x a memcpy for 4 KiB pages; ``THP_MEM_ALLOC_ENABLE=1`` makes torch use huge pages instead).
 
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
@@ -150,7 +155,8 @@ class CachedPrefill:
             K/V of a whole prefix cannot be read back) or no KV-cache keyword.
     """
 
-    def __init__(self, model: Any, cache: Any = None, *, spec: KVSpec | None = None):
+    def __init__(self, model: Any, cache: Any = None, *, spec: KVSpec | None = None,
+                 reuse_host_buffer: bool | None = None):
         self.model = model
         self.cache = cache
         params = next(iter(model.parameters()))
@@ -174,31 +180,33 @@ class CachedPrefill:
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward_params),
                                None)
         self._on_cuda = self.device.type == "cuda"
-        # CUDA only: one pinned host buffer, reused (pinning is expensive). The event marks the end of
-        # the last host->device copy out of it; the next load into it waits for that event.
-        self._pinned: torch.Tensor | None = None
+        self.reuse_host_buffer = self._on_cuda if reuse_host_buffer is None else bool(reuse_host_buffer)
+        # The reused host buffer (pinned on CUDA). The event marks the end of the last host->device copy
+        # out of it; the next load into it waits for that event.
+        self._host_buf: torch.Tensor | None = None
         self._h2d_done: Any = None
 
     # ---- host buffer --------------------------------------------------------------------------
     def _host_buffer(self, n_tokens: int) -> torch.Tensor:
         """A ``(layers, 2, kv_heads, n_tokens, head_dim)`` host tensor in the model's dtype.
 
-        CPU: a new tensor per call. Its restored part becomes the cache layers' own memory (adopted, not
-        copied), so it must not be reused, and no worker keeps a prefix-sized buffer between requests.
-        CUDA: a view of the reused pinned buffer, after the previous copy out of it has finished.
+        Not reused (CPU default): a new tensor per call; its restored part becomes the cache layers' own
+        memory (adopted, not copied). Reused: a view of the kept buffer (pinned on CUDA), after the
+        previous copy out of it has finished; on CPU the layers stop viewing it during the tail's forward
+        (``update`` concatenates into new tensors), which ``prefill`` checks before the next reuse.
         """
         spec = self.spec
         shape = (spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim)
-        if not self._on_cuda:
+        if not self.reuse_host_buffer:
             return torch.empty(shape, dtype=self.dtype)
         numel = int(np.prod(shape))
         if self._h2d_done is not None:
             self._h2d_done.synchronize()
             self._h2d_done = None
-        if self._pinned is None or self._pinned.numel() < numel:
-            self._pinned = None
-            self._pinned = torch.empty(numel, dtype=self.dtype, pin_memory=True)
-        return self._pinned[:numel].view(shape)
+        if self._host_buf is None or self._host_buf.numel() < numel:
+            self._host_buf = None
+            self._host_buf = torch.empty(numel, dtype=self.dtype, pin_memory=self._on_cuda)
+        return self._host_buf[:numel].view(shape)
 
     def _restore(self, kv_cache: Any, host: torch.Tensor, n: int) -> None:
         """Make ``host[..., :n, :]`` the first ``n`` positions of every layer of ``kv_cache``."""
@@ -230,6 +238,15 @@ class CachedPrefill:
         if parts:
             # Gather on the device, then one device->host copy (synchronous: store reads it next).
             host[:, :, :, start:stop].copy_(torch.stack(parts))
+
+    def _release_if_viewed(self, kv_cache: Any) -> None:
+        """Forget the kept CPU buffer if a cache layer still views it (it then belongs to that cache)."""
+        base = self._host_buf.untyped_storage().data_ptr()
+        for layer in range(self.spec.num_layers):
+            keys, values = _layer_tensors(kv_cache, layer)
+            if base in (keys.untyped_storage().data_ptr(), values.untyped_storage().data_ptr()):
+                self._host_buf = None
+                return
 
     def _new_cache(self) -> Any:
         try:
@@ -280,6 +297,8 @@ class CachedPrefill:
         if host is not None and n_full > cached:
             self._extract(kv_cache, host, cached, n_full)
             stored = int(self.cache.store(ids[0, :n_full].numpy(), host, salt=salt))
+        if host is not None and self.reuse_host_buffer and not self._on_cuda:
+            self._release_if_viewed(kv_cache)
         t3 = time.perf_counter()
         return PrefillResult(logits=logits, cache=kv_cache, cached_tokens=cached,
                              computed_tokens=n - cached, stored_blocks=stored,

@@ -1,0 +1,5 @@
+import sys
+
+from tieredkv.cli import main
+
+sys.exit(main())

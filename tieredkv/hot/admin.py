@@ -1,0 +1,107 @@
+"""Operator views of hot-tier segments: list, inspect, remove, find stale ones.
+
+These read segments without registering as an owner (an ``ls`` must not change what it looks at).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import posix_ipc
+
+from tieredkv.errors import TieredKVError
+from tieredkv.hot import locks
+from tieredkv.hot import segment as seg
+
+_TMP_RE = re.compile(r"^/" + re.escape(seg.PREFIX) + r"tmp-(\d+)-[0-9a-f]+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def inspect(name: str) -> dict:
+    """Describe one segment: header, slot counts, live handles, per-host counters.
+
+    Never raises for a broken segment: the problem is reported in ``"error"`` (and ``"stale"``).
+    """
+    doc: dict = {"name": name, "error": None, "stale": False, "reason": None}
+    try:
+        doc["size_bytes"] = os.stat(seg._shm_path(name)).st_size
+    except OSError as e:
+        return {**doc, "error": str(e)}
+    tmp = _TMP_RE.match(name)
+    if tmp:
+        alive = _pid_alive(int(tmp.group(1)))
+        return {**doc, "stale": not alive, "reason": None if alive else "leftover of a creator that died"}
+    try:
+        mapping = seg.attach(None, name)
+    except (TieredKVError, posix_ipc.Error, OSError, ValueError) as e:
+        return {**doc, "error": str(e), "stale": True, "reason": f"unusable: {e}"}
+    try:
+        h = mapping.header
+        owners, slots, *_ = mapping.views()
+        live = [int(i) for i in np.flatnonzero(owners["token"])
+                if locks.is_locked(mapping.fd, locks.REGISTRY_BASE + int(i))]
+        try:
+            spec = json.loads(h["spec_json"].decode())
+        except ValueError:
+            spec = {}
+        state = slots["state"]
+        stats = owners["stats"].sum(axis=0)
+        cache = owners["cache"].sum(axis=0)
+        counters = {n: int(stats[i]) for i, n in enumerate(seg.STAT_FIELDS)}
+        cache_counters = {n: int(cache[i]) for i, n in enumerate(seg.CACHE_FIELDS)}
+        prompt = cache_counters["prompt_tokens"]
+        doc.update({
+            "model_id": spec.get("model_id"), "spec": spec, "fingerprint": h["fingerprint"].decode(),
+            "policy": h["policy"].decode(), "n_slots": int(h["n_slots"]), "block_bytes": int(h["block_bytes"]),
+            "ready_slots": int(np.count_nonzero(state == seg.READY)),
+            "writing_slots": int(np.count_nonzero(state == seg.WRITING)),
+            "live_handles": len(live), "live_pids": [int(owners["pid"][i]) for i in live],
+            "hits": counters["hits"], "misses": counters["misses"], "counters": counters,
+            "cache": cache_counters,
+            "prefix_hit_rate": cache_counters["hit_tokens"] / prompt if prompt else 0.0,
+            "lookup_hist": owners["lookup_hist"].sum(axis=0).tolist(),
+            "load_hist": owners["load_hist"].sum(axis=0).tolist(),
+            "scrubs": int(h["scrubs"]),
+        })
+        if not live:
+            doc["stale"], doc["reason"] = True, "no process has it open"
+        del owners, slots, h
+    finally:
+        mapping.close()
+    return doc
+
+
+def list_segments() -> list[dict]:
+    """Every tieredkv segment in /dev/shm, described by ``inspect``."""
+    return [inspect(name) for name in seg.list_segment_names()]
+
+
+def remove(name: str) -> None:
+    """Unlink a segment by name. Processes that map it keep their mapping until they close."""
+    posix_ipc.unlink_shared_memory(seg.check_name(name))
+
+
+def remove_stale(dry_run: bool = False) -> list[dict]:
+    """Unlink every stale segment: foreign or old layout, a dead creator's leftover, or open nowhere."""
+    gone = []
+    for doc in list_segments():
+        if doc["stale"]:
+            if not dry_run:
+                try:
+                    remove(doc["name"])
+                except posix_ipc.ExistentialError:
+                    continue
+            gone.append(doc)
+    return gone

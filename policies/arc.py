@@ -85,8 +85,18 @@ class ARC(EvictionPolicy):
 
     def on_remove(self, st, slots, evicted):
         if evicted:
-            for key, lst in zip(st.key64[slots].tolist(), st.arc_list[slots].tolist()):
-                st.ghost_push([key], B1 if lst == T1 else B2)
+            keys, from_t1 = st.key64[slots], st.arc_list[slots] == T1
+            # Each ghost list keeps its own order; resident keys are never ghosts (fresh=True).
+            st.ghost_push(keys[from_t1], B1, fresh=True)
+            st.ghost_push(keys[~from_t1], B2, fresh=True)
+
+    @staticmethod
+    def _x_in_b2(st, incoming, n: int, i: int) -> bool:
+        """Is the key whose insert needs the i-th of n evictions in B2? (False if unknown.)"""
+        if incoming is None:
+            return False
+        j = len(incoming) - n + i
+        return j >= 0 and st.ghost_find(int(incoming[j]))[0] == B2
 
     def choose(self, st, n, candidates):
         lists = st.arc_list
@@ -98,11 +108,7 @@ class ARC(EvictionPolicy):
         incoming = st.incoming
         victims: list[int] = []
         for i in range(n):
-            x_in_b2 = False
-            if incoming is not None and len(incoming):
-                j = len(incoming) - n + i  # the key whose insert needs this eviction
-                x_in_b2 = j >= 0 and st.ghost_find(int(incoming[j]))[0] == B2
-            first = T1 if t1 >= 1 and (t1 > p or (x_in_b2 and t1 == p)) else T2
+            first = T1 if t1 >= 1 and (t1 > p or (t1 == p and self._x_in_b2(st, incoming, n, i))) else T2
             s = walks[first].next()
             if s < 0:
                 s = walks[T1 + T2 - first].next()

@@ -58,10 +58,10 @@ class S3FIFO(EvictionPolicy):
         return max(int(self.small_ratio * n_slots), 1)
 
     def on_miss(self, st, key64s):
-        found = st.ghost_lookup(key64s)[0] == GHOST
-        for key in key64s[found].tolist():
+        found = key64s[st.ghost_lookup(key64s)[0] == GHOST]
+        for key in found.tolist():
             st.ghost_remove(key)
-            st.ghost_push([key], PENDING)
+        st.ghost_push(found, PENDING)
 
     def on_insert(self, st, slots):
         keys = st.key64[slots]
@@ -86,7 +86,8 @@ class S3FIFO(EvictionPolicy):
 
     def on_remove(self, st, slots, evicted):
         if evicted:
-            st.ghost_push(st.key64[slots][st.s3_queue[slots] == SMALL], GHOST)
+            # Resident keys are never ghosts (on_insert takes them out), hence fresh=True.
+            st.ghost_push(st.key64[slots][st.s3_queue[slots] == SMALL], GHOST, fresh=True)
 
     def choose(self, st, n, candidates):
         queue, freq, order = st.s3_queue, st.s3_freq, st.s3_order

@@ -128,6 +128,13 @@ class SlotState:
         self._tkey = words[at:at + T]
         self._tref = words[at + T:at + 2 * T]
         self._tbits = T.bit_length() - 1 if T else 0
+        # The same ghost words as a memoryview: the scalar paths below index it with Python ints,
+        # several times cheaper than numpy scalar indexing (one probe is a few word reads).
+        self._w = memoryview(words[:3 * L + 2 * L * R + 2 * T]).cast("B").cast("q")
+        self._o_flag = 3 * L + L * R
+        self._o_tkey = 3 * L + 2 * L * R
+        self._o_tref = self._o_tkey + T
+        self._shift = 64 - self._tbits
         self.n_slots = n
         #: Keys about to be inserted, while ``evict(..., incoming=...)`` runs (process-local).
         self.incoming: np.ndarray | None = None
@@ -193,15 +200,15 @@ class SlotState:
     # probe is a handful of word reads; numpy would only add per-call overhead here.
     def ghost_len(self, lst: int = 0) -> int:
         """Live keys in ghost list ``lst``."""
-        return int(self._glive[lst]) if self.layout.ghost_lists else 0
+        return self._w[3 * lst + 2] if self.layout.ghost_lists else 0
 
     def ghost_find(self, key64: int) -> tuple[int, int]:
         """``(list, flags)`` of ``key64`` if it is a ghost, else ``(-1, 0)``."""
         i = self._tfind(int(key64))
         if i < 0:
             return -1, 0
-        ref = int(self._tref[i]) - 1
-        return ref // self.layout.ghost_ring, int(self._gflag[ref])
+        ref = self._w[self._o_tref + i] - 1
+        return ref // self.layout.ghost_ring, self._w[self._o_flag + ref]
 
     def ghost_lookup(self, key64s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Vectorised ``ghost_find``: per key its list (-1 if no ghost) and its flags."""
@@ -212,7 +219,7 @@ class SlotState:
         if not T or not len(keys) or not self._glive.any():
             return lists, flags
         # Same probe sequence as _tfind, all keys at once: a few rounds of array ops.
-        idx = ((keys.view(np.uint64) * np.uint64(_FIB)) >> np.uint64(64 - self._tbits)).astype(np.int64)
+        idx = ((keys.view(np.uint64) * np.uint64(_FIB)) >> np.uint64(self._shift)).astype(np.int64)
         pending = np.arange(len(keys))
         while len(pending):
             at = idx[pending]
@@ -235,43 +242,54 @@ class SlotState:
         i = self._tfind(int(key64))
         if i < 0:
             return False
-        self._gflag[int(self._tref[i]) - 1] |= GHOST_MARK
+        at = self._o_flag + self._w[self._o_tref + i] - 1
+        self._w[at] = self._w[at] | GHOST_MARK
         return True
 
-    def ghost_push(self, key64s, lst: int = 0) -> None:
-        """Append keys (oldest first) to ghost list ``lst``, dropping its oldest live keys if full."""
+    def ghost_push(self, key64s, lst: int = 0, *, fresh: bool = False) -> None:
+        """Append keys (oldest first) to ghost list ``lst``, dropping its oldest live keys if full.
+
+        Args:
+            key64s: the keys, distinct.
+            lst: which ghost list.
+            fresh: the caller knows none of the keys is a ghost already (keys of blocks that were
+                resident: a key leaves the ghosts when its block is inserted), so skip that check.
+        """
         if not self.layout.ghost_lists:
             return
         R, cap = self.layout.ghost_ring, self.layout.ghost_slots
+        w, o_flag, H = self._w, self._o_flag, 3 * lst
         for k in np.atleast_1d(np.asarray(key64s, dtype=np.int64)).tolist():
-            self.ghost_remove(k)
-            if self._glive[lst] >= cap:
+            if not fresh and self._tfind(k) >= 0:
+                self.ghost_remove(k)
+            if w[H + 2] >= cap:
                 self.ghost_pop(lst)
-            if self._gtail[lst] - self._ghead[lst] >= R:  # ring full: live ones and dead holes
+            if w[H + 1] - w[H] >= R:  # ring full: live ones and dead holes
                 self._ghost_compact(lst)
-            tail = int(self._gtail[lst])
+            tail = w[H + 1]
             ref = lst * R + tail % R
-            self._gring[ref] = k
-            self._gflag[ref] = GHOST_LIVE
+            w[3 * self.layout.ghost_lists + ref] = k
+            w[o_flag + ref] = GHOST_LIVE
             self._tinsert(k, ref + 1)
-            self._gtail[lst] = tail + 1
-            self._glive[lst] += 1
+            w[H + 1] = tail + 1
+            w[H + 2] += 1
 
     def ghost_pop(self, lst: int = 0) -> int | None:
         """Forget and return the oldest live key of list ``lst`` (None if it has none)."""
         R = self.layout.ghost_ring
-        head, tail = int(self._ghead[lst]), int(self._gtail[lst])
+        w, o_flag, o_ring, H = self._w, self._o_flag, 3 * self.layout.ghost_lists, 3 * lst
+        head, tail = w[H], w[H + 1]
         while head < tail:
             ref = lst * R + head % R
             head += 1
-            if self._gflag[ref]:
-                self._ghead[lst] = head
-                key = int(self._gring[ref])
-                self._gflag[ref] = 0
+            if w[o_flag + ref]:
+                w[H] = head
+                key = w[o_ring + ref]
+                w[o_flag + ref] = 0
                 self._tdelete(self._tfind(key))
-                self._glive[lst] -= 1
+                w[H + 2] -= 1
                 return key
-        self._ghead[lst] = head
+        w[H] = head
         return None
 
     def _ghost_compact(self, lst: int) -> None:
@@ -289,7 +307,7 @@ class SlotState:
         self._gring[new] = keys
         self._gflag[new] = flags
         for k, ref in zip(keys.tolist(), new.tolist()):
-            self._tref[self._tfind(k)] = ref + 1
+            self._w[self._o_tref + self._tfind(k)] = ref + 1
         self._gtail[lst] = head + len(keys)
 
     def ghost_remove(self, key64: int) -> int:
@@ -299,53 +317,52 @@ class SlotState:
         i = self._tfind(int(key64))
         if i < 0:
             return -1
-        ref = int(self._tref[i]) - 1
+        w = self._w
+        ref = w[self._o_tref + i] - 1
         lst = ref // self.layout.ghost_ring
-        self._gflag[ref] = 0
+        w[self._o_flag + ref] = 0
         self._tdelete(i)
-        self._glive[lst] -= 1
+        w[3 * lst + 2] -= 1
         return lst
 
-    def _home(self, key: int) -> int:
-        return ((key & _M64) * _FIB & _M64) >> (64 - self._tbits)
-
     def _tfind(self, key: int) -> int:
-        if not self.layout.ghost_table:
+        T = self.layout.ghost_table
+        if not T:
             return -1
-        mask = self.layout.ghost_table - 1
-        i = self._home(key)
-        tkey, tref = self._tkey, self._tref
-        while tref[i]:
-            if tkey[i] == key:
+        w, o_key, o_ref, mask = self._w, self._o_tkey, self._o_tref, T - 1
+        i = ((key & _M64) * _FIB & _M64) >> self._shift
+        while w[o_ref + i]:
+            if w[o_key + i] == key:
                 return i
             i = (i + 1) & mask
         return -1
 
     def _tinsert(self, key: int, ref: int) -> None:
-        mask = self.layout.ghost_table - 1
-        i = self._home(key)
-        while self._tref[i]:
+        w, o_ref, mask = self._w, self._o_tref, self.layout.ghost_table - 1
+        i = ((key & _M64) * _FIB & _M64) >> self._shift
+        while w[o_ref + i]:
             i = (i + 1) & mask
-        self._tkey[i] = key
-        self._tref[i] = ref
+        w[self._o_tkey + i] = key
+        w[o_ref + i] = ref
 
     def _tdelete(self, i: int) -> None:
         # Backward-shift deletion (Knuth, TAOCP vol. 3, 6.4, Algorithm R): move later entries of the
         # probe run into the hole unless their home lies cyclically in (hole, entry].
-        mask = self.layout.ghost_table - 1
-        tkey, tref = self._tkey, self._tref
+        w, o_key, o_ref = self._w, self._o_tkey, self._o_tref
+        mask, shift = self.layout.ghost_table - 1, self._shift
         j = i
         while True:
             j = (j + 1) & mask
-            if not tref[j]:
+            if not w[o_ref + j]:
                 break
-            h = self._home(int(tkey[j]))
+            key = w[o_key + j]
+            h = ((key & _M64) * _FIB & _M64) >> shift
             if (i < j and i < h <= j) or (i > j and (h > i or h <= j)):
                 continue
-            tkey[i] = tkey[j]
-            tref[i] = tref[j]
+            w[o_key + i] = key
+            w[o_ref + i] = w[o_ref + j]
             i = j
-        tref[i] = 0
+        w[o_ref + i] = 0
 
 
 def _round(n: int, to: int) -> int:

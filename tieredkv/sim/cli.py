@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="two-level: demotion rule (on_evict, write_through, on_nth_hit:N)")
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--plot", metavar="OUT.png", help="draw the miss-ratio curves into OUT.png (matplotlib)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="worker processes for the policy x capacity replays (default 0: one per CPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -78,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
                                 hot=_csv(args.hot) if args.hot else None,
                                 warm=_csv(args.warm) if args.warm else None,
                                 promotion=args.promotion, demotion=args.demotion,
-                                progress=not args.no_progress and sys.stderr.isatty())
+                                progress=not args.no_progress and sys.stderr.isatty(), jobs=args.jobs)
     except policies.UnknownPolicy as e:
         print(f"tieredkv simulate: {e}", file=sys.stderr)
         return 2

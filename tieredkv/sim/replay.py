@@ -8,7 +8,9 @@ Per request (the way a prefix cache serves a prompt):
 1. look up every block; resident ones are hits (``hit`` on them, in prompt order);
 2. the blocks that missed are stored: ``evict`` frees room for them (with ``incoming`` = their keys),
    then ``insert`` adds them, each with its parent (the block before it in the prompt) and position.
-   A request with more missing blocks than the whole cache stores its leading ``capacity`` blocks.
+   The blocks the request just hit are not evictable meanwhile (a serving engine holds them while it
+   prefills the rest), so a request never evicts its own prefix. A request with more missing blocks
+   than there is evictable room stores its leading blocks only.
 
 Hit ratios: block hit ratio = hits / block accesses (every resident block counts); prefix hit ratio
 = blocks before the request's first miss / block accesses (what a prefix cache can really reuse).
@@ -17,7 +19,10 @@ Hit ratios: block hit ratio = hits / block accesses (every resident block counts
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -66,15 +71,20 @@ class _Cache:
         self.free = list(range(capacity - 1, -1, -1))   # stack; pops 0, 1, 2, ...
         self.evictions = 0
 
-    def store(self, ids: np.ndarray, positions: np.ndarray, parent_ids: np.ndarray) -> tuple[np.ndarray, tuple]:
-        """Insert ``ids`` (not resident), evicting as needed.
+    def store(self, ids: np.ndarray, positions: np.ndarray, parent_ids: np.ndarray,
+              pinned: np.ndarray | None = None) -> tuple[np.ndarray, tuple]:
+        """Insert ``ids`` (not resident), evicting as needed but never the ``pinned`` slots.
 
         Returns:
             (stored ids, (evicted ids, their hits while resident, their positions)).
         """
         ids, positions, parent_ids = ids[:self.capacity], positions[:self.capacity], parent_ids[:self.capacity]
         need = len(ids) - len(self.free)
-        victims = policies.evict(self.policy, self.st, need, incoming=ids)
+        evictable = None
+        if need > 0 and pinned is not None and len(pinned):
+            evictable = np.ones(self.capacity, dtype=bool)
+            evictable[pinned] = False
+        victims = policies.evict(self.policy, self.st, need, evictable, incoming=ids)
         # Read the victims' fields now: insert() below reuses their slots.
         evicted = (self.block_at[victims], self.st.hits[victims], self.st.position[victims])
         if len(victims):
@@ -143,7 +153,7 @@ def simulate(trace: Trace, policy: str | policies.EvictionPolicy, capacity_block
             continue
         miss_pos = np.flatnonzero(~present)
         prefix_hits += int(miss_pos[0])
-        cache.store(ids[miss_pos], miss_pos, prev[miss_pos])
+        cache.store(ids[miss_pos], miss_pos, prev[miss_pos], pinned=slots[present])
     seconds = time.perf_counter() - t0
     n = max(trace.n_accesses, 1)
     return {"policy": name, "capacity_blocks": int(capacity_blocks),
@@ -244,9 +254,25 @@ def _progress_bar(total: int, enabled: bool):
     return bar.update, bar.close
 
 
+def _run_job(trace: Trace, name: str, size, two_level: bool, promotion: str, demotion: str,
+             progress: Callable[[int], None] | None = None) -> dict:
+    if two_level:
+        return simulate_tiered(trace, name, size[0], size[1], promotion=promotion, demotion=demotion,
+                               progress=progress)
+    return simulate(trace, name, size, progress=progress)
+
+
+_FORK_TRACE: Trace | None = None  # the trace, inherited by forked workers (never pickled)
+
+
+def _run_job_in_worker(name: str, size, two_level: bool, promotion: str, demotion: str) -> dict:
+    return _run_job(_FORK_TRACE, name, size, two_level, promotion, demotion)
+
+
 def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequence[int | str], *,
                    hot: Sequence[int | str] | None = None, warm: Sequence[int | str] | None = None,
-                   promotion: str = "always", demotion: str = "on_evict", progress: bool = False) -> dict:
+                   promotion: str = "always", demotion: str = "on_evict", progress: bool = False,
+                   jobs: int = 1) -> dict:
     """Replay ``trace`` for every policy x capacity (or x hot/warm size pair); the CLI's JSON.
 
     Args:
@@ -257,6 +283,8 @@ def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequen
             used for every hot size).
         promotion, demotion: rule names for two-level replay.
         progress: show a tqdm progress bar (if tqdm is installed).
+        jobs: worker processes (0: one per CPU). Each policy x capacity replay is independent and
+            single-threaded, so they run side by side; results keep the same order either way.
 
     Returns:
         ``{"trace", "requests", "unique_blocks", "accesses", "results": [{"policy",
@@ -278,24 +306,34 @@ def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequen
         pairs = list(zip(hots, warms * len(hots) if len(warms) == 1 else warms))
         promotion_rules.make(promotion)
         demotion_rules.make(demotion)
-        jobs = [(p, pair) for p in policy_names for pair in pairs]
+        todo = [(p, pair) for p in policy_names for pair in pairs]
     else:
         caps = sorted({resolve_capacity(c, unique) for c in capacities})
         if not caps:
             raise InvalidInput("give at least one capacity")
-        jobs = [(p, c) for p in policy_names for c in caps]
-    update, close = _progress_bar(len(jobs) * trace.n_requests, progress)
-    results = []
+        todo = [(p, c) for p in policy_names for c in caps]
+    workers = min(len(todo), (os.cpu_count() or 1) if jobs <= 0 else jobs)
+    update, close = _progress_bar(len(todo) * trace.n_requests, progress)
     try:
-        for name, size in jobs:
-            if hot:
-                r = simulate_tiered(trace, name, size[0], size[1], promotion=promotion, demotion=demotion,
-                                    progress=update)
-            else:
-                r = simulate(trace, name, size, progress=update)
-            r["capacity_fraction"] = r["capacity_blocks"] / unique if unique else math.nan
-            results.append(r)
+        if workers <= 1 or "fork" not in mp.get_all_start_methods():
+            results = [_run_job(trace, name, size, bool(hot), promotion, demotion, update) for name, size in todo]
+        else:
+            global _FORK_TRACE
+            _FORK_TRACE = trace
+            try:
+                with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+                    futures = [pool.submit(_run_job_in_worker, name, size, bool(hot), promotion, demotion)
+                               for name, size in todo]
+                    results = []
+                    for f in futures:
+                        results.append(f.result())
+                        if update is not None:
+                            update(trace.n_requests)
+            finally:
+                _FORK_TRACE = None
     finally:
         close()
+    for r in results:
+        r["capacity_fraction"] = r["capacity_blocks"] / unique if unique else math.nan
     return {"trace": trace.name, "requests": trace.n_requests, "unique_blocks": unique,
             "accesses": trace.n_accesses, "results": results}

@@ -327,6 +327,7 @@ def validate(mapping: Mapping, spec: KVSpec | None) -> None:
     end = int(h["data_off"]) + n * int(h["slot_bytes"])
     if n <= 0 or end != mapping.size or int(h["slot_bytes"]) < int(h["block_bytes"]):
         raise FormatError(f"segment {mapping.name} has an inconsistent header")
+    _check_geometry(mapping)
     if spec is not None and h["fingerprint"].decode(errors="replace") != spec.fingerprint:
         try:
             theirs = json.loads(h["spec_json"].decode())
@@ -338,6 +339,45 @@ def validate(mapping: Mapping, spec: KVSpec | None) -> None:
         raise SpecMismatch(f"segment {mapping.name} was made for another KV spec ({detail or 'fingerprint differs'})")
     if int(h["block_bytes"]) != (spec.block_bytes if spec else int(h["block_bytes"])):
         raise SpecMismatch(f"segment {mapping.name} holds {int(h['block_bytes'])}-byte blocks")
+    if spec is not None and int(h["chunk_tokens"]) != spec.chunk_tokens:
+        # The fingerprint (which covers chunk_tokens) matched, so the header itself is damaged.
+        raise FormatError(f"segment {mapping.name} has a damaged header (chunk_tokens "
+                          f"{int(h['chunk_tokens'])}, its spec says {spec.chunk_tokens}); remove it with "
+                          f"`tieredkv rm {mapping.name}`")
+
+
+_GEOMETRY = ("n_slots", "slot_bytes", "block_bytes", "chunk_tokens", "index_slots", "owners_off", "slots_off",
+             "tokens_off", "index_off", "policy_off", "policy_bytes", "free_off", "data_off", "total_bytes")
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What ``Layout.compute`` reads from a spec, taken from a header instead."""
+
+    block_bytes: int
+    chunk_tokens: int
+
+
+def _check_geometry(mapping: Mapping) -> None:
+    """Raise ``FormatError`` unless every offset and size in the header is exactly what ``Layout.compute``
+    gives for the header's own slot count, block size, chunk size and policy size.
+
+    A damaged field must fail here, as a clear error, and not later as a numpy view past the mapping,
+    a misaligned policy state, a giant allocation, or a slot table read from the wrong place.
+    """
+    h = mapping.header
+    size = mapping.size
+    n, block, chunk, policy = (int(h[f]) for f in ("n_slots", "block_bytes", "chunk_tokens", "policy_bytes"))
+    sane = 0 < n <= size // 64 and 0 < block <= size and 0 < chunk <= size // 4 and policy < size
+    expected = Layout.compute(_Geometry(block, chunk), n, policy) if sane else None
+    bad = [f for f in _GEOMETRY if expected is None or int(h[f]) != getattr(expected, f)]
+    try:
+        h["policy"].decode("ascii")
+    except UnicodeDecodeError:
+        bad.append("policy")
+    if bad:
+        raise FormatError(f"segment {mapping.name} has a damaged header ({', '.join(bad[:4])} do not fit its "
+                          f"geometry); remove it with `tieredkv rm {mapping.name}` and let a worker recreate it")
 
 
 def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:

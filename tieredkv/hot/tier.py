@@ -30,7 +30,7 @@ import numpy as np
 import posix_ipc
 
 from tieredkv import policies
-from tieredkv.errors import CorruptState, InvalidInput
+from tieredkv.errors import CorruptState, FormatError, InvalidInput
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, TOMBSTONE, WRITING
@@ -151,7 +151,12 @@ class HotTier(Tier):
             self._map.close()
             raise InvalidInput(f"segment {self.name} uses eviction policy {seg_policy!r}, not {policy!r}; "
                                "pass policy=None to attach with the segment's policy")
-        self._policy = policies.make(seg_policy)
+        try:
+            self._policy = policies.make(seg_policy)
+        except KeyError:
+            self._map.close()
+            raise FormatError(f"segment {self.name} names an eviction policy this tieredkv does not know "
+                              f"({seg_policy!r}); remove it with `tieredkv rm {self.name}`") from None
         self._h = h
         self._owners, self._slots, self._tokens, self._index, self._free, self._data = self._map.views()
         self.n_slots = int(h["n_slots"])
@@ -278,6 +283,8 @@ class HotTier(Tier):
     def _owner_alive(self, i: int, token: int) -> bool:
         if i == self._owner and token == self._token:
             return True
+        if not 0 <= i < seg.MAX_OWNERS:
+            return False  # a damaged slot record: no such owner, so nobody is writing that slot
         if int(self._owners[i]["token"]) != token:
             return False
         return locks.is_locked(self._fd, locks.REGISTRY_BASE + i)

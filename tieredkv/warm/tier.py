@@ -156,12 +156,34 @@ class WarmTier(Tier):
             raise PermissionDenied(f"the warm tier directory {path} belongs to uid {st.st_uid}, not to "
                                    f"this process (uid {os.geteuid()}); a KV cache holds users' prompts, "
                                    f"so tieredkv does not share one across users")
+        self._check_entries(path)
         lock_fd = self._init_lock(path)
         try:
             self._open_locked(path, capacity_bytes, slab_bytes)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases the flock
+
+    @staticmethod
+    def _check_entries(path: str) -> None:
+        """Refuse a tier whose files (or index files) belong to another user or are symlinks.
+
+        The directory being ours is not enough: a file planted in it (while its mode was wider, or by a
+        bind mount) would let another user read the prompts we write or feed us KV of their choosing,
+        and a symlink would redirect our writes anywhere we may write.
+        """
+        me = os.geteuid()
+        for where in (path, os.path.join(path, mt.INDEX_NAME)):
+            try:
+                entries = list(os.scandir(where))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                if entry.is_symlink() or st.st_uid != me:
+                    what = "is a symbolic link" if entry.is_symlink() else f"belongs to uid {st.st_uid}"
+                    raise PermissionDenied(f"{entry.path} {what}, not a file of this user (uid {me}); "
+                                           f"remove it, or use a warm directory only this user writes to")
 
     def _init_lock(self, path: str) -> int | None:
         """flock the tier's lock file for the duration of open (creation, repair). Freed on death."""

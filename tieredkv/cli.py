@@ -6,10 +6,13 @@ Every subcommand takes ``--json OUT`` (``-`` for standard output) and ``--help``
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
 import json
 import os
 import runpy
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -17,9 +20,9 @@ from typing import Any, Callable
 from tieredkv.errors import TieredKVError
 from tieredkv.spec import KVSpec
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-               "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
+class UsageError(TieredKVError):
+    """A command was given arguments that cannot work together (exit status 2)."""
 
 def human(n: float) -> str:
     """Bytes as a short binary-unit string: 1,835,008 -> '1.75 MiB'."""
@@ -55,7 +58,7 @@ def _spec_from_args(args: argparse.Namespace) -> KVSpec:
         return KVSpec.from_hf_config(args.config, chunk_tokens=args.chunk_tokens, dtype=args.dtype)
     missing = [f"--{n.replace('_', '-')}" for n in ("layers", "kv_heads", "head_dim") if getattr(args, n) is None]
     if missing:
-        raise SystemExit(f"tieredkv estimate: give --config PATH or all of {', '.join(missing)}")
+        raise UsageError(f"give --config PATH or all of {', '.join(missing)}")
     return KVSpec(model_id=args.model_id, num_layers=args.layers, num_kv_heads=args.kv_heads,
                   head_dim=args.head_dim, dtype=args.dtype or "float16", chunk_tokens=args.chunk_tokens)
 
@@ -63,9 +66,13 @@ def _spec_from_args(args: argparse.Namespace) -> KVSpec:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from tieredkv.estimate import estimate
 
-    spec = _spec_from_args(args)
-    doc = estimate(spec, prompt_tokens=args.prompt_tokens or args.prefix_tokens, prefix_tokens=args.prefix_tokens,
-                   concurrency=args.concurrency, workers=args.workers, prefill_ms_per_token=args.prefill_ms_per_token)
+    try:
+        spec = _spec_from_args(args)
+        doc = estimate(spec, prompt_tokens=args.prompt_tokens or args.prefix_tokens,
+                       prefix_tokens=args.prefix_tokens, concurrency=args.concurrency, workers=args.workers,
+                       prefill_ms_per_token=args.prefill_ms_per_token)
+    except ValueError as e:  # a bad size or geometry: say which, as a usage error
+        raise UsageError(str(e)) from None
     doc["spec"] = spec.to_dict()
 
     def text() -> str:
@@ -88,15 +95,25 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 # ---- ls / stats / rm / verify -------------------------------------------------------------------
+def _matching(segments: list[dict], pattern: str | None) -> list[dict]:
+    """Segments whose name (with or without the leading '/') matches the shell pattern ``--match``."""
+    if not pattern:
+        return segments
+    return [d for d in segments if fnmatch.fnmatchcase(d["name"], pattern)
+            or fnmatch.fnmatchcase(d["name"].lstrip("/"), pattern)]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    from tieredkv import numa
     from tieredkv.hot import admin
 
-    segments = admin.list_segments()
+    segments = _matching(admin.list_segments(), args.match)
     warm = []
     if args.warm_dir:
         from tieredkv.warm.admin import list_warm_tiers
 
         warm = list_warm_tiers(args.warm_dir)
+    nodes = numa.nodes()
 
     def text() -> str:
         rows = [[d["name"], d.get("model_id") or "-", human(d.get("size_bytes", 0)),
@@ -111,9 +128,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                       f"{w.get('blocks', 0)}/{w.get('capacity_blocks', 0)}", w.get("error") or ""] for w in warm]
             out += f"\nwarm tiers under {args.warm_dir}:\n" + (
                 _table(wrows, ["path", "model", "size", "blocks/capacity", "note"]) if wrows else "  none")
+        if len(nodes) > 1:
+            out += f"\nNUMA: {len(nodes)} nodes; use one segment per node (docs/tuning.md, NUMA)"
         return out
 
-    _emit(args, {"hot": segments, "warm": warm}, text)
+    _emit(args, {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()}}, text)
     return 0
 
 
@@ -124,85 +143,191 @@ def _pick_segment(name: str | None) -> str:
         return seg.check_name(name)
     names = [n for n in seg.list_segment_names() if "-tmp-" not in n]
     if len(names) != 1:
-        raise SystemExit(f"tieredkv: {len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
+        raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
     return names[0]
+
+
+def _quantile_bound(hist: list[int], q: float) -> float | None:
+    """Upper bound (seconds) of the histogram bucket holding the ``q`` quantile; None when empty."""
+    from tieredkv.hot.segment import LATENCY_BUCKETS_S
+
+    total = sum(hist)
+    if not total:
+        return None
+    seen = 0
+    for bound, n in zip(LATENCY_BUCKETS_S, hist):
+        seen += n
+        if seen >= q * total:
+            return bound
+    return LATENCY_BUCKETS_S[-1]
+
+
+def _fmt_s(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds == float("inf"):
+        return "> 2.5 s"
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-3 else f"{seconds * 1e3:g} ms"
+
+
+def _interval(doc: dict, prev: dict | None, seconds: float | None) -> dict | None:
+    """Counter deltas since ``prev`` (an earlier inspect of the same segment), with the interval's hit rate."""
+    if prev is None or prev.get("cache") is None:
+        return None
+    c, p = doc["cache"], prev["cache"]
+    d = {k: c[k] - p[k] for k in ("lookups", "prompt_tokens", "hit_tokens", "hot_hit_tokens", "warm_hit_tokens",
+                                  "prefill_tokens", "promotions", "demotions", "lost_blocks")}
+    d["evictions"] = doc["counters"]["evictions"] - prev["counters"]["evictions"]
+    d["prefix_hit_rate"] = d["hit_tokens"] / d["prompt_tokens"] if d["prompt_tokens"] > 0 else None
+    d["seconds"] = seconds
+    if d["lookups"] < 0:  # the segment was recreated meanwhile: its counters restarted
+        return None
+    return d
+
+
+def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
+    c, k = doc["cache"], doc["counters"]
+    lookups = max(c["lookups"], 1)
+    lines = [f"{name}  ({doc['model_id']}, policy {doc['policy']}, {doc['live_handles']} handles)",
+             f"  {'PREFIX HIT RATE':<17}{100 * doc['prefix_hit_rate']:5.1f}%   "
+             f"({c['hit_tokens']:,} of {c['prompt_tokens']:,} prompt tokens served from cache)"]
+    if delta is not None:
+        rate = "    - " if delta["prefix_hit_rate"] is None else f"{100 * delta['prefix_hit_rate']:5.1f}%"
+        lines.append(f"  {'last %g s' % delta['seconds']:<17}{rate}   ({delta['hit_tokens']:,} of "
+                     f"{delta['prompt_tokens']:,} prompt tokens; {delta['lookups']:,} lookups, "
+                     f"{delta['evictions']:,} evicted, {delta['promotions']:,} promoted, "
+                     f"{delta['demotions']:,} demoted)")
+    lines += [f"  tokens: hot hits {c['hot_hit_tokens']:,}  warm hits {c['warm_hit_tokens']:,}  "
+              f"prefilled {c['prefill_tokens']:,}",
+              f"  lookups {c['lookups']:,} (mean {c['lookup_ns'] / lookups / 1e3:.1f} us, "
+              f"p99 <= {_fmt_s(_quantile_bound(doc['lookup_hist'], 0.99))})  "
+              f"loads {sum(doc['load_hist']):,} (mean {c['load_ns'] / max(sum(doc['load_hist']), 1) / 1e6:.2f} ms, "
+              f"p99 <= {_fmt_s(_quantile_bound(doc['load_hist'], 0.99))})",
+              f"  blocks: {doc['ready_slots']:,}/{doc['n_slots']:,} used, {k['evictions']:,} evicted, "
+              f"{c['promotions']:,} promoted, {c['demotions']:,} demoted, {c['lost_blocks']:,} lost",
+              f"  bytes: hot read {human(c['hot_bytes_read'])}, warm read {human(c['warm_bytes_read'])}, "
+              f"hot written {human(c['hot_bytes_written'])}, warm written {human(c['warm_bytes_written'])}",
+              f"  recoveries {k['recoveries']} (scrubs {doc['scrubs']}), reclaimed slots {k['reclaimed']}, "
+              f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}"]
+    return "\n".join(lines)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from tieredkv.hot import admin
 
+    if args.count is not None and args.count < 1:
+        raise UsageError("--count must be >= 1")
+    if args.prometheus is not None:
+        from tieredkv import metrics
+
+        server = metrics.serve_metrics(args.prometheus, [args.name] if args.name else None,
+                                       warm_dir=args.warm_dir, addr=args.addr)
+        host = args.addr if args.addr != "0.0.0.0" else "localhost"
+        print(f"serving Prometheus metrics on http://{host}:{server.server_port}/metrics "
+              f"({args.name or 'every segment'}); Ctrl-C stops", flush=True)
+        if not args.watch:
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                return 0
+            finally:
+                server.shutdown()
+                server.server_close()
     name = _pick_segment(args.name)
+    prev, prev_t, shown = None, None, 0
+    watching_json = bool(args.watch) and args.json == "-"
     while True:
         doc = admin.inspect(name)
+        now = time.monotonic()
         if doc.get("error"):
             print(f"tieredkv stats: {name}: {doc['error']}", file=sys.stderr)
             return 1
-
-        def text() -> str:
-            c, k = doc["cache"], doc["counters"]
-            lookups = max(c["lookups"], 1)
-            lines = [f"{name}  ({doc['model_id']}, policy {doc['policy']}, {doc['live_handles']} handles)",
-                     f"  PREFIX HIT RATE  {100 * doc['prefix_hit_rate']:.1f}%   "
-                     f"({c['hit_tokens']:,} of {c['prompt_tokens']:,} prompt tokens served from cache)",
-                     f"  tokens: hot hits {c['hot_hit_tokens']:,}  warm hits {c['warm_hit_tokens']:,}  "
-                     f"prefilled {c['prefill_tokens']:,}",
-                     f"  lookups {c['lookups']:,} (mean {c['lookup_ns'] / lookups / 1e3:.1f} us)  "
-                     f"loads mean {c['load_ns'] / max(sum(doc['load_hist']), 1) / 1e6:.2f} ms",
-                     f"  blocks: {doc['ready_slots']:,}/{doc['n_slots']:,} used, {k['evictions']:,} evicted, "
-                     f"{c['promotions']:,} promoted, {c['demotions']:,} demoted, {c['lost_blocks']:,} lost",
-                     f"  bytes: hot read {human(c['hot_bytes_read'])}, warm read {human(c['warm_bytes_read'])}, "
-                     f"hot written {human(c['hot_bytes_written'])}, warm written {human(c['warm_bytes_written'])}",
-                     f"  recoveries {k['recoveries']} (scrubs {doc['scrubs']}), reclaimed slots {k['reclaimed']}, "
-                     f"warm errors {c['warm_errors']}"]
-            return "\n".join(lines)
-
-        _emit(args, doc, text)
-        if not args.watch:
+        doc["interval"] = _interval(doc, prev, None if prev_t is None else round(now - prev_t, 3))
+        if watching_json:  # one JSON document per line, per refresh
+            print(json.dumps(doc, default=str), flush=True)
+        else:
+            if args.watch and sys.stdout.isatty():
+                print("\033[H\033[J", end="")  # clear the screen between refreshes
+            _emit(args, doc, lambda: _stats_text(name, doc, doc["interval"]))
+        shown += 1
+        if not args.watch or (args.count is not None and shown >= args.count):
             return 0
+        prev, prev_t = doc, now
+        sys.stdout.flush()
         time.sleep(args.watch)
-        print()
+        if not sys.stdout.isatty() and not watching_json:
+            print()
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from tieredkv.hot import admin
 
     if bool(args.names) == bool(args.stale):
-        raise SystemExit("tieredkv rm: give segment NAMEs or --stale (not both)")
+        raise UsageError("give segment NAMEs or --stale (not both)")
+    verb = "would remove" if args.dry_run else "removed"
     if args.stale:
-        gone = admin.remove_stale(dry_run=args.dry_run)
-        doc = [{"name": d["name"], "reason": d["reason"]} for d in gone]
-        verb = "would remove" if args.dry_run else "removed"
-        _emit(args, {"removed": doc, "dry_run": args.dry_run},
-              lambda: "\n".join(f"{verb} {d['name']}: {d['reason']}" for d in doc) or "no stale segments")
+        import posix_ipc
+
+        gone = []
+        for d in _matching(admin.list_segments(), args.match):
+            if not d["stale"]:
+                continue
+            if not args.dry_run:
+                try:
+                    admin.remove(d["name"])
+                except posix_ipc.ExistentialError:  # someone else removed it meanwhile
+                    continue
+            gone.append({"name": d["name"], "reason": d["reason"]})
+        _emit(args, {"removed": gone, "missing": [], "dry_run": args.dry_run},
+              lambda: "\n".join(f"{verb} {d['name']}: {d['reason']}" for d in gone) or "no stale segments")
         return 0
     import posix_ipc
 
-    status = 0
+    from tieredkv.hot import segment as seg
+
+    removed, missing = [], []
     for name in args.names:
+        name = seg.check_name(name)
         try:
-            if not args.dry_run:
+            if args.dry_run:
+                os.stat(seg.SHM_DIR / name.lstrip("/"))
+            else:
                 admin.remove(name)
-            print(f"{'would remove' if args.dry_run else 'removed'} {name}")
-        except posix_ipc.ExistentialError:
-            print(f"tieredkv rm: no segment {name}", file=sys.stderr)
-            status = 1
-    return status
+            removed.append({"name": name, "reason": "named"})
+        except (posix_ipc.ExistentialError, FileNotFoundError):
+            missing.append(name)
+    for name in missing:
+        print(f"tieredkv rm: no segment {name}", file=sys.stderr)
+    _emit(args, {"removed": removed, "missing": missing, "dry_run": args.dry_run},
+          lambda: "\n".join(f"{verb} {d['name']}" for d in removed))
+    return 1 if missing else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from tieredkv.warm.admin import verify
 
+    if not os.path.isdir(args.directory):
+        raise UsageError(f"{args.directory} is not a directory")
     report = verify(args.directory, repair=args.repair)
     tiers = report.get("tiers", [report])
 
     def text() -> str:
         lines = []
         for t in tiers:
-            bad = t.get("bad_blocks", t.get("bad", []))
-            n_bad = len(bad) if isinstance(bad, list) else int(bad or 0)
-            lines.append(f"{t.get('path')}: {t.get('checked', t.get('blocks', '?'))} blocks checked, {n_bad} bad"
-                         + (f", {t.get('repaired', t.get('dropped', 0))} dropped" if args.repair else "")
-                         + ("" if t.get("ok", n_bad == 0) else "  <-- DAMAGED"))
+            bad_slabs = [f"{s['name']} {s['status']}" for s in t.get("slabs", []) if s["status"] != "ok"]
+            line = (f"{t['path']}: {t['blocks_checked']:,} blocks checked, {len(t['bad_blocks']):,} bad"
+                    + (f", {t['dead_claims']} dead claims" if t["dead_claims"] else "")
+                    + (f", slabs: {'; '.join(bad_slabs)}" if bad_slabs else "")
+                    + (f", meta.json {t['meta']}" if t["meta"] != "ok" else "")
+                    + (f", {t['removed']:,} dropped" if args.repair else "")
+                    + (f", error: {t['error']}" if t.get("error") else "")
+                    + ("" if t["ok"] else "  <-- DAMAGED"))
+            lines.append(line)
+            for b in t["bad_blocks"][:10]:
+                lines.append(f"    slab {b['slab']} slot {b['slot']} key {b['key']}: {b['reason']}")
+            if len(t["bad_blocks"]) > 10:
+                lines.append(f"    ... {len(t['bad_blocks']) - 10} more (all of them in --json)")
         return "\n".join(lines) or f"no warm tier under {args.directory}"
 
     _emit(args, report, text)
@@ -210,56 +335,112 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 # ---- simulate / demo / bench -------------------------------------------------------------------
+def _delegate(args: argparse.Namespace, run: Callable[[argparse.Namespace], int]) -> int:
+    """Run a command whose module writes ``--json`` to a file; make ``--json -`` mean stdout as elsewhere.
+
+    With ``--json -`` the command writes its JSON into a temporary file and its text goes to stderr, so
+    standard output carries only the JSON document.
+    """
+    if args.json != "-":
+        return run(args)
+    fd, tmp = tempfile.mkstemp(prefix="tieredkv-", suffix=".json")
+    os.close(fd)
+    try:
+        args.json = tmp
+        with contextlib.redirect_stdout(sys.stderr):
+            status = run(args)
+        text = Path(tmp).read_text()
+        if text.strip():
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return status
+    finally:
+        args.json = "-"
+        os.unlink(tmp)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tieredkv.sim import cli as sim_cli
 
-    return sim_cli.main(args)
+    return _delegate(args, sim_cli.main)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from tieredkv import demo
 
-    return demo.main(args)
+    return _delegate(args, demo.main)
 
 
-BENCHMARKS = ("hot_tier", "warm_tier", "tiered", "serving", "simulate", "chaos", "tenant_timing")
+_BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _benchmarks() -> list[str]:
+    """Benchmark scripts of a source checkout (empty in an installed package)."""
+    return sorted(p.stem for p in _BENCH_DIR.glob("*.py") if not p.name.startswith("_"))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
-    script = root / f"{args.name}.py"
-    if not script.is_file():
-        raise SystemExit(f"tieredkv bench: {script} not found; benchmarks run from a source checkout")
-    sys.argv = [str(script), *args.rest]
-    if args.json:
-        sys.argv += ["--json", args.json]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    available = _benchmarks()
+    if args.name not in available:
+        raise UsageError(f"no benchmark {args.name!r}; " + (f"choose one of: {', '.join(available)}" if available
+                         else f"benchmarks run from a source checkout ({_BENCH_DIR} is missing)"))
+    script = _BENCH_DIR / f"{args.name}.py"
+
+    def run(a: argparse.Namespace) -> int:
+        argv = sys.argv
+        sys.argv = [str(script), *a.rest] + (["--json", a.json] if a.json else [])
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SystemExit as e:  # a benchmark's own exit (argparse errors included)
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = argv
+        return 0
+
+    return _delegate(args, run)
 
 
 # ---- the parser ---------------------------------------------------------------------------------
-_EXAMPLES = {
-    "demo": "tieredkv demo --workers 8 --requests-per-worker 4 --json demo.json --plot demo.png",
-    "estimate": "tieredkv estimate --layers 28 --kv-heads 2 --head-dim 128 --prefix-tokens 4096 "
-                "--concurrency 4 --workers 8",
-    "ls": "tieredkv ls --warm-dir /var/cache/tieredkv",
-    "stats": "tieredkv stats --watch 2",
-    "rm": "tieredkv rm --stale --dry-run",
-    "verify": "tieredkv verify /var/cache/tieredkv --repair",
-    "simulate": "tieredkv simulate --trace mooncake.jsonl --policy lru,s3fifo --capacity 1000,5% --plot mrc.png",
-    "bench": "tieredkv bench hot_tier -- --quick",
+#: Examples shown at the end of each command's --help (the tests check that every command has one).
+EXAMPLES = {
+    "demo": ["tieredkv demo --workers 8 --requests-per-worker 4 --json demo.json --plot demo.png",
+             "tieredkv demo --workers 2 --prefix-tokens 512 --configs no_cache,shared    # a quick run"],
+    "estimate": ["tieredkv estimate --layers 28 --kv-heads 2 --head-dim 128 --prefix-tokens 4096 "
+                 "--concurrency 4 --workers 8",
+                 "tieredkv estimate --config path/to/config.json --prefix-tokens 2048 --prompt-tokens 3000 --json -"],
+    "ls": ["tieredkv ls", "tieredkv ls --warm-dir /var/cache/tieredkv --json -"],
+    "stats": ["tieredkv stats --watch 2                  # the only segment, refreshed every 2 s",
+              "tieredkv stats /tieredkv-NAME --json -",
+              "tieredkv stats --prometheus 9400 --addr 0.0.0.0 --warm-dir /var/cache/tieredkv"],
+    "rm": ["tieredkv rm --stale --dry-run", "tieredkv rm /tieredkv-NAME",
+           "tieredkv rm --stale --match '/tieredkv-test-*'"],
+    "verify": ["tieredkv verify /var/cache/tieredkv", "tieredkv verify /var/cache/tieredkv --repair --json report.json"],
+    "simulate": ["tieredkv simulate --trace mooncake.jsonl --policy lru,s3fifo --capacity 1000,5% --plot mrc.png",
+                 "tieredkv simulate --synthetic 20000 --policy lru,arc --hot 5% --warm 20% --json -"],
+    "bench": ["tieredkv bench hot_tier -- --quick", "tieredkv bench --json warm.json warm_tier -- --quick"],
 }
+
+_EXIT_CODES = "exit status: 0 ok, 1 failed (see the message), 2 bad usage or damage found"
+
+
+def _add_json(p: argparse.ArgumentParser, what: str = "the result") -> None:
+    p.add_argument("--json", metavar="OUT",
+                   help=f"also write {what} as JSON to OUT; '-': only the JSON, on standard output")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``tieredkv`` argument parser, one subparser per command (each with ``--json`` and examples)."""
     parser = argparse.ArgumentParser(
         prog="tieredkv", description="Share the KV cache of common prompt prefixes across worker processes "
         "(shared memory) and keep it across restarts (SSD).",
-        epilog="Run `tieredkv COMMAND --help` for a command's options and an example.")
+        epilog="Run `tieredkv COMMAND --help` for a command's options and examples.\n"
+               "example:\n  tieredkv ls\n" + _EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, func, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {_EXAMPLES[name]}",
+    def add(name: str, func, help_: str, more: str = "") -> argparse.ArgumentParser:
+        lines = "\n".join(f"  {e}" for e in EXAMPLES[name])
+        p = sub.add_parser(name, help=help_, description=help_ + (f"\n\n{more}" if more else ""),
+                           epilog=f"examples:\n{lines}\n\n{_EXIT_CODES}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(func=func)
         return p
@@ -267,12 +448,15 @@ def build_parser() -> argparse.ArgumentParser:
     from tieredkv import demo
     from tieredkv.sim import cli as sim_cli
 
+    # demo and simulate own their flags (tieredkv/demo.py, tieredkv/sim/cli.py), --json included.
     demo.add_arguments(add("demo", cmd_demo, "the multi-worker serving demo: no cache vs private vs shared vs "
                                              "restart, on an embedded model (or --model)"))
     sim_cli.add_arguments(add("simulate", cmd_simulate, "replay a block trace through eviction policies "
                                                          "(block and prefix hit ratios, miss-ratio curves)"))
 
-    p = add("estimate", cmd_estimate, "size the KV cache and what sharing a prefix saves")
+    p = add("estimate", cmd_estimate, "size the KV cache and what sharing a prefix saves",
+            "bytes per token = layers x 2 (K,V) x kv heads x head dim x dtype bytes; the duplicate prefix bytes\n"
+            "(upper bound) = prefix tokens x concurrent requests (concurrency x workers) x bytes per token.")
     p.add_argument("--config", help="a model's config.json (or its folder) instead of geometry flags")
     p.add_argument("--layers", type=int, help="decoder layers")
     p.add_argument("--kv-heads", type=int, help="KV heads (after GQA)")
@@ -285,38 +469,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4, help="concurrent requests per worker (default 4)")
     p.add_argument("--workers", type=int, default=8, help="worker processes (default 8)")
     p.add_argument("--prefill-ms-per-token", type=float, default=None, help="to estimate prefill time saved")
-    p.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-': stdout)")
+    _add_json(p, "the sizes")
 
     p = add("ls", cmd_ls, "list hot-tier segments (and warm tiers with --warm-dir)")
     p.add_argument("--warm-dir", help="also list the warm tiers under this directory")
-    p.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-': stdout)")
+    p.add_argument("--match", metavar="PATTERN", help="only segments whose name matches this shell pattern")
+    _add_json(p, "every segment's description")
 
-    p = add("stats", cmd_stats, "live counters of a segment, prefix hit rate first")
-    p.add_argument("name", nargs="?", help="segment name (default: the only one)")
+    p = add("stats", cmd_stats, "counters of a segment, prefix hit rate first (live with --watch, or for "
+                                "Prometheus with --prometheus)",
+            "Counters are per host: every process's handle keeps its row in the segment and the rows are summed.\n"
+            "With --watch, each refresh also shows the last interval (hit rate, lookups, evictions...).")
+    p.add_argument("name", nargs="?", metavar="NAME",
+                   help="segment name (default: the only one; with --prometheus: every segment)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
-    p.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-': stdout)")
+    p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
+    p.add_argument("--prometheus", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on PORT (0: any free port) until Ctrl-C; needs the "
+                        "'metrics' extra")
+    p.add_argument("--addr", default="127.0.0.1",
+                   help="with --prometheus: address to bind (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--warm-dir", help="with --prometheus: also expose the usage of the warm tiers under this "
+                                      "directory")
+    _add_json(p, "the counters (with --watch: '-' prints one JSON document per line and refresh)")
 
-    p = add("rm", cmd_rm, "remove segments by name, or the stale ones")
+    p = add("rm", cmd_rm, "remove segments by name, or the stale ones",
+            "Stale: a segment of another layout version or not ours, a leftover of a creator that died, or a\n"
+            "segment no process has open (its blocks are lost when removed). Processes that map a removed\n"
+            "segment keep their mapping until they close it.")
     p.add_argument("names", nargs="*", metavar="NAME", help="segment names, e.g. /tieredkv-...")
     p.add_argument("--stale", action="store_true",
                    help="remove segments of another layout version, a dead creator's leftovers, and segments "
                         "that no process has open")
+    p.add_argument("--match", metavar="PATTERN", help="with --stale: only segments whose name matches this "
+                                                      "shell pattern")
     p.add_argument("--dry-run", action="store_true", help="say what would be removed")
-    p.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-': stdout)")
+    _add_json(p, "what was removed")
 
-    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged)")
+    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged)",
+            "Safe while workers use the tier. --repair drops bad blocks from the index, reaps dead writers'\n"
+            "claims, restores slab sizes and rewrites a damaged meta.json (see docs/warm-tier.md).")
     p.add_argument("directory", help="a warm tier directory, or a root holding several")
     p.add_argument("--repair", action="store_true", help="drop the bad blocks from the index")
-    p.add_argument("--json", metavar="OUT", help="write JSON to OUT ('-': stdout)")
+    _add_json(p, "the full report (every bad block)")
 
-    p = add("bench", cmd_bench, "run a benchmark from benchmarks/ (source checkout)")
-    p.add_argument("name", choices=BENCHMARKS)
+    p = add("bench", cmd_bench, "run a benchmark from benchmarks/ (source checkout)",
+            "Benchmarks: " + (", ".join(_benchmarks()) or "(none: not a source checkout)") +
+            ". Their own options go after --.")
+    p.add_argument("name", metavar="NAME", help="the benchmark (a script in benchmarks/)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options, after --")
-    p.add_argument("--json", metavar="OUT", help="passed to the benchmark")
+    _add_json(p, "the benchmark's results (passed to it)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``tieredkv`` command with ``argv`` (default: ``sys.argv[1:]``). Returns the exit status."""
     args = build_parser().parse_args(argv)
     if getattr(args, "rest", None) and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]

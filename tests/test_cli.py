@@ -1,0 +1,345 @@
+"""The tieredkv command: every subcommand's output, exit status, --json and --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from helpers import kv_for
+from tieredkv import KVSpec, TieredCache
+from tieredkv import cli
+from tieredkv.hot import admin
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+GiB = 1 << 30
+SEED_GEOMETRY = ["--layers", "28", "--kv-heads", "2", "--head-dim", "128", "--dtype", "float16"]
+
+
+@pytest.fixture
+def spec():
+    return KVSpec(model_id="test/cli", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=4)
+
+
+@pytest.fixture
+def names():
+    """A unique name prefix for this test's segments; every segment under it is unlinked afterwards."""
+    prefix = f"/tieredkv-test-cli-{os.getpid()}-{secrets.token_hex(3)}"
+    yield prefix
+    for name in os.listdir("/dev/shm"):
+        if ("/" + name).startswith(prefix):
+            try:
+                posix_ipc.unlink_shared_memory("/" + name)
+            except posix_ipc.ExistentialError:
+                pass
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """``tieredkv ARGV`` in this process: (exit status, stdout, stderr)."""
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def traffic(cache: TieredCache, spec: KVSpec) -> None:
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 30_000, 17), rng.integers(0, 30_000, 9)
+    cache.store(a, kv_for(spec, a))
+    for p in (a, b):
+        cache.load(cache.lookup(p), np.zeros((2, 2, 2, len(p), 8), np.float16))
+
+
+# ---- estimate -------------------------------------------------------------------------------------
+def test_estimate_seed_geometry(capsys, tmp_path):
+    out_file = tmp_path / "est.json"
+    status, out, _ = run(capsys, "estimate", *SEED_GEOMETRY, "--prefix-tokens", "4096", "--concurrency", "4",
+                         "--workers", "8", "--json", str(out_file))
+    assert status == 0
+    doc = json.loads(out_file.read_text())
+    assert doc["bytes_per_token"] == 28 * 2 * 2 * 128 * 2 == 28_672
+    assert doc["concurrent_requests"] == 32
+    assert doc["duplicate_prefix_bytes"] == 4096 * 32 * 28_672 == int(3.5 * GiB)
+    assert doc["saved_by_sharing_bytes"] == 4096 * 31 * 28_672
+    assert "28,672" in out
+    assert "duplicate prefix bytes (upper bound)    3.50 GiB" in out
+
+
+def test_estimate_through_python_m_with_json_on_stdout():
+    proc = subprocess.run([sys.executable, "-m", "tieredkv", "estimate", *SEED_GEOMETRY, "--prefix-tokens", "4096",
+                           "--prompt-tokens", "5000", "--prefill-ms-per-token", "0.5", "--json", "-"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # nothing but the JSON on stdout
+    assert doc["kv_per_request_bytes"] == 5000 * 28_672
+    assert doc["prefill_saved_ms_per_request"] == 2048.0
+    assert doc["spec"]["num_layers"] == 28
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--layers", "28", "--prefix-tokens", "10"], "--kv-heads, --head-dim"),
+    ([*SEED_GEOMETRY, "--prefix-tokens", "10", "--workers", "0"], "workers must be positive"),
+    ([*SEED_GEOMETRY, "--prefix-tokens", "10", "--prompt-tokens", "5"], "cannot exceed"),
+])
+def test_estimate_bad_input_is_a_usage_error(capsys, argv, message):
+    status, out, err = run(capsys, "estimate", *argv)
+    assert status == 2
+    assert message in err and err.startswith("tieredkv estimate: ")
+    assert "Traceback" not in err
+
+
+# ---- ls / stats --------------------------------------------------------------------------------------
+def test_ls_lists_the_segment(capsys, spec, names):
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-a") as cache:
+        traffic(cache, spec)
+        status, out, _ = run(capsys, "ls", "--match", names + "*", "--json", "-")
+        assert status == 0
+        doc = json.loads(out)
+        [seg] = doc["hot"]
+        assert seg["name"] == names + "-a"
+        assert seg["model_id"] == "test/cli"
+        assert seg["live_handles"] == 1 and not seg["stale"]
+        assert seg["ready_slots"] == 4
+        assert seg["prefix_hit_rate"] == pytest.approx(16 / 26)
+        assert "numa_nodes" in doc
+        status, out, _ = run(capsys, "ls", "--match", names + "*")
+        row = next(line for line in out.splitlines() if line.startswith(names + "-a"))
+        assert "test/cli" in row and "61.5%" in row and "4/" in row
+
+
+def test_ls_with_warm_dir(capsys, spec, names, tmp_path):
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-w", warm_dir=tmp_path, warm_bytes=4 * MiB,
+                     demotion="write_through") as cache:
+        traffic(cache, spec)
+        status, out, _ = run(capsys, "ls", "--match", names + "*", "--warm-dir", str(tmp_path), "--json", "-")
+    assert status == 0
+    [warm] = json.loads(out)["warm"]
+    assert warm["blocks"] == 4 and warm["model"] == "test/cli"
+
+
+def test_stats_matches_the_cache_and_puts_the_hit_rate_first(capsys, spec, names):
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-s") as cache:
+        traffic(cache, spec)
+        st = cache.stats()
+        status, out, _ = run(capsys, "stats", names + "-s", "--json", "-")
+        assert status == 0
+        doc = json.loads(out)
+        assert doc["cache"]["lookups"] == st["lookups"] == 2
+        assert doc["cache"]["hit_tokens"] == st["hit_tokens"] == 16
+        assert doc["prefix_hit_rate"] == pytest.approx(st["prefix_hit_rate"])
+        status, out, _ = run(capsys, "stats", names + "-s")
+        lines = out.splitlines()
+        assert lines[0].startswith(names + "-s  (test/cli, policy lru, 1 handles)")
+        assert lines[1].split()[:4] == ["PREFIX", "HIT", "RATE", "61.5%"]
+        assert "(16 of 26 prompt tokens served from cache)" in lines[1]
+
+
+def test_stats_watch_prints_json_lines_with_interval_deltas(capsys, spec, names):
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-j") as cache:
+        traffic(cache, spec)
+        status, out, _ = run(capsys, "stats", names + "-j", "--watch", "0.01", "--count", "3", "--json", "-")
+    assert status == 0
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert len(docs) == 3
+    assert docs[0]["interval"] is None
+    assert docs[2]["interval"]["lookups"] == 0            # no traffic between refreshes
+    assert docs[2]["interval"]["prefix_hit_rate"] is None  # nothing looked up: no rate, not 0%
+
+
+def test_interval_deltas(spec, names):
+    """What `stats --watch` shows for the last interval: the counters' differences and their hit rate."""
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-d") as cache:
+        traffic(cache, spec)
+        before = admin.inspect(names + "-d")
+        tokens = np.random.default_rng(0).integers(0, 30_000, 17)   # the stored prompt: 16 of 17 cached
+        cache.lookup(tokens)
+        after = admin.inspect(names + "-d")
+    d = cli._interval(after, before, 2.0)
+    assert (d["lookups"], d["prompt_tokens"], d["hit_tokens"], d["seconds"]) == (1, 17, 16, 2.0)
+    assert d["prefix_hit_rate"] == pytest.approx(16 / 17)
+    text = cli._stats_text(names + "-d", after, d)
+    lines = text.splitlines()
+    assert lines[1].startswith("  PREFIX HIT RATE   74.4%")          # lifetime first, interval under it
+    assert lines[2].startswith("  last 2 s          94.1%   (16 of 17 prompt tokens; 1 lookups")
+
+
+def test_stats_without_a_name_needs_exactly_one_segment(capsys, monkeypatch):
+    from tieredkv.hot import segment as seg
+
+    monkeypatch.setattr(seg, "list_segment_names", lambda: ["/tieredkv-a", "/tieredkv-b"])
+    status, _, err = run(capsys, "stats")
+    assert status == 2 and "2 segments exist; name one of: /tieredkv-a, /tieredkv-b" in err
+
+
+def test_stats_of_a_missing_segment(capsys, names):
+    status, _, err = run(capsys, "stats", names + "-none")
+    assert status == 1 and "No such file" in err
+
+
+def test_stats_prometheus_serves_until_interrupted(spec, names):
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-p") as cache:
+        traffic(cache, spec)
+        proc = subprocess.Popen([sys.executable, "-m", "tieredkv", "stats", names + "-p", "--prometheus", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            first = proc.stdout.readline()
+            assert first.startswith("serving Prometheus metrics on http://127.0.0.1:"), proc.stderr.read()
+            url = first.split()[4]
+            with urllib.request.urlopen(url, timeout=30) as r:
+                body = r.read().decode()
+            assert f'tieredkv_prefix_hit_rate{{model="test/cli",segment="{names}-p"}} 0.615' in body
+            assert f'tieredkv_lookups_total{{model="test/cli",segment="{names}-p"}} 2.0' in body
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+
+
+# ---- rm ---------------------------------------------------------------------------------------------
+def _foreign(name: str) -> None:
+    """A file in /dev/shm under our prefix that is not a tieredkv segment (wrong magic)."""
+    with open(f"/dev/shm{name}", "wb") as f:
+        f.write(b"\x01" * 8192)
+
+
+def test_rm_names(capsys, spec, names):
+    TieredCache(spec, hot_bytes=MiB, hot_name=names + "-x").close()
+    status, out, _ = run(capsys, "rm", names + "-x", "--dry-run")
+    assert status == 0 and out.strip() == f"would remove {names}-x"
+    assert os.path.exists(f"/dev/shm{names}-x")
+    status, out, _ = run(capsys, "rm", names + "-x", "--json", "-")
+    assert status == 0
+    assert json.loads(out)["removed"] == [{"name": names + "-x", "reason": "named"}]
+    assert not os.path.exists(f"/dev/shm{names}-x")
+    status, _, err = run(capsys, "rm", names + "-x")
+    assert status == 1 and f"no segment {names}-x" in err
+
+
+def test_rm_stale_removes_foreign_unused_and_dead_leftovers_only(capsys, spec, names):
+    _foreign(names + "-foreign")
+    TieredCache(spec, hot_bytes=MiB, hot_name=names + "-closed").close()      # no process has it open
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()                                                               # a pid that is dead now
+    leftover = f"/tieredkv-tmp-{child.pid}-{secrets.token_hex(4)}"
+    _foreign(leftover)
+    try:
+        with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-live"):
+            status, out, _ = run(capsys, "rm", "--stale", "--match", names + "*", "--dry-run", "--json", "-")
+            assert status == 0
+            doc = json.loads(out)
+            assert doc["dry_run"] is True
+            assert {d["name"] for d in doc["removed"]} == {names + "-foreign", names + "-closed"}
+            assert os.path.exists(f"/dev/shm{names}-foreign")
+            status, out, _ = run(capsys, "rm", "--stale", "--match", names + "*")
+            assert status == 0
+            reasons = dict(line.split(": ", 1) for line in out.strip().splitlines())
+            assert reasons[f"removed {names}-closed"] == "no process has it open"
+            assert reasons[f"removed {names}-foreign"].startswith("unusable")
+            assert sorted(n for n in os.listdir("/dev/shm") if ("/" + n).startswith(names)) == \
+                [names.lstrip("/") + "-live"]
+            status, out, _ = run(capsys, "rm", "--stale", "--match", leftover)
+            assert status == 0 and out.strip() == f"removed {leftover}: leftover of a creator that died"
+            assert not os.path.exists(f"/dev/shm{leftover}")
+    finally:
+        if os.path.exists(f"/dev/shm{leftover}"):
+            os.unlink(f"/dev/shm{leftover}")
+
+
+def test_rm_needs_names_or_stale(capsys):
+    status, _, err = run(capsys, "rm")
+    assert status == 2 and "NAMEs or --stale" in err
+
+
+# ---- verify -----------------------------------------------------------------------------------------
+def test_verify_finds_a_corrupted_slab_and_repairs_it(capsys, spec, names, tmp_path):
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-v", warm_dir=tmp_path, warm_bytes=4 * MiB,
+                     demotion="write_through") as cache:
+        traffic(cache, spec)                                   # 4 blocks in the warm tier
+    [tier] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    status, out, _ = run(capsys, "verify", str(tmp_path))
+    assert status == 0 and "4 blocks checked, 0 bad" in out
+    with open(tier / "slab-0000.bin", "r+b") as f:             # damage the first block's bytes
+        f.seek(100)
+        f.write(b"\xff" * 64)
+    report_file = tmp_path / "report.json"
+    status, out, _ = run(capsys, "verify", str(tmp_path), "--json", str(report_file))
+    assert status == 2
+    assert "4 blocks checked, 1 bad" in out and "DAMAGED" in out and "checksum" in out
+    report = json.loads(report_file.read_text())
+    assert report["ok"] is False
+    [bad] = report["tiers"][0]["bad_blocks"]
+    assert (bad["slab"], bad["slot"], bad["reason"]) == (0, 0, "checksum")
+    status, out, _ = run(capsys, "verify", str(tier), "--repair", "--json", "-")
+    assert status == 2 and json.loads(out)["removed"] == 1    # exit 2: damage was found (and dropped)
+    status, out, _ = run(capsys, "verify", str(tier))
+    assert status == 0 and "3 blocks checked, 0 bad" in out
+
+
+def test_verify_of_a_missing_directory(capsys, tmp_path):
+    status, _, err = run(capsys, "verify", str(tmp_path / "nope"))
+    assert status == 2 and "is not a directory" in err
+
+
+# ---- simulate / bench / help -----------------------------------------------------------------------
+def test_simulate_json_on_stdout(capsys):
+    status, out, err = run(capsys, "simulate", "--synthetic", "300", "--policy", "lru,fifo", "--capacity", "10%",
+                           "--no-progress", "--json", "-")
+    assert status == 0
+    doc = json.loads(out)                                      # the table went to stderr
+    assert [r["policy"] for r in doc["results"]] == ["lru", "fifo"]
+    assert "block hit" in err
+
+
+def test_bench_unknown_name(capsys):
+    status, _, err = run(capsys, "bench", "no_such_bench")
+    assert status == 2 and "choose one of:" in err and "hot_tier" in err
+
+
+def _commands() -> list[str]:
+    parser = cli.build_parser()
+    [sub] = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return list(sub.choices)
+
+
+def test_the_issue_commands_exist():
+    assert set(_commands()) >= {"demo", "estimate", "ls", "stats", "rm", "verify", "simulate", "bench"}
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_every_help_has_an_example_and_json(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:\n" in out
+    examples = out.split("examples:\n", 1)[1]
+    assert f"  tieredkv {command}" in examples
+    assert "--json OUT" in out
+    # Every example parses with this very parser (no stale flags in the help).
+    for line in cli.EXAMPLES[command]:
+        argv = line.split("#")[0].split()[1:]
+        argv = [a.strip("'") for a in argv]
+        args = cli.build_parser().parse_args(argv)
+        assert args.command == command
+
+
+def test_top_level_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("demo", "estimate", "ls", "stats", "rm", "verify", "simulate", "bench"):
+        assert command in out
+    assert "example:" in out

@@ -245,6 +245,13 @@ class HotTier(Tier):
         if now - self._last_check > 1.0:
             self._last_check = now
             if not self._still_published():
+                a = self._args
+                attach_only = not a["create"] or (a["capacity_bytes"] is None and a["n_slots"] is None)
+                if attach_only and not os.path.exists(seg._shm_path(self.name)):
+                    # Removed and not (yet) recreated, and this handle cannot create it: keep serving
+                    # from the old mapping (still valid memory) rather than closing for good; the
+                    # next check reattaches once a creating process has made a new segment.
+                    return
                 warnings.warn(f"tieredkv: segment {self.name} was removed or replaced; reattaching",
                               RuntimeWarning, stacklevel=3)
                 self.close()

@@ -29,7 +29,10 @@ def as_tokens(tokens: object) -> np.ndarray:
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, (bytes, bytearray, str)):
         raise InvalidInput("tokens must be a 1-D sequence of integer token ids, not bytes or str")
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged lists, objects numpy cannot hold
+        raise InvalidInput(f"tokens must be a 1-D sequence of integer token ids ({exc})") from None
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
     if arr.ndim != 1:

@@ -11,9 +11,9 @@ from .trace import Trace
 __all__ = ["synthetic_trace"]
 
 
-def synthetic_trace(n_requests: int = 2000, *, seed: int = 0, n_system_prompts: int = 8,
-                    system_blocks: tuple[int, int] = (4, 16), zipf_alpha: float = 1.1,
-                    session_share: float = 0.6, new_session_prob: float = 0.25,
+def synthetic_trace(n_requests: int = 2000, *, seed: int = 0, n_system_prompts: int = 32,
+                    system_blocks: tuple[int, int] = (8, 48), zipf_alpha: float = 1.1,
+                    session_share: float = 0.6, new_session_prob: float = 0.2,
                     turn_blocks: tuple[int, int] = (1, 4), oneoff_blocks: tuple[int, int] = (2, 24),
                     max_session_blocks: int = 200) -> Trace:
     """Generate requests the way chat and agent traffic looks to a prefix cache.

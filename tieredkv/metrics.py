@@ -105,8 +105,11 @@ class SegmentCollector:
             _segment_names(self.names)  # fail now on a malformed name, not at every scrape
 
     def describe(self) -> Iterable:
-        # No fixed description: the families depend on which segments exist at scrape time. Returning
-        # nothing keeps registration from calling collect() (which would read shared memory).
+        """Nothing: the families depend on which segments exist at scrape time.
+
+        Returning nothing also keeps ``registry.register`` from calling ``collect()`` (a read of
+        shared memory) just to learn the names.
+        """
         return []
 
     def collect(self) -> Iterator:

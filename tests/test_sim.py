@@ -229,3 +229,6 @@ def test_cli_two_level_and_errors(capsys):
     assert _cli(["--synthetic", "10", "--policy", "nope", "--no-progress"]) == 2
     assert "valid: arc" in capsys.readouterr().err
     assert _cli(["--synthetic", "10", "--warm", "5", "--no-progress"]) == 2
+    assert _cli(["--synthetic", "10", "--capacity", "lots", "--no-progress"]) == 2
+    assert "percentage" in capsys.readouterr().err
+    assert _cli(["--trace", "/nonexistent/trace.jsonl", "--no-progress"]) == 2

@@ -10,6 +10,7 @@ import json
 import sys
 
 from tieredkv import policies
+from tieredkv.errors import TieredKVError
 
 from .plot import plot_mrc
 from .replay import run_simulation
@@ -68,20 +69,17 @@ def format_table(result: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``tieredkv simulate``; print the table; write ``--json`` / ``--plot``. Returns the exit code."""
-    if args.trace:
-        trace = read_trace(args.trace, fmt=args.format)
-    else:
-        trace = synthetic_trace(args.synthetic, seed=args.seed)
     if bool(args.warm) != bool(args.hot):
         print("tieredkv simulate: --hot and --warm go together", file=sys.stderr)
         return 2
     try:
+        trace = read_trace(args.trace, fmt=args.format) if args.trace else synthetic_trace(args.synthetic, seed=args.seed)
         result = run_simulation(trace, _csv(args.policy), _csv(args.capacity),
                                 hot=_csv(args.hot) if args.hot else None,
                                 warm=_csv(args.warm) if args.warm else None,
                                 promotion=args.promotion, demotion=args.demotion,
                                 progress=not args.no_progress and sys.stderr.isatty(), jobs=args.jobs)
-    except policies.UnknownPolicy as e:
+    except (policies.UnknownPolicy, TieredKVError, OSError) as e:
         print(f"tieredkv simulate: {e}", file=sys.stderr)
         return 2
     print(format_table(result))

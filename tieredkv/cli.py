@@ -193,7 +193,7 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
              f"({c['hit_tokens']:,} of {c['prompt_tokens']:,} prompt tokens served from cache)"]
     if delta is not None:
         rate = "    - " if delta["prefix_hit_rate"] is None else f"{100 * delta['prefix_hit_rate']:5.1f}%"
-        lines.append(f"  {'last %g s' % delta['seconds']:<17}{rate}   ({delta['hit_tokens']:,} of "
+        lines.append(f"  {'last %g s' % round(delta['seconds'], 1):<17}{rate}   ({delta['hit_tokens']:,} of "
                      f"{delta['prompt_tokens']:,} prompt tokens; {delta['lookups']:,} lookups, "
                      f"{delta['evictions']:,} evicted, {delta['promotions']:,} promoted, "
                      f"{delta['demotions']:,} demoted)")

@@ -21,7 +21,6 @@ Prints tables; writes JSON and a plot on request. Not a test: nothing here asser
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics

@@ -15,7 +15,6 @@ import textwrap
 import uuid
 import zipfile
 
-import numpy as np
 import pytest
 import torch
 

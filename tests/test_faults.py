@@ -202,7 +202,7 @@ with TieredCache(spec, hot_bytes=1 << 20, hot_name=sys.argv[3], warm_dir=root, w
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         c.store(b, kv_for(spec, b))             # files opened before keep working, or warn: never raise
-        print("warnings:", [str(x.message)[:80] for x in w])
+        print("warnings:", [str(x.message)[:120] for x in w])
     assert load(c, a) == 24 and load(c, b) == 24
     c.hot.remove(chunk_keys(spec, a[:24]))
     assert load(c, a) == 24                     # from warm

@@ -270,6 +270,7 @@ def test_random_bytes_in_segment_header_and_slot_records(seg_name, region):
     """150 cases per region: random bytes at a random place of the header (magic, version, geometry,
     counters, dirty flag, fingerprint) or of the slot table, left as a crashed process would."""
     res = _run_child(_HOT_CHILD, seg_name, region, 7 if region == "header" else 8, 150)
+    print(region, {k: v for k, v in res.items() if k != "other"})
     assert res["other"] == [], res["other"][:2]
     assert res["wrong"] == 0
     assert res["ok"] + res["refused"] == 150
@@ -332,6 +333,7 @@ def test_random_bytes_in_warm_files(tmp_path, target, cases):
     with WarmTier(SPEC, pristine, capacity_bytes=64 * 4096) as t:
         t.put_many(k, payload_for(k, SPEC.block_bytes))
     res = _run_child(_WARM_CHILD, pristine, tmp_path / "work", target, 11, cases, timeout=240)
+    print(target, {k: v for k, v in res.items() if k != "other"})
     assert res["other"] == [], res["other"][:2]
     assert res["wrong"] == 0
     assert res["ok"] + res["refused"] == cases

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import posix_ipc
 
-from tieredkv import KVSpec, TieredCache
+from tieredkv import KVSpec, TieredCache, chunk_keys
 
 SPEC = KVSpec(model_id="bench/tenant", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
 
@@ -59,7 +59,7 @@ def measure(rounds: int = 2000, blocks: int = 16, seed: int = 0) -> dict:
                         raise AssertionError("tenant A hit tenant B's blocks")
             # Sanity: tenant B itself does hit (the blocks really are resident, in both tiers).
             assert c.lookup(pairs[0][0], salt=b"tenant-B").tokens == blocks * SPEC.chunk_tokens
-            assert c.warm.match(__import__("tieredkv").chunk_keys(SPEC, pairs[0][0][:-1], b"tenant-B")) == blocks
+            assert c.warm.match(chunk_keys(SPEC, pairs[0][0][:-1], b"tenant-B")) == blocks
     finally:
         try:
             posix_ipc.unlink_shared_memory(name)

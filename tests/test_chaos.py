@@ -5,7 +5,6 @@ The soak (600 s, RSS and /dev/shm flat) runs only on demand: ``pytest -m soak`` 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 

@@ -274,3 +274,48 @@ def test_eight_processes_store_and_load_the_same_prefixes(spec, make, tmp_path, 
     assert stats["lookups"] == 8 * 60
     assert stats["loaded_tokens"] == sum(n for _, n in got)
     assert sum(stats["lookup_hist"]) == 8 * 60
+
+
+def test_store_larger_than_hot_sends_the_rest_to_warm(spec, make):
+    cache = make(hot_slots=4)
+    tokens = prompt(33)
+    kv = kv_for(spec, tokens)
+    assert cache.store(tokens, kv) == 4          # 4 fit in hot...
+    hit = cache.lookup(tokens)
+    assert (hit.hot_blocks, hit.warm_blocks) == (4, 4)  # ...the other 4 went straight to warm
+    out = np.zeros_like(kv)
+    assert cache.load(hit, out) == 32
+    assert same_bytes(out[:, :, :, :32], kv[:, :, :, :32])
+
+
+def test_promotion_never_evicts_the_hit_being_loaded(spec, make):
+    """Warm blocks first, hot blocks after, hot tier full: promoting the warm ones mid-load would
+    evict the hot ones before they are read. Promotion waits until the load is done."""
+    cache = make(hot_slots=4)
+    tokens = prompt(33)
+    kv = kv_for(spec, tokens)
+    cache.store(tokens, kv)                      # blocks 0-3 hot, 4-7 warm
+    keys = cache.lookup(tokens).keys
+    front = cache.hot.evict(4)                   # 0-3 -> warm
+    cache.warm.put_many(front.keys, front.payloads)
+    back = np.zeros((4, spec.block_bytes), np.uint8)
+    assert cache.warm.get_many(keys[4:], back) == 4
+    cache.hot.put_many(keys[4:], back)           # 4-7 -> hot: the hot tier is full again
+    hit = cache.lookup(tokens)
+    assert hit.where.tolist() == [WARM] * 4 + [HOT] * 4
+    out = np.zeros_like(kv)
+    assert cache.load(hit, out) == 32
+    assert same_bytes(out[:, :, :, :32], kv[:, :, :, :32])
+    assert cache.stats()["promotions"] == 4
+
+
+def test_hot_blocks_and_unlink_hot(spec, seg_name, tmp_path):
+    cache = TieredCache(spec, hot_blocks=6, hot_name=seg_name, warm_dir=tmp_path, warm_bytes=MiB,
+                        demotion="write_through")
+    assert cache.hot.n_slots == 6
+    tokens = prompt(9)
+    cache.store(tokens, kv_for(spec, tokens))
+    cache.unlink_hot()
+    assert not os.path.exists("/dev/shm" + seg_name)
+    with TieredCache(spec, hot_blocks=6, hot_name=seg_name, warm_dir=tmp_path, warm_bytes=MiB) as fresh:
+        assert fresh.lookup(tokens).warm_blocks == 2

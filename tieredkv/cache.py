@@ -74,7 +74,9 @@ class TieredCache:
 
     Args:
         spec: the model's KV geometry and namespace.
-        hot_bytes: size of the shared-memory segment to create (attaching processes may pass the same).
+        hot_bytes: size of the shared-memory segment to create, metadata included (attaching processes
+            may pass the same, or nothing).
+        hot_blocks: create the segment with exactly this many block slots instead of ``hot_bytes``.
         warm_dir: directory of the warm tier; ``None``: hot tier only.
         warm_bytes: warm tier capacity (required with ``warm_dir``).
         eviction: eviction policy name for both tiers (see ``tieredkv.policies.names()``).
@@ -92,7 +94,7 @@ class TieredCache:
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
-                 hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
+                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
                  numa_node: int | None = None, lock_timeout_s: float = 10.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -116,7 +118,7 @@ class TieredCache:
 
                 self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
                                      policy=eviction)
-            self.hot = HotTier(spec, hot_bytes, name=hot_name, policy=eviction, numa_node=numa_node,
+            self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
                                on_evict=self._demote if self.warm is not None else None)
         except BaseException:
@@ -168,6 +170,7 @@ class TieredCache:
         target, finish = self._host_view(out, hit.tokens)
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
+        promote: list[tuple[ChunkKeys, np.ndarray]] = []
         i = 0
         while i < hit.blocks:
             j = i
@@ -178,12 +181,16 @@ class TieredCache:
             if tier == HOT:
                 got = self._load_hot(run, target, i)
             else:
-                got = self._load_warm(run, target, i)
+                got = self._load_warm(run, target, i, promote)
             loaded += got
             if got < j - i:
                 break
             i = j
         finish(loaded * C)
+        # Promote only now: promoting mid-load could evict this very hit's hot blocks before they
+        # were read (a full hot tier), cutting the restore short.
+        for keys, payloads in promote:
+            self._promote(keys, payloads)
         self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
         self._observe("load", time.perf_counter() - started)
         return loaded * C
@@ -200,7 +207,8 @@ class TieredCache:
         self._count(hot_bytes_read=got * self.spec.block_bytes)
         return got
 
-    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
+    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int,
+                   promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
@@ -209,7 +217,7 @@ class TieredCache:
             np.copyto(target[:, :, :, at:at + C, :], staging[i])
         self._count(warm_bytes_read=got * self.spec.block_bytes)
         if got:
-            self._promote(keys[:got], staging[:got])
+            promote.append((keys[:got], staging[:got]))
         return got
 
     def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
@@ -256,8 +264,16 @@ class TieredCache:
             np.copyto(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
         codes = self.hot.put_many(new, payloads)
         stored = int(np.count_nonzero(codes == PutResult.STORED))
-        if self.warm is not None and self.demotion.at_store:
-            wcodes = self._warm_call(lambda: self.warm.put_many(new, payloads), default=None)
+        to_warm = None
+        if self.warm is not None:
+            if self.demotion.at_store:
+                to_warm = np.arange(len(new))
+            elif (codes == PutResult.NO_SPACE).any():
+                # Did not fit in the hot tier at all (a store larger than it): straight to warm.
+                to_warm = np.flatnonzero(codes == PutResult.NO_SPACE)
+        if to_warm is not None:
+            wkeys, wpayloads = (new, payloads) if len(to_warm) == len(new) else (new.take(to_warm), payloads[to_warm])
+            wcodes = self._warm_call(lambda: self.warm.put_many(wkeys, wpayloads), default=None)
             if wcodes is not None:
                 n = int(np.count_nonzero(wcodes == PutResult.STORED))
                 self._count(warm_bytes_written=n * self.spec.block_bytes)
@@ -376,6 +392,16 @@ class TieredCache:
         doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
         return doc
+
+    def unlink_hot(self) -> None:
+        """Remove the hot segment's name (as a node restart would) and close this cache.
+
+        Processes that still map the segment keep using it until they close; the next TieredCache
+        creates a fresh, empty segment. The warm tier is untouched.
+        """
+        if self.hot is not None:
+            self.hot.unlink()
+        self.close()
 
     def close(self) -> None:
         """Close both tiers (idempotent). Shared state stays for other processes and restarts."""

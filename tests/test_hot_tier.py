@@ -448,3 +448,29 @@ def test_unlinked_segment_is_noticed(tiny_spec, seg_name, monkeypatch):
         with pytest.warns(RuntimeWarning, match="removed or replaced"):
             assert tier.match(keys) == 0  # reattached to a fresh, empty segment
         assert os.path.exists("/dev/shm" + seg_name)
+
+
+def test_threads_sharing_one_handle_read_correct_bytes(tiny_spec, seg_name):
+    """A handle has one pin list in the segment: threads reading through it must not clobber it."""
+    import threading
+
+    with HotTier(tiny_spec, n_slots=64, name=seg_name) as tier:
+        prompts = [prompt(tiny_spec, s, 8) for s in range(6)]
+        for keys in prompts:
+            tier.put_many(keys, payload_for(tiny_spec, keys))
+        wrong = []
+
+        def reader(seed):
+            out = np.zeros((8, tiny_spec.block_bytes), np.uint8)
+            for i in range(300):
+                keys = prompts[(seed + i) % 6]
+                n = tier.get_many(keys, out)
+                wrong.append(n != 8 or not np.array_equal(out, payload_for(tiny_spec, keys)))
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(wrong) == 1200 and not any(wrong)
+        assert tier.slot_census()["pinned"] == 0

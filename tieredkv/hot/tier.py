@@ -114,6 +114,7 @@ class HotTier(Tier):
         self._args = dict(capacity_bytes=capacity_bytes, n_slots=n_slots, policy=policy, mode=mode,
                           create=create)
         self._tlock = threading.Lock()
+        self._read_lock = threading.Lock()
         self._hooks: dict[str, Callable[[], None]] = {}
         self._closed = True
         self._open(**self._args)
@@ -579,7 +580,8 @@ class HotTier(Tier):
         done = 0
         while done < n:
             batch = min(n - done, seg.MAX_PINS)
-            got = self._read_batch(keys[done:done + batch], done, copy)
+            with self._read_lock:  # one pin list per handle: threads sharing a handle take turns
+                got = self._read_batch(keys[done:done + batch], done, copy)
             done += got
             if got < batch:
                 break

@@ -27,6 +27,7 @@ from tieredkv import policies
 from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
+from tieredkv.layout import copy_into
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
@@ -201,7 +202,7 @@ class TieredCache:
 
         def sink(i: int, block: np.ndarray) -> None:
             at = (first + i) * C
-            np.copyto(target[:, :, :, at:at + C, :], block.view(self.spec.numpy_dtype).reshape(shape))
+            copy_into(target[:, :, :, at:at + C, :], block.view(self.spec.numpy_dtype).reshape(shape))
 
         got = self.hot.read_into(keys, sink)
         self._count(hot_bytes_read=got * self.spec.block_bytes)

@@ -35,7 +35,7 @@ from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, TOMBSTONE, WRITING
 from tieredkv.keys import ChunkKeys
-from tieredkv.layout import as_block_bytes
+from tieredkv.layout import as_block_bytes, copy_into
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats
 
@@ -552,9 +552,17 @@ class HotTier(Tier):
         self._check_keys(keys)
         dst = as_block_bytes(self.spec, out, len(keys), what="out", writable=True)
 
+        data = self._data
+
         def copy(first: int, slots: np.ndarray) -> None:
-            rows = dst[first:first + len(slots)]
-            np.take(self._data, slots, axis=0, out=rows, mode="clip")  # "raise" would buffer out
+            # Runs of consecutive slots (the common case: a prompt stored in one batch) are one copy.
+            # Not np.take: it is 4x slower than row copies from a shared mapping on our machines.
+            if not len(slots):
+                return
+            breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+            for run in np.split(np.arange(len(slots)), breaks):
+                a, b, s = int(run[0]), int(run[-1]) + 1, int(slots[run[0]])
+                copy_into(dst[first + a:first + b], data[s:s + b - a])
 
         return self._read(keys, copy)
 
@@ -695,7 +703,7 @@ class HotTier(Tier):
         self._tokens[use] = keys.tokens[stored]
         data = self._data
         for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
-            np.copyto(data[slot], src[row])
+            copy_into(data[slot], src[row])
         with self._critical():
             rec["gen"][use] += 1  # even again: published
             rec["state"][use] = READY

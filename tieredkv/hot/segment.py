@@ -48,7 +48,7 @@ MAX_PINS = 512
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 FREE, WRITING, READY = 0, 1, 2
-EMPTY, TOMBSTONE = -1, -2
+EMPTY = -1  # an index entry holding no slot
 
 STAT_FIELDS = ("lookups", "hits", "misses", "bytes_in", "bytes_out", "puts", "exists", "no_space",
                "evictions", "removed", "recoveries", "reclaimed", "torn_reads")
@@ -63,7 +63,7 @@ HEADER_DTYPE = np.dtype([
     ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
     ("free_top", "<u8"),       # entries in the free stack
     ("used", "<u8"),           # slots WRITING or READY
-    ("tombstones", "<u8"),     # index entries marked deleted
+    ("_reserved", "<u8"),
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
     ("fingerprint", "S16"), ("policy", "S48"), ("spec_json", "S1024"),
 ])
@@ -129,8 +129,8 @@ class Layout:
     @classmethod
     def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
         slot_bytes = slot_bytes_for(spec)
-        # Load factor <= 1/4 (plus <= 1/8 tombstones): probe runs stay short, and a batch lookup is
-        # as slow as its longest run.
+        # Load factor <= 1/4, and deletion shifts entries back (no tombstones): probe runs stay short,
+        # and a batch lookup is as slow as its longest run.
         index_slots = 1 << max(4, (4 * n_slots - 1).bit_length())
         off = HEADER_BYTES
         owners_off = off

@@ -33,7 +33,7 @@ from tieredkv import policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
-from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, TOMBSTONE, WRITING
+from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, WRITING
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes, copy_into
 from tieredkv.spec import KVSpec
@@ -412,33 +412,41 @@ class HotTier(Tier):
         index, mask = self._index, self._mask
         pos = lo & mask
         for _ in range(mask + 1):
-            e = int(index[pos])
-            if e == EMPTY or e == TOMBSTONE:
-                if e == TOMBSTONE:
-                    self._h["tombstones"] -= 1
+            if int(index[pos]) == EMPTY:
                 index[pos] = slot
                 return
             pos = (pos + 1) & mask
-        raise CorruptState(f"segment {self.name}: hash index is full")  # impossible at load <= 1/2
+        raise CorruptState(f"segment {self.name}: hash index is full")  # impossible at load <= 1/4
 
     def _index_remove(self, slots: np.ndarray, key_lo: np.ndarray) -> None:
-        """Tombstone the entries of ``slots`` (whose keys' low words are ``key_lo``)."""
-        if not len(slots):
-            return
-        index, mask = self._index, self._mask
+        """Delete the entries of ``slots`` (whose keys' low words are ``key_lo``) by backward shift.
+
+        No tombstones: the entries after the hole that may move closer to their home position do
+        so, and the run ends in an empty entry again. Every entry's slot must still hold the key it
+        was indexed under (callers zero a victim's key only after this). A lock-free reader racing
+        with a shift can miss an entry that is being moved: a miss, never a wrong block.
+        """
+        index, mask, keys = self._index, self._mask, self._slots["key"]
         for s, lo in zip(slots.tolist(), key_lo.tolist()):
             pos = lo & mask
             for _ in range(mask + 1):
                 e = int(index[pos])
-                if e == s:
-                    index[pos] = TOMBSTONE
-                    self._h["tombstones"] += 1
-                    break
-                if e == EMPTY:
+                if e == s or e == EMPTY:
                     break
                 pos = (pos + 1) & mask
-        if int(self._h["tombstones"]) > (mask + 1) // 8:
-            self._rebuild_index(self._indexed_slots())
+            if e != s:
+                continue  # not indexed (a detached victim reclaimed, say)
+            hole, j = pos, (pos + 1) & mask
+            for _ in range(mask + 1):
+                e = int(index[j])
+                if e == EMPTY:
+                    break
+                home = int(keys[e, 0]) & mask
+                if (j - home) & mask >= (j - hole) & mask:  # the hole lies between home and j
+                    index[hole] = e
+                    hole = j
+                j = (j + 1) & mask
+            index[hole] = EMPTY
 
     def _indexed_slots(self) -> np.ndarray:
         """Slots the index must hold: READY or WRITING with a key. Victims detached from their old
@@ -461,7 +469,6 @@ class HotTier(Tier):
             keep = np.ones(len(pending), dtype=bool)
             keep[placed] = False
             pending, pos = pending[keep], (pos[keep] + 1) & mask
-        self._h["tombstones"] = 0
 
     # ---- slot bookkeeping (under the lock) -------------------------------------------------------
     def _free_slots(self, slots: np.ndarray) -> None:
@@ -499,8 +506,8 @@ class HotTier(Tier):
                       None, self._state.hits[victims].copy())  # remove() leaves hits: demotion rules use them
         if len(victims):
             self._claim(victims)
-            rec["key"][victims] = 0
             self._index_remove(victims, old.keys.keys[:, 0])
+            rec["key"][victims] = 0
             self._stats[_STAT["evictions"]] += len(victims)
         return victims, old
 

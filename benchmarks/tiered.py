@@ -38,6 +38,13 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _aligned_zeros(shape, dtype, align: int = 64) -> np.ndarray:
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def run(prefix_tokens: int, repeats: int) -> dict:
     spec = SPEC
     C = spec.chunk_tokens
@@ -45,13 +52,15 @@ def run(prefix_tokens: int, repeats: int) -> dict:
     tokens = np.random.default_rng(0).integers(0, 50_000, prefix_tokens + 1)  # +1: a token to compute
     kv = np.random.default_rng(1).standard_normal((spec.num_layers, 2, spec.num_kv_heads, prefix_tokens + 1,
                                                    spec.head_dim)).astype(np.float16)
-    out = np.zeros_like(kv)
+    out = _aligned_zeros(kv.shape, kv.dtype)  # 64-byte aligned, like the tensors torch allocates
     nbytes = n_blocks * spec.block_bytes
     # Baselines.
-    src = np.ones(nbytes, np.uint8)
-    dst = np.empty_like(src)
+    src = _aligned_zeros((nbytes,), np.uint8) + 1
+    dst = _aligned_zeros((nbytes,), np.uint8)
     t_memcpy = _median(lambda: np.copyto(dst, src), repeats)
-    blocks = np.ascontiguousarray(np.stack([kv[:, :, :, i * C:(i + 1) * C] for i in range(n_blocks)]))
+    blocks = _aligned_zeros((n_blocks, *spec.block_shape), np.float16)
+    for i in range(n_blocks):
+        blocks[i] = kv[:, :, :, i * C:(i + 1) * C]
 
     def scatter():
         for i in range(n_blocks):

@@ -474,3 +474,44 @@ def test_threads_sharing_one_handle_read_correct_bytes(tiny_spec, seg_name):
             t.join(60)
         assert len(wrong) == 1200 and not any(wrong)
         assert tier.slot_census()["pinned"] == 0
+
+
+def test_a_refused_extra_handle_leaves_the_others_registered(tiny_spec, seg_name):
+    import gc
+
+    handles = [HotTier(tiny_spec, n_slots=4, name=seg_name)]
+    try:
+        handles += [HotTier(tiny_spec, name=seg_name) for _ in range(seg.MAX_OWNERS - 1)]
+        with pytest.raises(InvalidInput, match="open handles"):
+            HotTier(tiny_spec, name=seg_name)
+        gc.collect()  # the refused handle's __del__ must not deregister anybody
+        assert handles[0].live_handles() == seg.MAX_OWNERS
+        assert all(h._owners[h._owner]["token"] == h._token for h in handles)
+    finally:
+        for h in handles:
+            h.close()
+
+
+def test_an_interrupted_put_gives_its_slots_back(tiny_spec, seg_name):
+    with HotTier(tiny_spec, n_slots=4, name=seg_name) as tier:
+        keys = prompt(tiny_spec, 1, 4)
+
+        def interrupt():
+            raise KeyboardInterrupt
+
+        tier._hooks["write"] = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            tier.put_many(keys, payload_for(tiny_spec, keys))
+        del tier._hooks["write"]
+        assert tier.slot_census()["free"] == 4
+        assert (tier.put_many(keys, payload_for(tiny_spec, keys)) == PutResult.STORED).all()
+
+
+def test_close_unmaps_and_a_too_small_capacity_is_refused(tiny_spec, seg_name):
+    tier = HotTier(tiny_spec, n_slots=4, name=seg_name)
+    mapping = tier._map
+    tier.close()
+    assert mapping.mm.closed
+    with pytest.raises(InvalidInput, match="cannot hold one"):
+        HotTier(tiny_spec, capacity_bytes=4096, name=seg_name + "-small")
+    assert not os.path.exists("/dev/shm" + seg_name + "-small")

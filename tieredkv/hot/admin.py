@@ -1,4 +1,4 @@
-"""Operator views of hot-tier segments: list, inspect, remove, find stale ones.
+"""Operator views of hot-tier segments: list, inspect (stale or not), remove.
 
 These read segments without registering as an owner (an ``ls`` must not change what it looks at).
 """
@@ -91,17 +91,3 @@ def list_segments() -> list[dict]:
 def remove(name: str) -> None:
     """Unlink a segment by name. Processes that map it keep their mapping until they close."""
     posix_ipc.unlink_shared_memory(seg.check_name(name))
-
-
-def remove_stale(dry_run: bool = False) -> list[dict]:
-    """Unlink every stale segment: foreign or old layout, a dead creator's leftover, or open nowhere."""
-    gone = []
-    for doc in list_segments():
-        if doc["stale"]:
-            if not dry_run:
-                try:
-                    remove(doc["name"])
-                except posix_ipc.ExistentialError:
-                    continue
-            gone.append(doc)
-    return gone

@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,8 +186,7 @@ class Mapping:
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         self.mm = mmap.mmap(fd, size, access=access)
         self.size = size
-        self.header = np.frombuffer(self.mm, dtype=HEADER_DTYPE, count=1)[0] if writable else \
-            np.frombuffer(self.mm, dtype=HEADER_DTYPE, count=1)[0]
+        self.header = np.frombuffer(self.mm, dtype=HEADER_DTYPE, count=1)[0]
 
     def views(self):
         h = self.header
@@ -204,6 +204,7 @@ class Mapping:
 
     def close(self) -> None:
         # Views must be dropped by the caller first; mmap.close raises BufferError if any remain.
+        self.header = None
         try:
             self.mm.close()
         except BufferError:
@@ -285,10 +286,19 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
         posix_ipc.unlink_shared_memory(tmp)
         raise
     mapping = Mapping(tmp, fd, layout.total_bytes)
+    try:
+        _init_header(mapping, spec, layout, policy_name, init)
+    except BaseException:
+        _discard(mapping)
+        raise
+    return mapping
+
+
+def _init_header(mapping: Mapping, spec: KVSpec, layout: Layout, policy_name: str, init) -> None:
     h = mapping.header
     h["version"] = LAYOUT_VERSION
     h["instance"] = secrets.randbits(63)
-    h["created_ns"] = __import__("time").time_ns()
+    h["created_ns"] = time.time_ns()
     h["uid"] = os.getuid()
     h["total_bytes"] = layout.total_bytes
     for field in ("n_slots", "slot_bytes", "block_bytes", "chunk_tokens", "index_slots", "owners_off",
@@ -300,7 +310,6 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
     h["spec_json"] = json.dumps(spec.to_dict(), sort_keys=True).encode()[:1024]
     init(mapping)
     h["magic"] = MAGIC  # last: a segment without magic was never published
-    return mapping
 
 
 def read_header(mapping: Mapping) -> dict:
@@ -337,7 +346,7 @@ def validate(mapping: Mapping, spec: KVSpec | None) -> None:
         diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k]}
         detail = ", ".join(f"{k}: segment has {a!r}, you asked for {b!r}" for k, (a, b) in diff.items())
         raise SpecMismatch(f"segment {mapping.name} was made for another KV spec ({detail or 'fingerprint differs'})")
-    if int(h["block_bytes"]) != (spec.block_bytes if spec else int(h["block_bytes"])):
+    if spec is not None and int(h["block_bytes"]) != spec.block_bytes:
         raise SpecMismatch(f"segment {mapping.name} holds {int(h['block_bytes'])}-byte blocks")
     if spec is not None and int(h["chunk_tokens"]) != spec.chunk_tokens:
         # The fingerprint (which covers chunk_tokens) matched, so the header itself is damaged.
@@ -386,8 +395,6 @@ def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:
     fd = shm.fd
     try:
         st = _check_owner(fd, name)
-        if st.st_mode & 0o077 and writable and spec is not None:
-            pass  # the creator chose a wider mode on purpose (mode=...); honour it
         if st.st_size < HEADER_BYTES:
             raise FormatError(f"segment {name} is {st.st_size} bytes: too small to be a tieredkv segment")
         mapping = Mapping(name, fd, st.st_size, writable)

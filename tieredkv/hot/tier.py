@@ -43,14 +43,6 @@ _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 _STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(PutResult.NO_SPACE)
 
 
-def _process_start_time(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 class OwnerCounters:
     """This handle's row of TieredCache counters in the segment. Only its owner writes it."""
 
@@ -132,7 +124,8 @@ class HotTier(Tier):
                 raise InvalidInput(f"segment {self.name} does not exist yet; give capacity_bytes (or "
                                    "n_slots) to create it") from None
         elif create:
-            if n_slots is None:
+            sized_by_bytes = n_slots is None
+            if sized_by_bytes:
                 if capacity_bytes <= 0:
                     raise InvalidInput(f"capacity_bytes must be positive, got {capacity_bytes}")
                 n_slots = seg.Layout.slots_for(
@@ -140,8 +133,9 @@ class HotTier(Tier):
             if int(n_slots) <= 0:
                 raise InvalidInput(f"n_slots must be positive, got {n_slots}")
             layout = seg.Layout.compute(spec, int(n_slots), policies.StateLayout.for_policy(engine, int(n_slots)).nbytes)
-            if capacity_bytes is not None and layout.total_bytes > capacity_bytes and n_slots is None:
-                raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block")
+            if sized_by_bytes and layout.total_bytes > capacity_bytes:
+                raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block "
+                                   f"and the segment's metadata ({layout.total_bytes} bytes needed)")
             self._map, self.created = seg.create_or_attach(spec, self.name, layout, engine.name, mode,
                                                            lambda m: self._init_segment(m, engine))
         else:
@@ -164,6 +158,7 @@ class HotTier(Tier):
         self._mask = int(h["index_slots"]) - 1
         self._state = policies.SlotState.over(self._policy, self.n_slots, self._map.mm, int(h["policy_off"]))
         if self._state.layout.nbytes != int(h["policy_bytes"]):
+            self._drop_mapping()
             raise CorruptState(f"segment {self.name}: policy state size does not match the header")
         self._fd = self._map.fd
         self._instance = int(h["instance"])
@@ -187,7 +182,7 @@ class HotTier(Tier):
 
     def _register(self) -> None:
         """Take a free owner registry byte for this handle's lifetime and record who we are."""
-        with self._critical(register=True):
+        with self._critical():
             for i in range(seg.MAX_OWNERS):
                 if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
                     if self._owners[i]["token"]:
@@ -197,12 +192,12 @@ class HotTier(Tier):
                     rec = self._owners[i]
                     rec["token"] = self._token
                     rec["pid"] = self._pid
-                    rec["start_time"] = _process_start_time(self._pid)
                     rec["n_pins"] = 0
                     self._stats = rec["stats"]
                     self.counters = OwnerCounters(rec)
                     return
-        raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles")
+        self._drop_mapping()  # never registered: close() must not touch anybody's row
+        raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
 
     def close(self) -> None:
         """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""
@@ -212,7 +207,8 @@ class HotTier(Tier):
             try:
                 with self._critical():
                     self._release_pins()
-                    self._owners[self._owner]["token"] = 0
+                    # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
+                    self._reclaim_owner(self._owner)
                 locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
             except Exception as e:  # closing must not raise on a broken segment
                 warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
@@ -222,7 +218,7 @@ class HotTier(Tier):
         self._closed = True
         # Drop every view before closing the mmap: a view over a closed mapping would segfault.
         self._owners = self._slots = self._tokens = self._index = self._free = self._data = None
-        self._state = self._h = self._stats = None
+        self._state = self._h = self._stats = self.counters = None
         self._map.close()
 
     def __del__(self):
@@ -266,7 +262,7 @@ class HotTier(Tier):
 
     # ---- the critical section --------------------------------------------------------------------
     @contextlib.contextmanager
-    def _critical(self, register: bool = False):
+    def _critical(self):
         """Hold the metadata lock. Repairs first if the previous holder died inside it."""
         with self._tlock:
             locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
@@ -274,7 +270,7 @@ class HotTier(Tier):
                 h = self._h
                 if int(h["dirty"]):
                     self._scrub()
-                h["dirty"] = (0 if register else self._owner) + 1
+                h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
                 self._hook("critical")
                 yield
                 # Reached only if the body finished: an exception (or a death) leaves it dirty.
@@ -627,19 +623,21 @@ class HotTier(Tier):
         try:
             self._hook("copy")
             copy(first, slots)
+            # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
+            # on a broken invariant (checked after unpinning, a legitimate eviction would trip it).
+            same = rec["gen"][slots] == gens
+            if not same.all():
+                n = int(np.argmin(same))
+                self._stats[_STAT["torn_reads"]] += 1
+            # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
+            if self._policy.hit_needs_lock:
+                with self._critical():
+                    policies.hit(self._policy, self._state, slots[:n])
+            else:
+                policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
         finally:
             with self._critical():
                 self._release_pins()
-        # Seqlock check: a pinned slot is never recycled, so this only fires on a broken invariant.
-        same = rec["gen"][slots] == gens
-        if not same.all():
-            n = int(np.argmin(same))
-            self._stats[_STAT["torn_reads"]] += 1
-        if self._policy.hit_needs_lock:
-            with self._critical():
-                policies.hit(self._policy, self._state, slots[:n])
-        else:
-            policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
         return n
 
     def _release_pins(self) -> None:
@@ -672,8 +670,9 @@ class HotTier(Tier):
         rec = self._slots
         with self._critical():
             found = self._find(keys.keys[todo])
-            self._reclaim_abandoned(found)
-            todo = todo[self._find(keys.keys[todo]) < 0]
+            if self._reclaim_abandoned(found):
+                found = self._find(keys.keys[todo])
+            todo = todo[found < 0]
             slots = self._take_free(len(todo))
             if len(slots) < len(todo) and self._reclaim_dead():
                 slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
@@ -702,15 +701,23 @@ class HotTier(Tier):
                 self._index_insert(s, lo)
             self._h["used"] += n_free
         evicted = None
-        if len(victims):
-            # The victims are WRITING by us: nobody else touches their bytes until we publish.
-            payload = self._data[victims].copy() if self.on_evict is not None else None
-            evicted = Evicted(old.keys, payload, old.hits)
-        self._hook("write")
-        self._tokens[use] = keys.tokens[stored]
-        data = self._data
-        for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
-            copy_into(data[slot], src[row])
+        try:
+            if len(victims):
+                # The victims are WRITING by us: nobody else touches their bytes until we publish.
+                payload = self._data[victims].copy() if self.on_evict is not None else None
+                evicted = Evicted(old.keys, payload, old.hits)
+            self._hook("write")
+            self._tokens[use] = keys.tokens[stored]
+            data = self._data
+            for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
+                copy_into(data[slot], src[row])
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
+            # rather than leave them WRITING until this handle closes.
+            with self._critical():
+                self._free_slots(use)
+                self._release_spare(spare)
+            raise
         with self._critical():
             rec["gen"][use] += 1  # even again: published
             rec["state"][use] = READY
@@ -728,8 +735,9 @@ class HotTier(Tier):
             self.on_evict(evicted)
         return codes
 
-    def _reclaim_abandoned(self, found: np.ndarray) -> None:
-        """Free WRITING slots among ``found`` whose writer died, so their keys can be stored again."""
+    def _reclaim_abandoned(self, found: np.ndarray) -> int:
+        """Free WRITING slots among ``found`` whose writer died, so their keys can be stored again.
+        Returns how many were freed."""
         rec = self._slots
         cand = found[found >= 0]
         cand = cand[(rec["state"][cand] == WRITING) & (rec["owner"][cand] != self._owner)]
@@ -738,6 +746,7 @@ class HotTier(Tier):
         if dead:
             self._free_slots(np.asarray(dead, dtype=np.int64))
             self._stats[_STAT["reclaimed"]] += len(dead)
+        return len(dead)
 
     def _release_spare(self, spare: np.ndarray) -> None:
         """Claimed (WRITING by us, out of the index and policy) slots -> FREE. Under the lock."""
@@ -769,12 +778,13 @@ class HotTier(Tier):
         self._check()
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise InvalidInput(f"n must be a non-negative integer, got {n!r}")
-        rec = self._slots
         with self._critical():
             victims, old = self._choose_victims(int(n))
-        payloads = self._data[victims].copy()
-        with self._critical():
-            self._release_spare(victims)
+        try:
+            payloads = self._data[victims].copy()
+        finally:
+            with self._critical():
+                self._release_spare(victims)
         return Evicted(old.keys, payloads, old.hits)
 
     # ---- introspection ---------------------------------------------------------------------------

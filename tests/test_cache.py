@@ -319,3 +319,29 @@ def test_hot_blocks_and_unlink_hot(spec, seg_name, tmp_path):
     assert not os.path.exists("/dev/shm" + seg_name)
     with TieredCache(spec, hot_blocks=6, hot_name=seg_name, warm_dir=tmp_path, warm_bytes=MiB) as fresh:
         assert fresh.lookup(tokens).warm_blocks == 2
+
+
+def test_warm_read_errors_degrade_to_a_miss(spec, make, monkeypatch):
+    import errno
+
+    from tieredkv.warm import slabs
+
+    cache = make(hot_slots=4)
+    tokens = prompt(17)
+    kv = kv_for(spec, tokens)
+    cache.store(tokens, kv)
+    cache.store(prompt(17, 5), kv_for(spec, prompt(17, 5)))  # tokens' blocks now live in warm
+    hit = cache.lookup(tokens)
+    assert hit.warm_blocks == 4
+
+    def eio(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(slabs.os, "preadv", eio)
+    out = np.zeros_like(kv)
+    with pytest.warns(RuntimeWarning, match="warm tier failed"):
+        assert cache.load(hit, out) == 0
+    assert cache.stats()["warm_errors"] == 1
+    monkeypatch.undo()
+    assert cache.load(cache.lookup(tokens), out) == 16
+    assert same_bytes(out[:, :, :, :16], kv[:, :, :, :16])

@@ -15,6 +15,7 @@ truncates the load, it never corrupts it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -109,6 +110,8 @@ class TieredCache:
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         self._lock = threading.Lock()
+        self._staging_lock = threading.Lock()
+        self._pinned = None
         self._warned = False
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.warm = None
@@ -141,11 +144,10 @@ class TieredCache:
             where[self.hot.contains_many(keys)] = HOT
             missing = np.flatnonzero(where < 0)
             if len(missing) and self.warm is not None:
-                # Only the part before the first block that is in neither tier can be used.
-                candidates = missing
-                in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(candidates)),
-                                          default=np.zeros(len(candidates), dtype=bool))
-                where[candidates[in_warm]] = WARM
+                # The run ends at the first block in neither tier: ask warm for the leading run of
+                # hot misses only (match stops at its first miss; no lookups past it).
+                n = self._warm_call(lambda: self.warm.match(keys.take(missing)), default=0)
+                where[missing[:n]] = WARM
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
                         where=where[:run].copy())
@@ -168,6 +170,13 @@ class TieredCache:
         if hit.blocks == 0:
             return 0
         started = time.perf_counter()
+        on_device = _torch_or_none(out) is not None and out.device.type != "cpu"
+        with self._staging_lock if on_device else contextlib.nullcontext():  # one pinned buffer
+            loaded = self._load(hit, out)
+        self._observe("load", time.perf_counter() - started)
+        return loaded
+
+    def _load(self, hit: PrefixHit, out: Any) -> int:
         target, finish = self._host_view(out, hit.tokens)
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
@@ -193,7 +202,6 @@ class TieredCache:
         for keys, payloads in promote:
             self._promote(keys, payloads)
         self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
-        self._observe("load", time.perf_counter() - started)
         return loaded * C
 
     def _load_hot(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
@@ -300,7 +308,7 @@ class TieredCache:
         exception on the serving path. The hot tier keeps serving."""
         try:
             return fn()
-        except TieredKVError as e:
+        except (TieredKVError, OSError) as e:
             self._count(warm_errors=1)
             with self._lock:
                 first, self._warned = not self._warned, True
@@ -344,8 +352,9 @@ class TieredCache:
         self._check_array(out, "out", min_tokens)
         if out.device.type == "cpu":
             return _numpy_of(out, self.spec.numpy_dtype), lambda n: None
-        # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call.
-        staging = torch.empty(self._expected_shape(min_tokens), dtype=out.dtype, pin_memory=True)
+        # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call. The
+        # pinned buffer is kept and reused (pinning costs milliseconds); it grows to the largest hit.
+        staging = self._pinned_staging(torch, out.dtype, min_tokens)
         host = _numpy_of(staging, self.spec.numpy_dtype)
 
         def finish(n: int) -> None:
@@ -354,6 +363,13 @@ class TieredCache:
                 torch.cuda.current_stream(out.device).synchronize()  # staging must outlive the copy
 
         return host, finish
+
+    def _pinned_staging(self, torch, dtype, n_tokens: int):
+        buf = self._pinned
+        if buf is None or buf.dtype != dtype or buf.shape[3] < n_tokens:
+            buf = torch.empty(self._expected_shape(n_tokens), dtype=dtype, pin_memory=True)
+            self._pinned = buf
+        return buf[:, :, :, :n_tokens]
 
     def _host_source(self, kv: Any) -> np.ndarray:
         if isinstance(kv, np.ndarray):
@@ -388,6 +404,8 @@ class TieredCache:
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
         prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
+        if self.hot is None:
+            raise InvalidInput("this TieredCache is closed")
         doc = self.hot.host_counters()
         doc["prefix_hit_rate"] = doc["hit_tokens"] / doc["prompt_tokens"] if doc["prompt_tokens"] else 0.0
         doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None

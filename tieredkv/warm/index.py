@@ -194,17 +194,26 @@ class Index:
 
     def begin_read(self) -> lmdb.Transaction:
         try:
-            return self.env.begin(write=False, buffers=False)
-        except lmdb.MapResizedError:
-            # Another process grew the map: adopt its size (0 = the size now in the file).
-            self.env.set_mapsize(0)
-            return self.env.begin(write=False, buffers=False)
+            try:
+                return self.env.begin(write=False, buffers=False)
+            except lmdb.MapResizedError:
+                # Another process grew the map: adopt its size (0 = the size now in the file).
+                self.env.set_mapsize(0)
+                return self.env.begin(write=False, buffers=False)
+        except lmdb.Error as exc:  # readers full, a damaged file: a tier problem, not the caller's
+            raise WarmTierUnavailable(f"cannot read the warm index: {exc}") from exc
 
     def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run ``fn`` in a read transaction."""
+        """Run ``fn`` in a read transaction.
+
+        Raises:
+            WarmTierUnavailable: LMDB failed (the index is damaged or out of reader slots).
+        """
         txn = self.begin_read()
         try:
             return fn(txn)
+        except lmdb.Error as exc:
+            raise WarmTierUnavailable(f"cannot read the warm index: {exc}") from exc
         finally:
             txn.abort()
 

@@ -185,7 +185,11 @@ class Slabs:
             if fd < 0:
                 ok[b:e] = False
                 continue
-            got = os.preadv(fd, self._iov(rows, idx, b, e), offset)
+            try:
+                got = os.preadv(fd, self._iov(rows, idx, b, e), offset)
+            except OSError as exc:  # EIO and friends: a tier problem, not the caller's
+                raise WarmTierUnavailable(f"reading slab {first // self.slots_per_slab}: "
+                                          f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
             if got < want:
                 # Short only at end of file (a truncated slab): every block past ``got`` is incomplete.
                 complete = np.arange(e - b) * self.slot_bytes + self.block_bytes <= got

@@ -207,3 +207,35 @@ def test_fork_child_opens_its_own_environment(tmp_path):
         assert os.waitstatus_to_exitcode(status) == 0
         assert t.match(k) == 4  # the parent's handle still works and sees the child's blocks
     check_index(str(tmp_path / SPEC.namespace))
+
+
+def test_two_handles_in_one_process_never_steal_a_live_claim(tmp_path):
+    """Handle B must not reap (and reuse the slot of) a claim handle A is still writing: both share
+    the process identity, so only the process-wide set of live claims tells them apart."""
+    from tieredkv import KVSpec, chunk_keys
+
+    spec = KVSpec(model_id="test/claims", num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=4)
+    bb = spec.block_bytes
+    a = WarmTier(spec, tmp_path, 2 * 4096, verify="never")
+    b = WarmTier(spec, tmp_path, verify="never")
+    try:
+        first = chunk_keys(spec, np.arange(12))
+        other = chunk_keys(spec, np.arange(100, 104))
+        a.put_many(first[:2], np.full((2, bb), 1, np.uint8))  # the tier is full
+        write = a._slabs.write
+
+        def b_stores_meanwhile(slots, rows, idx=None):
+            b.put_many(other, np.full((1, bb), 2, np.uint8))
+            return write(slots, rows, idx)
+
+        a._slabs.write = b_stores_meanwhile
+        a.put_many(first[2:3], np.full((1, bb), 3, np.uint8))
+        a._slabs.write = write
+        for tier, keys, value in ((b, other, 2), (a, first[2:3], 3)):
+            out = np.zeros((1, bb), np.uint8)
+            if tier.get_many(keys, out):
+                assert set(out[0].tolist()) == {value}  # whatever is served is what was stored
+        assert a.contains_many(first[2:3])[0]  # A's put was not robbed
+    finally:
+        a.close()
+        b.close()

@@ -55,6 +55,21 @@ from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
 from tieredkv.warm.slabs import Slabs, slot_bytes_for
 
+#: Claims this process holds right now, as (slot, claim time): a claim in the index that names this
+#: process is live only if it is here. Several WarmTier handles in one process share the LMDB
+#: environment and the process identity, so without this one handle would reap (and reuse the slot
+#: of) a claim another handle is still writing.
+_OWN_CLAIMS: set[tuple[int, int]] = set()
+_OWN_CLAIMS_LOCK = threading.Lock()
+
+
+def _claim_live(slot: int, pid: int, start: int, claim_time: int) -> bool:
+    if (pid, start) == ix.self_identity():
+        with _OWN_CLAIMS_LOCK:
+            return (slot, claim_time) in _OWN_CLAIMS
+    return ix.owner_alive(pid, start)
+
+
 SYNC_MODES = ("none", "data", "full")
 VERIFY_MODES = ("always", "sampled", "never")
 DEFAULT_SLAB_BYTES = 1 << 30
@@ -539,14 +554,16 @@ class WarmTier(Tier):
                         continue
                     c = txn.get(k, db=self._index.inflight)
                     if c is not None:
-                        slot, opid, ostart, _ = ix.CLAIM.unpack(c)
-                        if (opid, ostart) != (pid, start) and ix.owner_alive(opid, ostart):
-                            continue  # a live process is writing it
+                        slot, opid, ostart, ctime = ix.CLAIM.unpack(c)
+                        if _claim_live(slot, opid, ostart, ctime):
+                            continue  # a live writer (maybe another handle of ours) is writing it
                         # Its writer died (or is this process's own failed put): the slot is free.
                         txn.delete(k, db=self._index.inflight)
                         txn.put(ix.slot_key(slot), b"", db=self._index.free)
                     todo.append(i)
                 slots, evicted = self._take_slots(txn, len(todo))
+                with _OWN_CLAIMS_LOCK:  # before the commit makes the claims visible
+                    _OWN_CLAIMS.update((int(s), claim_time) for s in slots)
                 for i, s in zip(todo, slots):
                     txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, pid, start, claim_time),
                             db=self._index.inflight)
@@ -569,6 +586,9 @@ class WarmTier(Tier):
             except BaseException:
                 self._release(raw, idx, slot_arr, pid, start)
                 raise
+            finally:
+                with _OWN_CLAIMS_LOCK:
+                    _OWN_CLAIMS.difference_update((int(s), claim_time) for s in slots)
             codes[idx[stored]] = PutResult.STORED
             n_stored = int(stored.sum())
             self._counts["puts"] += n_stored
@@ -686,11 +706,10 @@ class WarmTier(Tier):
     # ================================================================================== claims
     def _reap_claims_in(self, txn) -> int:
         """Free the slots of claims whose writer is dead (or this process's own, between calls)."""
-        me = ix.self_identity()
         dead = []
         for k, c in txn.cursor(db=self._index.inflight):
-            slot, pid, start, _ = ix.CLAIM.unpack(c)
-            if (pid, start) == me or not ix.owner_alive(pid, start):
+            slot, pid, start, ctime = ix.CLAIM.unpack(c)
+            if not _claim_live(slot, pid, start, ctime):
                 dead.append((k, slot))
         for k, slot in dead:
             txn.delete(k, db=self._index.inflight)
@@ -937,8 +956,8 @@ class WarmTier(Tier):
             if self._closed:
                 return
             if os.getpid() != self._pid:
-                # Forked child that never used the tier: drop the inherited environment copy, leave
-                # the slab descriptors (closing a dup in the child cannot disturb the parent).
+                # Forked child that never used the tier: drop the inherited environment copy and the
+                # inherited slab descriptors (closing the child's copies cannot disturb the parent).
                 self._index.close()
                 self._slabs.close()
                 self._closed = True

@@ -36,7 +36,7 @@ MODULES: list[tuple[str, list[str] | None, set[str], str]] = [
     ("tieredkv.estimate", ["estimate"], set(), "Sizing (`tieredkv estimate`)."),
     ("tieredkv.metrics", None, set(), "Prometheus exposition of the per-host counters."),
     ("tieredkv.numa", None, set(), "NUMA topology and pinning."),
-    ("tieredkv.hot.admin", ["inspect", "list_segments", "remove", "remove_stale"], set(),
+    ("tieredkv.hot.admin", ["inspect", "list_segments", "remove"], set(),
      "Operator views of hot segments (`tieredkv ls / stats / rm`)."),
     ("tieredkv.warm.admin", ["verify", "list_warm_tiers"], set(), "Operator tools for warm tiers (`tieredkv verify`)."),
     ("tieredkv.policies", None, {"demotion", "promotion"},

@@ -529,9 +529,12 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = args.rest[1:]
     try:
         return args.func(args) or 0
-    except TieredKVError as e:
+    except UsageError as e:
         print(f"tieredkv {args.command}: {e}", file=sys.stderr)
         return 2
+    except TieredKVError as e:  # the command could not do its job (a missing or damaged segment...)
+        print(f"tieredkv {args.command}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,4 +1,4 @@
-"""The warm tier: mmap'd-layout slab files on SSD plus an LMDB index that survives restarts.
+"""The warm tier: preallocated slab files on SSD plus an LMDB index that survives restarts.
 
 See ``tier.py`` for the protocol and docs/warm-tier.md for the on-disk format and guarantees.
 """

@@ -171,3 +171,14 @@ def test_tier_level_misuse(seg_name, tmp_path):
             assert (tier.put_many(keys, good) == 0).all()
         with pytest.raises(InvalidInput, match="non-negative integer"):
             hot.evict(-1)
+
+
+def test_unknown_policy_names_are_invalid_input_listing_the_valid_ones(tmp_path, seg_name):
+    from tieredkv import HotTier, InvalidInput, KVSpec
+    from tieredkv.warm import WarmTier
+
+    spec = KVSpec(model_id="test/policy-name", num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=4)
+    with pytest.raises(InvalidInput, match="valid: .*lru"):
+        HotTier(spec, n_slots=4, name=seg_name, policy="lruu")
+    with pytest.raises(InvalidInput, match="valid: .*lru"):
+        WarmTier(spec, tmp_path, 1 << 20, policy="lruu")

@@ -116,7 +116,10 @@ class HotTier(Tier):
         spec = self.spec
         if policy is not None and not isinstance(policy, str):
             raise InvalidInput("policy must be a registered policy name, e.g. 'lru'")
-        engine = policies.make(policy or "lru")
+        try:
+            engine = policies.make(policy or "lru")
+        except KeyError as e:  # UnknownPolicy: its message lists the valid names
+            raise InvalidInput(str(e)) from None
         if create and capacity_bytes is None and n_slots is None:
             try:  # no size given: attach to the segment other processes made
                 self._map, self.created = seg.attach(spec, self.name), False

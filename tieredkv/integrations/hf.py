@@ -169,6 +169,10 @@ class CachedPrefill:
         if mine != theirs:
             raise SpecMismatch(f"the cache's spec (layers, kv_heads, head_dim, dtype) = {theirs} but the "
                                f"model's KV is {mine}; build the cache with spec_for_model(model)")
+        cache_spec = getattr(cache, "spec", None)
+        if cache_spec is not None and cache_spec.chunk_tokens != self.spec.chunk_tokens:
+            raise SpecMismatch(f"spec= has chunk_tokens={self.spec.chunk_tokens} but the cache's spec has "
+                               f"{cache_spec.chunk_tokens}; pass the cache's spec (or none)")
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         layer_types = getattr(text_config, "layer_types", None) or []

@@ -129,7 +129,10 @@ class WarmTier(Tier):
         self.verify = verify
         self.sample_rate = float(sample_rate)
         self.flush_every = max(1, int(flush_every))
-        self.policy = policies.make(policy)
+        try:
+            self.policy = policies.make(policy)
+        except (KeyError, TypeError) as e:  # UnknownPolicy's message lists the valid names
+            raise InvalidInput(str(e)) from None
         self.root = Path(directory)
         self.path = self.root / spec.namespace
         self.readonly = bool(readonly)

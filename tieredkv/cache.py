@@ -223,7 +223,7 @@ class TieredCache:
         got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
         for i in range(got):
             at = (first + i) * C
-            np.copyto(target[:, :, :, at:at + C, :], staging[i])
+            copy_into(target[:, :, :, at:at + C, :], staging[i])
         self._count(warm_bytes_read=got * self.spec.block_bytes)
         if got:
             promote.append((keys[:got], staging[:got]))
@@ -270,7 +270,7 @@ class TieredCache:
         new = keys.take(todo)
         payloads = np.empty((len(todo), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         for row, b in enumerate(todo.tolist()):
-            np.copyto(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
+            copy_into(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
         codes = self.hot.put_many(new, payloads)
         stored = int(np.count_nonzero(codes == PutResult.STORED))
         to_warm = None

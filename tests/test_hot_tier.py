@@ -515,3 +515,36 @@ def test_close_unmaps_and_a_too_small_capacity_is_refused(tiny_spec, seg_name):
     with pytest.raises(InvalidInput, match="cannot hold one"):
         HotTier(tiny_spec, capacity_bytes=4096, name=seg_name + "-small")
     assert not os.path.exists("/dev/shm" + seg_name + "-small")
+
+
+def _fork_a_bystander_then_hang(spec, name, ready, child_pid):
+    tier = HotTier(spec, name=name, policy=None, create=False)
+    keys = prompt(spec, 42, 4)
+
+    def hang():
+        pid = os.fork()
+        if pid == 0:  # a child that never touches the tier (a worker pool's helper, say)
+            time.sleep(3600)
+            os._exit(0)
+        child_pid.value = pid
+        ready.set()
+        time.sleep(3600)
+
+    tier._hooks["write"] = hang
+    tier.put_many(keys, payload_for(spec, keys))
+
+
+def test_a_forked_bystander_does_not_keep_a_dead_writer_alive(tiny_spec, seg_name):
+    with HotTier(tiny_spec, n_slots=8, name=seg_name) as tier:
+        ready, child_pid = FORK.Event(), FORK.Value("i", 0)
+        p = FORK.Process(target=_fork_a_bystander_then_hang, args=(tiny_spec, seg_name, ready, child_pid))
+        p.start()
+        assert ready.wait(30)
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            census = tier.slot_census()
+            assert census["writing_dead"] == 4 and census["writing_live"] == 0
+            _fill_and_check(tiny_spec, tier, seed=3)
+        finally:
+            os.kill(child_pid.value, signal.SIGKILL)

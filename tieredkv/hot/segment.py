@@ -182,9 +182,18 @@ class Mapping:
 
     def __init__(self, name: str, fd: int, size: int, writable: bool = True):
         self.name = name
-        self.fd = fd
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         self.mm = mmap.mmap(fd, size, access=access)
+        # mmap keeps a dup of ``fd`` (same open file description) for its whole life. Locks are taken
+        # on a second, separate open of the segment, so that dropping the lock descriptor (a forked
+        # child does, see hot/tier.py) really lets go of every lock this handle holds.
+        try:
+            lock_fd = os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        except BaseException:
+            self.mm.close()
+            raise  # ``fd`` stays the caller's to close
+        os.close(fd)
+        self.fd = lock_fd
         self.size = size
         self.header = np.frombuffer(self.mm, dtype=HEADER_DTYPE, count=1)[0]
 
@@ -285,7 +294,12 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
         os.close(fd)
         posix_ipc.unlink_shared_memory(tmp)
         raise
-    mapping = Mapping(tmp, fd, layout.total_bytes)
+    try:
+        mapping = Mapping(tmp, fd, layout.total_bytes)
+    except BaseException:
+        os.close(fd)
+        posix_ipc.unlink_shared_memory(tmp)
+        raise
     try:
         _init_header(mapping, spec, layout, policy_name, init)
     except BaseException:

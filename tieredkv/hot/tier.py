@@ -24,6 +24,7 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -40,6 +41,26 @@ from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats
 
 _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
+
+# Open handles of this process. A forked child inherits their descriptors, and with them the open
+# file descriptions that hold the owners' registry locks: a child that never touches the tier would
+# keep a dead parent looking alive (its WRITING slots and pins never reclaimed). So the child drops
+# its copies at once; a handle it does use reattaches with a descriptor of its own (see _check).
+_HANDLES: "weakref.WeakSet[HotTier]" = weakref.WeakSet()
+
+
+def _drop_inherited_descriptors() -> None:
+    for handle in list(_HANDLES):
+        mapping = getattr(handle, "_map", None)
+        if mapping is not None and mapping.fd >= 0:
+            try:
+                os.close(mapping.fd)  # the parent's descriptor, and so its locks, are untouched
+            except OSError:
+                pass
+            mapping.fd = -1
+
+
+os.register_at_fork(after_in_child=_drop_inherited_descriptors)
 _STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(PutResult.NO_SPACE)
 
 
@@ -172,6 +193,7 @@ class HotTier(Tier):
         self._owner, self._token = -1, 0
         self._stats = np.zeros(len(STAT_FIELDS), dtype=np.uint64)  # until registered
         self._register()
+        _HANDLES.add(self)
 
     @staticmethod
     def _init_segment(mapping: seg.Mapping, engine) -> None:

@@ -21,6 +21,7 @@ aligned int64 words (a lost update under a race is fine; a torn structure is not
 
 from __future__ import annotations
 
+import abc
 from typing import Callable
 
 import numpy as np
@@ -37,7 +38,7 @@ class UnknownPolicy(KeyError):
         return str(self.args[0])
 
 
-class EvictionPolicy:
+class EvictionPolicy(abc.ABC):
     """Base class. Subclasses set ``name`` and override ``choose`` (and hooks as needed).
 
     Args:
@@ -74,13 +75,13 @@ class EvictionPolicy:
         """Called by ``evict(..., incoming=key64s)`` before choosing: these keys missed and will be
         inserted next."""
 
+    @abc.abstractmethod
     def choose(self, st: SlotState, n: int, candidates: np.ndarray) -> np.ndarray:
         """Return up to ``n`` distinct victim slots among ``candidates`` (bool mask over slots).
 
         May update the policy's own bookkeeping (a clock hand, reference bits, queue membership);
         the victims are then removed by ``evict``.
         """
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -11,6 +11,8 @@ just evicted from hot, which to write to warm)::
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from .rules import RuleRegistry
@@ -21,16 +23,16 @@ register, names, make = _RULES.register, _RULES.names, _RULES.make
 __all__ = ["DemotionRule", "OnEvict", "OnNthHit", "WriteThrough", "make", "names", "register"]
 
 
-class DemotionRule:
+class DemotionRule(abc.ABC):
     """Base class: set ``at_store`` and override ``should_demote``."""
 
     name = ""
     #: Write each block to the warm tier as soon as it is stored in the hot tier.
     at_store: bool = False
 
+    @abc.abstractmethod
     def should_demote(self, hot_hits: np.ndarray) -> np.ndarray:
         """Bool per block evicted from hot: write it to warm. ``hot_hits``: its hits while hot."""
-        raise NotImplementedError
 
     def __repr__(self):
         return f"{type(self).__name__}()"

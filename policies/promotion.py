@@ -9,6 +9,8 @@ Each rule answers from the block's warm-tier hit count (including the read being
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 
 from .rules import RuleRegistry
@@ -19,14 +21,14 @@ register, names, make = _RULES.register, _RULES.names, _RULES.make
 __all__ = ["Always", "Never", "OnNthHit", "PromotionRule", "make", "names", "register"]
 
 
-class PromotionRule:
+class PromotionRule(abc.ABC):
     """Base class: override ``should_promote``."""
 
     name = ""
 
+    @abc.abstractmethod
     def should_promote(self, warm_hits: np.ndarray) -> np.ndarray:
         """Bool per block: promote now. ``warm_hits``: warm-tier hits so far, this one included."""
-        raise NotImplementedError
 
     def __repr__(self):
         return f"{type(self).__name__}()"

@@ -345,3 +345,27 @@ def test_warm_read_errors_degrade_to_a_miss(spec, make, monkeypatch):
     monkeypatch.undo()
     assert cache.load(cache.lookup(tokens), out) == 16
     assert same_bytes(out[:, :, :, :16], kv[:, :, :, :16])
+
+
+def test_corrupt_warm_blocks_are_counted_per_host_and_never_served(spec, make):
+    cache = make(hot_slots=4)
+    tokens = prompt(17)
+    kv = kv_for(spec, tokens)
+    cache.store(tokens, kv)
+    cache.store(prompt(17, 5), kv_for(spec, prompt(17, 5)))  # tokens' 4 blocks now live in warm
+    hit = cache.lookup(tokens)
+    assert hit.warm_blocks == 4
+    # Damage the second block's bytes on disk, where the warm tier keeps it.
+    slab = sorted(cache.warm.path.glob("slab-*"))[0]
+    out1 = np.zeros((1, spec.block_bytes), np.uint8)
+    assert cache.warm.get_many(hit.keys[1:2], out1) == 1
+    data = bytearray(slab.read_bytes())
+    at = data.find(out1.tobytes())
+    assert at >= 0
+    data[at + 7] ^= 0xFF
+    slab.write_bytes(bytes(data))
+    out = np.zeros_like(kv)
+    assert cache.load(hit, out) == 4          # only the first block: the damaged one ends the run
+    assert same_bytes(out[:, :, :, :4], kv[:, :, :, :4])
+    stats = cache.stats()
+    assert stats["corrupt_blocks"] == 1 and stats["lost_blocks"] == 3

@@ -220,7 +220,9 @@ class TieredCache:
                    promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        corrupt_before = self.warm.corrupt_seen
         got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
+        self._count(corrupt_blocks=self.warm.corrupt_seen - corrupt_before)
         for i in range(got):
             at = (first + i) * C
             copy_into(target[:, :, :, at:at + C, :], staging[i])

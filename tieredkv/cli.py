@@ -204,7 +204,8 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
               f"loads {sum(doc['load_hist']):,} (mean {c['load_ns'] / max(sum(doc['load_hist']), 1) / 1e6:.2f} ms, "
               f"p99 <= {_fmt_s(_quantile_bound(doc['load_hist'], 0.99))})",
               f"  blocks: {doc['ready_slots']:,}/{doc['n_slots']:,} used, {k['evictions']:,} evicted, "
-              f"{c['promotions']:,} promoted, {c['demotions']:,} demoted, {c['lost_blocks']:,} lost",
+              f"{c['promotions']:,} promoted, {c['demotions']:,} demoted, {c['lost_blocks']:,} lost "
+              f"({c['corrupt_blocks']:,} of them corrupt)",
               f"  bytes: hot read {human(c['hot_bytes_read'])}, warm read {human(c['warm_bytes_read'])}, "
               f"hot written {human(c['hot_bytes_written'])}, warm written {human(c['warm_bytes_written'])}",
               f"  recoveries {k['recoveries']} (scrubs {doc['scrubs']}), reclaimed slots {k['reclaimed']}, "

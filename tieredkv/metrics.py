@@ -152,6 +152,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
     demotions = C("tieredkv_demotions", "blocks demoted hot -> warm", labels=L)
     lost = C("tieredkv_lost_blocks", "blocks a lookup found but the load could not deliver "
              "(evicted meanwhile, or corrupt and dropped)", labels=L)
+    corrupt = C("tieredkv_corrupt_blocks", "warm blocks whose checksum failed on a load (dropped, never "
+                "served)", labels=L)
     warm_err = C("tieredkv_warm_errors", "warm-tier calls that failed (the cache went on without it)", labels=L)
     torn = C("tieredkv_hot_torn_reads", "hot-tier reads that saw a block change under them (retried or missed)",
              labels=L)
@@ -187,6 +189,7 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
         promotions.add_metric(lv, c["promotions"])
         demotions.add_metric(lv, c["demotions"])
         lost.add_metric(lv, c["lost_blocks"])
+        corrupt.add_metric(lv, c["corrupt_blocks"])
         warm_err.add_metric(lv, c["warm_errors"])
         torn.add_metric(lv, k["torn_reads"])
         recov.add_metric(lv, k["recoveries"])
@@ -206,7 +209,7 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
             fam.add_metric(lv, cumulative, sum_value=ns / 1e9)
 
     out = [hit_rate, up, prompt, hits, prefill, loaded, lookups, moved, stored, evictions, promotions, demotions,
-           lost, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
+           lost, corrupt, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
     if warm_rows:
         WL = ["path", "model"]
         w_used = G("tieredkv_warm_blocks", "warm-tier blocks by state (capacity: all slots)", labels=WL + ["state"])

@@ -979,5 +979,10 @@ class WarmTier(Tier):
         except Exception:
             pass
 
+    @property
+    def corrupt_seen(self) -> int:
+        """Corrupt blocks this handle found and dropped (cheap: no index read, unlike ``stats``)."""
+        return int(self._counts["corrupt"])
+
     def __repr__(self) -> str:
         return f"WarmTier({str(self.path)!r}, slots={getattr(self, 'n_slots', '?')}, sync={self.sync!r})"

@@ -105,7 +105,7 @@ UNIVERSE = 24
 
 
 def forged_keys(ids) -> ChunkKeys:
-    """Keys whose low words collide in 4 index positions (long probe runs, tombstones in the middle);
+    """Keys whose low words collide in 4 index positions (long probe runs, deletions in the middle shift entries back);
     the high word keeps them distinct. Tiers confirm parents and tokens, which we keep consistent."""
     ids = np.asarray(ids, dtype=np.uint64)
     keys = np.stack([ids % np.uint64(4), ids + np.uint64(1)], axis=1)

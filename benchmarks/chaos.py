@@ -47,6 +47,7 @@ import traceback
 import numpy as np
 
 from tieredkv import KVSpec, chunk_keys
+from tieredkv.warm.admin import disk_bytes
 from tieredkv.warm.testing import payload_for
 
 #: 2 layers x 2 (K,V) x 2 heads x 16 tokens x 16 dims x fp16 = 4096-byte blocks: one page, one slot.
@@ -176,14 +177,7 @@ def held_bytes(seg_name: str, warm_root: str, worker_pids: set[int]) -> dict:
             except FileNotFoundError:
                 continue
             stray += name != seg_name.lstrip("/")
-    disk = 0
-    for dirpath, _, files in os.walk(warm_root):
-        for fn in files:
-            try:
-                disk += os.stat(os.path.join(dirpath, fn)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return {"shm_bytes": shm, "stray_tmp_segments": stray, "warm_disk_bytes": disk}
+    return {"shm_bytes": shm, "stray_tmp_segments": stray, "warm_disk_bytes": disk_bytes(warm_root)}
 
 
 # ---- end-of-run checks ----------------------------------------------------------------------------------

@@ -39,15 +39,9 @@ def _libcachesim():
         import libcachesim as lcs
     except ImportError:
         return None, {}
-    return lcs, {
-        "lru": lambda c: lcs.LRU(c),
-        "fifo": lambda c: lcs.FIFO(c),
-        "clock": lambda c: lcs.Clock(c, init_freq=0, n_bit_counter=1),
-        "sieve": lambda c: lcs.Sieve(c),
-        "s3fifo": lambda c: lcs.S3FIFO(c, small_size_ratio=0.1, ghost_size_ratio=0.9, move_to_main_threshold=2),
-        "arc": lambda c: lcs.ARC(c),
-        "lfu": lambda c: lcs.LFU(c),
-    }
+    from tieredkv.sim.libcachesim import factories
+
+    return lcs, factories(lcs)
 
 
 def _prefix(trace: Trace, n_requests: int) -> Trace:

@@ -12,17 +12,11 @@ import numpy as np
 import pytest
 
 from tieredkv.sim import Trace, simulate
+from tieredkv.sim.libcachesim import MATCHING, factories
 
 lcs = pytest.importorskip("libcachesim")
 
-LIBCACHESIM = {
-    "lru": lambda c: lcs.LRU(c),
-    "fifo": lambda c: lcs.FIFO(c),
-    "clock": lambda c: lcs.Clock(c, init_freq=0, n_bit_counter=1),
-    "sieve": lambda c: lcs.Sieve(c),
-    "s3fifo": lambda c: lcs.S3FIFO(c, small_size_ratio=0.1, ghost_size_ratio=0.9, move_to_main_threshold=2),
-    "arc": lambda c: lcs.ARC(c),
-}
+LIBCACHESIM = {name: make for name, make in factories(lcs).items() if name in MATCHING}
 TOLERANCE_PP = 0.5
 
 

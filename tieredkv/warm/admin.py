@@ -263,7 +263,7 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
     out = []
     for path in _tier_dirs(os.fspath(root)):
         row: dict[str, Any] = {"path": path, "namespace": os.path.basename(path), "model": None,
-                               "format_version": None, "size_bytes": _disk_bytes(path), "blocks": None,
+                               "format_version": None, "size_bytes": disk_bytes(path), "blocks": None,
                                "capacity_blocks": None, "capacity_bytes": None, "block_bytes": None,
                                "error": None}
         try:
@@ -285,7 +285,8 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
-def _disk_bytes(path: str) -> int:
+def disk_bytes(path: str) -> int:
+    """Bytes the files under ``path`` occupy on disk (allocated blocks, not apparent sizes)."""
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:

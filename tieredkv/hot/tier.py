@@ -164,8 +164,7 @@ class HotTier(Tier):
                                                            lambda m: self._init_segment(m, engine))
         else:
             self._map, self.created = seg.attach(spec, self.name), False
-        h = self._map.header
-        seg_policy = h["policy"].decode()
+        seg_policy = self._map.header["policy"].decode()
         if policy is not None and seg_policy != engine.name:
             self._map.close()
             raise InvalidInput(f"segment {self.name} uses eviction policy {seg_policy!r}, not {policy!r}; "
@@ -176,7 +175,7 @@ class HotTier(Tier):
             self._map.close()
             raise FormatError(f"segment {self.name} names an eviction policy this tieredkv does not know "
                               f"({seg_policy!r}); remove it with `tieredkv rm {self.name}`") from None
-        self._h = h
+        self._h = h = self._map.header
         self._owners, self._slots, self._tokens, self._index, self._free, self._data = self._map.views()
         self.n_slots = int(h["n_slots"])
         self._mask = int(h["index_slots"]) - 1
@@ -384,7 +383,6 @@ class HotTier(Tier):
         free = np.flatnonzero(slots["state"] == FREE)[::-1]
         self._free[: len(free)] = free
         self._h["free_top"] = len(free)
-        self._h["used"] = self.n_slots - len(free)
         self._rebuild_index(self._indexed_slots())
         # Policy residency must equal READY.
         st, engine = self._state, self._policy
@@ -506,7 +504,6 @@ class HotTier(Tier):
         top = int(self._h["free_top"])
         self._free[top:top + len(slots)] = slots
         self._h["free_top"] = top + len(slots)
-        self._h["used"] -= len(slots)
 
     def _take_free(self, n: int) -> np.ndarray:
         top = int(self._h["free_top"])
@@ -724,7 +721,6 @@ class HotTier(Tier):
             rec["length"][use] = self.spec.block_bytes
             for s, lo in zip(use.tolist(), keys.keys[stored, 0].tolist()):
                 self._index_insert(s, lo)
-            self._h["used"] += n_free
         evicted = None
         try:
             if len(victims):
@@ -784,7 +780,6 @@ class HotTier(Tier):
         top = int(self._h["free_top"])
         self._free[top:top + len(spare)] = spare
         self._h["free_top"] = top + len(spare)
-        self._h["used"] -= len(spare)
 
     def remove(self, keys: ChunkKeys) -> int:
         """Remove resident, unpinned blocks; returns how many were removed."""

@@ -63,8 +63,7 @@ HEADER_DTYPE = np.dtype([
     # mutable, under the metadata lock
     ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
     ("free_top", "<u8"),       # entries in the free stack
-    ("_reserved2", "<u8"),     # spare header words (layout version 1 keeps them zero)
-    ("_reserved1", "<u8"),
+    ("_spare", "<u8", (2,)),   # spare header words (layout version 1 keeps them zero)
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
     ("fingerprint", "S16"), ("policy", "S48"), ("spec_json", "S1024"),
 ])

@@ -26,7 +26,6 @@ import mmap
 import os
 import re
 import secrets
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -325,12 +324,6 @@ def _init_header(mapping: Mapping, spec: KVSpec, layout: Layout, policy_name: st
     h["magic"] = MAGIC  # last: a segment without magic was never published
 
 
-def read_header(mapping: Mapping) -> dict:
-    h = mapping.header
-    return {name: (h[name].decode(errors="replace") if isinstance(h[name], bytes) else int(h[name]))
-            for name in HEADER_DTYPE.names}
-
-
 def validate(mapping: Mapping, spec: KVSpec | None) -> None:
     """Raise ``FormatError`` / ``SpecMismatch`` unless the segment is ours, current and for ``spec``."""
     h = mapping.header
@@ -426,7 +419,3 @@ def list_segment_names() -> list[str]:
     if not SHM_DIR.is_dir():
         return []
     return sorted("/" + p.name for p in SHM_DIR.iterdir() if p.name.startswith(PREFIX))
-
-
-def segment_mode(name: str) -> int:
-    return stat.S_IMODE(os.stat(_shm_path(name)).st_mode)

@@ -247,22 +247,27 @@ class TieredCache:
             self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
 
     # ---- store ----------------------------------------------------------------------------------
-    def store(self, tokens: Any, kv: Any, salt: bytes = b"") -> int:
-        """Cache the full chunks among the first ``n_tokens`` tokens, ``n_tokens = kv.shape[3]``.
+    def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, kv_start: int = 0) -> int:
+        """Cache the full chunks among the first ``n_tokens`` tokens, ``n_tokens = kv_start + kv.shape[3]``.
 
-        Blocks already present in a tier (or being written by another process) are skipped.
-        Returns the number of blocks newly stored in the hot tier.
+        ``kv`` holds tokens ``[kv_start, n_tokens)``; chunks before ``kv_start`` (a multiple of
+        ``chunk_tokens``, e.g. a prefix just loaded from this cache) are not stored, but their token
+        ids still name the chunks after them. Blocks already present in a tier (or being written by
+        another process) are skipped. Returns the number of blocks newly stored in the hot tier.
         """
         ids = as_tokens(tokens)
         src = self._host_source(kv)
-        n_tokens = src.shape[3]
-        if n_tokens > len(ids):
-            raise InvalidInput(f"kv holds {n_tokens} tokens but only {len(ids)} token ids were given")
         C = self.spec.chunk_tokens
+        if not isinstance(kv_start, (int, np.integer)) or kv_start < 0 or kv_start % C:
+            raise InvalidInput(f"kv_start must be a multiple of chunk_tokens={C} and >= 0, got {kv_start!r}")
+        n_tokens = int(kv_start) + src.shape[3]
+        if n_tokens > len(ids):
+            raise InvalidInput(f"kv holds tokens up to {n_tokens} but only {len(ids)} token ids were given")
         keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt)
-        if not len(keys):
+        first = int(kv_start) // C
+        if first >= len(keys):
             return 0
-        todo = np.flatnonzero(~self.hot.contains_many(keys))
+        todo = np.flatnonzero(~self.hot.contains_many(keys[first:])) + first
         if len(todo) and self.warm is not None and not self.demotion.at_store:
             in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(todo)),
                                       default=np.zeros(len(todo), dtype=bool))
@@ -272,7 +277,8 @@ class TieredCache:
         new = keys.take(todo)
         payloads = np.empty((len(todo), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         for row, b in enumerate(todo.tolist()):
-            copy_into(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
+            at = b * C - int(kv_start)
+            copy_into(payloads[row], src[:, :, :, at:at + C, :])
         codes = self.hot.put_many(new, payloads)
         stored = int(np.count_nonzero(codes == PutResult.STORED))
         to_warm = None

@@ -236,17 +236,31 @@ class PagedKV:
     """All layers of one engine's paged cache, in model order, as ``[B, 2, H, N, D]`` views.
 
     ``read`` and ``write`` move whole vLLM blocks between the paged cache and a tieredkv host buffer
-    ``(layers, 2, kv_heads, tokens, head_dim)``: one index copy per layer for all blocks of a
-    request, on the cache's device (a CUDA cache is copied through the caller's pinned buffer).
+    ``(layers, 2, kv_heads, tokens, head_dim)``: one fancy-index copy per layer for all blocks of a
+    request. A CUDA cache is copied by torch on the device (one kernel per layer; the host side goes
+    through the caller's pinned buffer); a CPU cache by numpy, whose copy is single-threaded: torch's
+    CPU ``index_put_`` splits even a few MiB over all intra-op threads, and on cores busy with the
+    model those threads mostly wait for each other (many times slower than one thread here).
     """
 
     def __init__(self, views: list[torch.Tensor], block_size: int):
-        self.views = views
-        self.block_size = block_size
         self.device = views[0].device
+        self.block_size = block_size
+        # Where a (block, K|V, head) page is one run of N*D elements (the CPU backend's halves), the
+        # token and dim axes are merged: the copy's inner loop then moves whole runs, not head_dim
+        # elements at a time. The GPU backends interleave K and V per token: their views keep both.
+        self._runs = all(v.stride(3) == v.shape[4] * v.stride(4) for v in views)
+        self.views = [self._pages(v) for v in views]
+        if self.device.type == "cpu":
+            self.views = [_numpy(v) for v in self.views]
 
-    def _ids(self, block_ids) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(self.device)
+    def _pages(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (``[..., N, D]``) with N and D merged when this cache's pages are runs."""
+        return t.flatten(-2) if self._runs else t
+
+    def _ids(self, block_ids):
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return ids if self.device.type == "cpu" else torch.as_tensor(ids).to(self.device)
 
     def write(self, block_ids, host: torch.Tensor, first_token: int = 0) -> None:
         """Copy ``host[:, :, :, first_token:first_token + k*N]`` into blocks ``block_ids`` (k of them)."""
@@ -254,11 +268,14 @@ class PagedKV:
         if not k:
             return
         ids = self._ids(block_ids)
-        for layer, view in enumerate(self.views):
-            src = host[layer, :, :, first_token:first_token + k * N]
-            if src.device != view.device:
-                src = src.to(view.device, non_blocking=True)
-            view[ids] = src.unflatten(2, (k, N)).permute(2, 0, 1, 3, 4)
+        for layer, pages in enumerate(self.views):
+            # [2, H, k*N, D] -> [k, 2, H, N, D]; merging N and D stays a view (both contiguous in host).
+            src = self._pages(host[layer, :, :, first_token:first_token + k * N].unflatten(2, (k, N))
+                              .permute(2, 0, 1, 3, 4))
+            if self.device.type == "cpu":
+                pages[ids] = _numpy(src)
+            else:
+                pages[ids] = src.to(self.device, non_blocking=True)
 
     def read(self, block_ids, host: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` (k of them) into ``host[:, :, :, :k*N]``."""
@@ -266,10 +283,21 @@ class PagedKV:
         if not k:
             return
         ids = self._ids(block_ids)
-        for layer, view in enumerate(self.views):
-            host[layer, :, :, :k * N].unflatten(2, (k, N)).copy_(view.index_select(0, ids).permute(1, 2, 0, 3, 4))
+        for layer, pages in enumerate(self.views):
+            dst = self._pages(host[layer, :, :, :k * N].unflatten(2, (k, N))).movedim(2, 0)  # [k, 2, H, ...]
+            if self.device.type == "cpu":
+                np.copyto(_numpy(dst), pages[ids])
+            else:
+                dst.copy_(pages.index_select(0, ids))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view sharing ``t``'s memory and strides (bfloat16 viewed as int16: bytes are moved)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.detach().numpy()
 
 
 # ---- connector metadata ----------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def restore(args, work: Path) -> dict:
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from tieredkv import KVSpec, TieredCache
-    from tieredkv.integrations.vllm import PagedKV, paged_view
+    from tieredkv.integrations.paged import PagedKV, paged_view
 
     layers, heads, dim, tokens = 8, 8, 32, args.prefix_tokens
     spec = KVSpec(model_id="bench/vllm-restore", num_layers=layers, num_kv_heads=heads, head_dim=dim,

@@ -161,53 +161,29 @@ def test_spec_matches_the_hf_integration_and_checks_chunk_tokens(model_dir, cfg)
         tv.spec_from_vllm(cfg, kv_cache_config(sliding))
 
 
-# ---- paged-cache layouts ------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda m: m.name)
-@pytest.mark.parametrize("split", ["halves", "last_axis"])
-def test_restore_lands_where_the_backend_reads_k_and_v(layout, split):
-    caches = paged_caches(layout)
-    contiguous_page = layout.value[-2:] == (3, 4)  # [N, C] innermost: a (block, head) page is one run
-    if split == "halves" and not contiguous_page:
-        with pytest.raises(InvalidInput, match="not contiguous"):
-            tv.paged_view(caches[0], layout, split, num_kv_heads=HEADS, block_size=BLOCK, head_size=HEAD_DIM)
-        return
-    views = [tv.paged_view(c, layout, split, num_kv_heads=HEADS, block_size=BLOCK, head_size=HEAD_DIM) for c in caches]
-    paged = tv.PagedKV(views, BLOCK)
-    blocks = [7, 3, 12]
-    host = torch.randn(LAYERS, 2, HEADS, len(blocks) * BLOCK + 10, HEAD_DIM)
-    paged.write(blocks, host, first_token=10)
-    for layer, cache in enumerate(caches):
-        k, v = backend_kv(cache, split)
-        for i, b in enumerate(blocks):
-            want = host[layer, :, :, 10 + i * BLOCK:10 + (i + 1) * BLOCK]
-            assert torch.equal(k[b], want[0]) and torch.equal(v[b], want[1])
-        untouched = [b for b in range(NUM_BLOCKS) if b not in blocks]
-        assert not k[untouched].any() and not v[untouched].any()
-    back = torch.zeros(LAYERS, 2, HEADS, len(blocks) * BLOCK, HEAD_DIM)
-    paged.read(blocks, back)
-    assert torch.equal(back, host[:, :, :, 10:])
+# ---- paged-cache layouts (the copies themselves: tests/test_paged_kv.py) ------------------------------
+def test_vllms_layouts_are_the_ones_test_paged_kv_builds():
+    from test_paged_kv import LAYOUT_ORDERS
+    from test_paged_kv import paged_caches as built_here
+
+    assert {m.name: m.value for m in KVCacheLayout} == LAYOUT_ORDERS
+    for layout in KVCacheLayout:
+        ours, vllms = built_here(layout.name, "cpu"), paged_caches(layout)
+        assert [(c.shape, c.stride()) for c in ours] == [(c.shape, c.stride()) for c in vllms]
+        assert [c.storage_offset() for c in ours] == [c.storage_offset() for c in vllms]
+    assert CPUAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,)
+    assert tv.KV_SPLIT[CPUAttentionBackend.get_name()] == "halves"
 
 
-def test_layouts_that_do_not_match_are_refused():
-    cache = paged_caches(KVCacheLayout.LBHNC)[0]
-    with pytest.raises(InvalidInput, match="do not match layout LBNHC"):
-        tv.paged_view(cache, KVCacheLayout.LBNHC, "last_axis", num_kv_heads=HEADS, block_size=BLOCK, head_size=HEAD_DIM)
-    with pytest.raises(InvalidInput, match=r"expected \[num_blocks, 4, 32, 128\]"):
-        tv.paged_view(cache, KVCacheLayout.LBHNC, "halves", num_kv_heads=4, block_size=BLOCK, head_size=HEAD_DIM)
-    with pytest.raises(InvalidInput, match="legacy"):
-        tv.paged_view(torch.zeros(2, 4, BLOCK, HEADS, HEAD_DIM), KVCacheLayout.BLHNC, "last_axis", num_kv_heads=HEADS,
-                      block_size=BLOCK, head_size=HEAD_DIM)
+def test_an_unknown_backend_is_refused(cfg):
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
 
-
-@pytest.mark.parametrize("layout,order", [(KVCacheLayout.LBNHC, "BNHD"), (KVCacheLayout.LBHNC, "BHND")])
-def test_legacy_split_caches(layout, order):
-    dims = {"B": NUM_BLOCKS, "N": BLOCK, "H": HEADS, "D": HEAD_DIM}
-    cache = torch.zeros(2, *[dims[a] for a in order])
-    view = tv.paged_view(cache, layout, "last_axis", num_kv_heads=HEADS, block_size=BLOCK, head_size=HEAD_DIM)
-    host = torch.randn(1, 2, HEADS, BLOCK, HEAD_DIM)
-    tv.PagedKV([view], BLOCK).write([5], host)
-    k = cache[0, 5] if order == "BHND" else cache[0, 5].transpose(0, 1)
-    assert torch.equal(k, host[0, 0])
+    for name in LAYER_NAMES:
+        cfg.compilation_config.static_forward_context[name] = types.SimpleNamespace(attn_backend=FlexAttentionBackend)
+    worker = tv.TieredKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+    with pytest.raises(InvalidInput, match="FLEX_ATTENTION.*supported backends"):
+        worker.register_kv_caches(dict(zip(LAYER_NAMES, paged_caches(KVCacheLayout.LBHNC))))
+    worker.shutdown()
 
 
 # ---- scheduler + worker ----------------------------------------------------------------------------------

@@ -113,14 +113,14 @@ class PagedKV:
             self.views = [_numpy(v) for v in self.views]
 
     def host_buffer(self, n_tokens: int) -> torch.Tensor:
-        """A reused host buffer ``(layers, 2, kv_heads, n_tokens, head_dim)`` in the cache's dtype:
-        pinned when the cache is on a CUDA device (pinning costs milliseconds, so it only grows)."""
-        buf = self._host
-        if buf is None or buf.shape[3] < n_tokens:
-            buf = torch.empty((len(self.views), 2, self.kv_heads, n_tokens, self.head_dim), dtype=self.dtype,
-                              pin_memory=self.device.type == "cuda")
-            self._host = buf
-        return buf[:, :, :, :n_tokens]
+        """A reused, C-contiguous host buffer ``(layers, 2, kv_heads, n_tokens, head_dim)`` in the
+        cache's dtype, pinned when the cache is on a CUDA device (pinning costs milliseconds, so the
+        storage only grows). Contiguous, so each layer crosses to the device in one copy."""
+        shape = (len(self.views), 2, self.kv_heads, n_tokens, self.head_dim)
+        need = int(np.prod(shape))
+        if self._host is None or self._host.numel() < need:
+            self._host = torch.empty(need, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        return self._host[:need].view(shape)
 
     def _pages(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (``[..., N, D]``) with N and D merged when this cache's pages are runs."""
@@ -136,14 +136,14 @@ class PagedKV:
         if not k:
             return
         ids = self._ids(block_ids)
+        on_cpu = self.device.type == "cpu"
         for layer, pages in enumerate(self.views):
-            # [2, H, k*N, D] -> [k, 2, H, N, D]; merging N and D stays a view (both contiguous in host).
-            src = self._pages(host[layer, :, :, first_token:first_token + k * N].unflatten(2, (k, N))
-                              .permute(2, 0, 1, 3, 4))
-            if self.device.type == "cpu":
-                pages[ids] = _numpy(src)
-            else:
-                pages[ids] = src.to(self.device, non_blocking=True)
+            src = host[layer]
+            if not on_cpu:  # one host-to-device copy per layer (contiguous from host_buffer), then on device
+                src = src.to(self.device, non_blocking=True)
+            # [2, H, k*N, D] -> [k, 2, H, N, D]; merging N and D stays a view (both contiguous).
+            src = self._pages(src[:, :, first_token:first_token + k * N].unflatten(2, (k, N)).permute(2, 0, 1, 3, 4))
+            pages[ids] = _numpy(src) if on_cpu else src
 
     def read(self, block_ids, host: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` (k of them) into ``host[:, :, :, :k*N]``."""
@@ -152,11 +152,13 @@ class PagedKV:
             return
         ids = self._ids(block_ids)
         for layer, pages in enumerate(self.views):
-            dst = self._pages(host[layer, :, :, :k * N].unflatten(2, (k, N))).movedim(2, 0)  # [k, 2, H, ...]
             if self.device.type == "cpu":
+                dst = self._pages(host[layer, :, :, :k * N].unflatten(2, (k, N))).movedim(2, 0)  # [k, 2, H, ...]
                 np.copyto(_numpy(dst), pages[ids])
-            else:
-                dst.copy_(pages.index_select(0, ids))
+            else:  # gather and reorder on the device, then one device-to-host copy per layer
+                got = pages.index_select(0, ids).view(k, 2, self.kv_heads, N, self.head_dim)
+                host[layer, :, :, :k * N].copy_(got.permute(1, 2, 0, 3, 4).reshape(2, self.kv_heads, k * N,
+                                                                                    self.head_dim))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from tieredkv.integrations.paged import PagedKV, paged_view  # noqa: E402
+from tieredkv.integrations.paged import PagedKV, paged_view
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 

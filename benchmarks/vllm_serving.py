@@ -122,7 +122,8 @@ def _summary(runs: list[dict]) -> dict:
     requests = sum(len(r["ttft_s"]) for r in runs)
     return {"ttft_p50_ms": statistics.median(ttft) * 1e3, "ttft_p99_ms": p99 * 1e3,
             "throughput_rps": requests / max(r["wall_s"] for r in runs),
-            "cached_tokens": [r["cached"] for r in runs]}
+            "cached_tokens": [r["cached"] for r in runs],
+            "ttft_ms": [[round(t * 1e3, 1) for t in r["ttft_s"]] for r in runs]}
 
 
 def serving(args, work: Path) -> dict:
@@ -142,9 +143,14 @@ def serving(args, work: Path) -> dict:
              "warm_bytes": max(4 * need, 128 << 20), "demotion": "write_through", "chunk_tokens": 64}
     rows: dict[str, dict] = {}
     try:
-        for scenario in SCENARIOS:
+        for scenario in args.scenarios.split(","):
+            if scenario not in SCENARIOS:
+                raise SystemExit(f"--scenarios: unknown {scenario!r}; choose from {SCENARIOS}")
             if scenario == "reboot":
-                posix_ipc.unlink_shared_memory(hot_name)
+                try:
+                    posix_ipc.unlink_shared_memory(hot_name)
+                except posix_ipc.ExistentialError:  # no earlier scenario created it
+                    pass
             print(f"  {scenario}: starting {args.engines} engines ...", flush=True)
             runs = _run_engines(args, model, None if scenario == "prefix_caching" else extra, systems, work, scenario)
             rows[scenario] = _summary(runs)
@@ -159,7 +165,7 @@ def serving(args, work: Path) -> dict:
             posix_ipc.unlink_shared_memory(hot_name)
         except posix_ipc.ExistentialError:
             pass
-    base = rows["prefix_caching"]
+    base = rows.get("prefix_caching") or next(iter(rows.values()))
     for row in rows.values():
         row["ttft_p50_ratio"] = row["ttft_p50_ms"] / base["ttft_p50_ms"]
         row["throughput_ratio"] = row["throughput_rps"] / base["throughput_rps"]
@@ -249,7 +255,8 @@ def _print(doc: dict) -> None:
         print(f"engine KV pools: {s['engine_pool_bytes'] / 2**30:.1f} GiB; prefix copies held in them: "
               f"{s['prefix_copies_in_engine_pools_bytes'] / 2**20:.1f} MiB (one per engine per prefix)")
         for name, r in s["scenarios"].items():
-            print(f"  cached tokens per request, {name}: {r['cached_tokens']}")
+            print(f"  {name}: cached tokens per request {r['cached_tokens']}")
+            print(f"  {name}: TTFT ms per request {r['ttft_ms']}")
     if "restore" in doc:
         r = doc["restore"]
         print(f"\nrestore of {r['tokens']} tokens ({r['bytes'] / 2**20:.1f} MiB) into vLLM's paged CPU cache "
@@ -267,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1536)
     parser.add_argument("--suffix-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=8, help="requests per engine")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated, in order, from {SCENARIOS} (prefix_caching is the baseline)")
     parser.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
     parser.add_argument("--reps", type=int, default=20, help="repetitions of the restore timing")
     parser.add_argument("--skip", choices=("serving", "restore"), action="append", default=[])

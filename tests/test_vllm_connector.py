@@ -378,3 +378,25 @@ def test_secondary_tier_through_vllms_factory(seg_name, tmp_path):
     finally:
         tier.cache.unlink_hot()
         tier.shutdown()
+
+
+def test_a_load_range_the_connector_did_not_offer_is_recomputed(cfg):
+    scheduler = make_scheduler(cfg)
+    worker, _ = worker_for(cfg)
+    spec = worker.spec
+    tokens = np.arange(11, 211)
+    worker.cache.store(tokens[:128], stored_kv(spec, tokens)[:, :, :, :128])
+    conn = scheduler.connector
+    req = request("odd", tokens)
+    assert conn.get_num_new_matched_tokens(req, 0) == (128, False)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: (list(range(20, 27)),))
+    conn.update_state_after_alloc(req, blocks, 160)  # beyond the 128-token hit
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    meta = conn.build_connector_meta(SchedulerOutput.make_empty())
+    (plan,) = meta.loads
+    assert plan.hit.tokens == 0 and plan.block_ids == (20, 21, 22, 23, 24)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    assert worker.get_block_ids_with_load_errors() == {20, 21, 22, 23, 24}
+    worker.shutdown()

@@ -283,13 +283,16 @@ class TieredKVConnector(KVConnectorBase_V1):
             return
         C, N = self.spec.chunk_tokens, self._block_size
         end = local + num_external_tokens
-        if local % N or end % N or end > hit.tokens:
-            raise InvalidInput(f"request {req_id}: vLLM asked to load tokens [{local}, {end}) but the "
-                               f"tieredkv hit covers [0, {hit.tokens}) in blocks of {N}")
         first, last = local // C, -(-end // C)
+        if local % N or end % N or end > hit.tokens:
+            # Not a range this connector offered: load nothing and let the worker report every
+            # block as failed, so vLLM recomputes them rather than reading unfilled pages.
+            logger.warning("tieredkv: request %s: vLLM asked for tokens [%d, %d) but the hit covers [0, %d) in "
+                           "blocks of %d; recomputing them", req_id, local, end, hit.tokens, N)
+            last = first
         self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
                                        skip_tokens=local - first * C,
-                                       block_ids=tuple(block_ids[local // N:end // N]))
+                                       block_ids=tuple(block_ids[local // N:-(-end // N)]))
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         """This step's loads, and saves for prompts whose last full chunk this step computes."""

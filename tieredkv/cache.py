@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -25,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from tieredkv import policies
-from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout, PermissionDenied,
+                             TieredKVError, WarmTierUnavailable)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import copy_into
@@ -35,6 +37,10 @@ from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult
 
 HOT, WARM = 0, 1
+
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
+#: TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +113,10 @@ class TieredCache:
             self.demotion = demotion_rules.make(demotion)
         except (KeyError, ValueError, TypeError) as e:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
+        if warm_dir is not None and (isinstance(warm_dir, bytes) or not isinstance(warm_dir, (str, os.PathLike))
+                                     or not os.fspath(warm_dir)):
+            # "" would silently put the warm tier in whatever directory the worker started in.
+            raise InvalidInput(f"warm_dir must be a non-empty path (str or os.PathLike) or None, got {warm_dir!r}")
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         self._lock = threading.Lock()
@@ -116,15 +126,29 @@ class TieredCache:
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.warm = None
         self.hot = None
+        warm_failed = False
         try:
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
 
-                self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                     policy=eviction)
+                try:
+                    self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
+                                         policy=eviction)
+                except _WARM_STATE_ERRORS as e:
+                    if isinstance(e, PermissionDenied):
+                        raise  # another user's files: an operator decision, never silently worked around
+                    # The warm tier's files are damaged or unusable right now. That must not keep the
+                    # worker (and with it the hot tier every worker shares) from starting: serve hot-only
+                    # and say so. Misuse (bad arguments, another spec, another user's files) still raises.
+                    warnings.warn(f"tieredkv: the warm tier at {warm_dir} cannot open ({e}); running "
+                                  f"hot-only until restart (`tieredkv verify --repair` checks and "
+                                  f"rebuilds it)", RuntimeWarning, stacklevel=2)
+                    warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
                                on_evict=self._demote if self.warm is not None else None)
+            if warm_failed:
+                self._count(warm_errors=1)
         except BaseException:
             self.close()
             raise

@@ -133,6 +133,10 @@ class WarmTier(Tier):
             self.policy = policies.make(policy)
         except (KeyError, TypeError) as e:  # UnknownPolicy's message lists the valid names
             raise InvalidInput(str(e)) from None
+        if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)) \
+                or not os.fspath(directory):
+            # "" would silently mean the current directory: wherever the worker happened to start.
+            raise InvalidInput(f"directory (warm_dir) must be a non-empty path, got {directory!r}")
         self.root = Path(directory)
         self.path = self.root / spec.namespace
         self.readonly = bool(readonly)

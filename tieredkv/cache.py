@@ -94,6 +94,8 @@ class TieredCache:
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
         warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
+        lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
+            lock, the warm tier's writer lock) before ``LockTimeout``.
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
@@ -133,7 +135,7 @@ class TieredCache:
 
                 try:
                     self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                         policy=eviction)
+                                         policy=eviction, lock_timeout_s=lock_timeout_s)
                 except _WARM_STATE_ERRORS as e:
                     if isinstance(e, PermissionDenied):
                         raise  # another user's files: an operator decision, never silently worked around

@@ -172,7 +172,7 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
                     report["blocks_ok"] += 1
             # Claims whose writer died: their slots are neither free nor used until reaped.
             report["dead_claims"] = sum(1 for _, c in txn.cursor(db=index.inflight)
-                                        if not ix.owner_alive(*ix.CLAIM.unpack(c)[1:3]))
+                                        if not index.claim_alive(*ix.CLAIM.unpack(c)[1:3]))
         finally:
             txn.abort()
     finally:
@@ -219,7 +219,7 @@ def _repair(path: str, meta: dict, index: ix.Index, report: dict) -> None:
             txn.delete(key, db=index.blocks)
             removed += 1
         dead = [(k, ix.CLAIM.unpack(c)[0]) for k, c in txn.cursor(db=index.inflight)
-                if not ix.owner_alive(*ix.CLAIM.unpack(c)[1:3])]
+                if not index.claim_alive(*ix.CLAIM.unpack(c)[1:3])]
         for k, slot in dead:
             txn.delete(k, db=index.inflight)
             txn.put(ix.slot_key(slot), b"", db=index.free)

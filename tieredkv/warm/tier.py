@@ -3,7 +3,8 @@
 A put is three steps, each safe to die in (design.md section 7, "data first, index second")::
 
     1. claim   write txn: take free slots (free list, high-water mark, or policy victims) and record
-               them in ``inflight`` under (pid, process start time)      -> crash: slots reaped as free
+               them in ``inflight`` under this process's registry entry   -> crash: slots reaped as free
+               (tieredkv.warm.owners: liveness by kernel locks, valid across PID namespaces)
     2. data    pwritev the payloads into the claimed slots (+ fdatasync with sync="data"/"full")
                                                                           -> crash: garbage in slots
                                                                              that are still only claimed
@@ -45,8 +46,8 @@ import xxhash
 from numpy.random import default_rng  # at import: a lazy numpy.random import costs ~20 ms at open
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, PermissionDenied, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, LockTimeout, PermissionDenied,
+                             TieredKVError, WarmTierUnavailable)
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
@@ -57,17 +58,10 @@ from tieredkv.warm.slabs import Slabs, slot_bytes_for
 
 #: Claims this process holds right now, as (slot, claim time): a claim in the index that names this
 #: process is live only if it is here. Several WarmTier handles in one process share the LMDB
-#: environment and the process identity, so without this one handle would reap (and reuse the slot
+#: environment and the owner registration, so without this one handle would reap (and reuse the slot
 #: of) a claim another handle is still writing.
 _OWN_CLAIMS: set[tuple[int, int]] = set()
 _OWN_CLAIMS_LOCK = threading.Lock()
-
-
-def _claim_live(slot: int, pid: int, start: int, claim_time: int) -> bool:
-    if (pid, start) == ix.self_identity():
-        with _OWN_CLAIMS_LOCK:
-            return (slot, claim_time) in _OWN_CLAIMS
-    return ix.owner_alive(pid, start)
 
 
 SYNC_MODES = ("none", "data", "full")
@@ -96,6 +90,9 @@ class WarmTier(Tier):
         map_size_bytes, map_max_bytes: initial and largest LMDB map size (address space, not disk).
         readonly: open for reading only (``put_many``/``remove``/``evict`` raise
             ``WarmTierUnavailable``). Chosen automatically when the files cannot be opened for writing.
+        lock_timeout_s: longest wait for the tier's writer lock. A writer stopped inside a write
+            transaction (SIGSTOP, a debugger, a frozen container) makes other processes' stores raise
+            ``LockTimeout`` after this long instead of hanging; lookups never wait for a writer.
 
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
@@ -112,7 +109,7 @@ class WarmTier(Tier):
                  sync: str = "none", verify: str = "always", policy: Any = "lru",
                  sample_rate: float = 1 / 16, flush_every: int = 1024,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
-                 map_max_bytes: int | None = None, readonly: bool = False):
+                 map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         if sync not in SYNC_MODES:
@@ -121,6 +118,10 @@ class WarmTier(Tier):
             raise InvalidInput(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if not 0.0 < sample_rate <= 1.0:
             raise InvalidInput(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
+                or not 0 < lock_timeout_s < float("inf"):
+            raise InvalidInput(f"lock_timeout_s must be a positive number of seconds, got {lock_timeout_s!r}")
+        self.lock_timeout_s = float(lock_timeout_s)
         if capacity_bytes is not None and (not isinstance(capacity_bytes, (int, np.integer))
                                            or isinstance(capacity_bytes, bool) or capacity_bytes <= 0):
             raise InvalidInput(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
@@ -270,14 +271,16 @@ class WarmTier(Tier):
         size, limit = self._index_sizes()
         try:
             self._index = ix.Index(os.path.join(str(self.path), mt.INDEX_NAME), sync=self.sync,
-                                   map_size=size, map_max=limit, readonly=self.readonly)
-        except lmdb.Error as exc:
+                                   map_size=size, map_max=limit, readonly=self.readonly,
+                                   lock_timeout_s=self.lock_timeout_s)
+        except (lmdb.Error, WarmTierUnavailable) as exc:  # the latter: the owner registry
             if self.readonly or not ix._is_permission(exc):
                 raise WarmTierUnavailable(f"cannot open the warm tier index in {self.path}: {exc}") from exc
             self.readonly = True
             self._slabs.readonly = True
             self._index = ix.Index(os.path.join(str(self.path), mt.INDEX_NAME), sync=self.sync,
-                                   map_size=size, map_max=limit, readonly=True)
+                                   map_size=size, map_max=limit, readonly=True,
+                                   lock_timeout_s=self.lock_timeout_s)
         self._index.reader_check()
 
     def _create(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> dict[str, Any]:
@@ -299,7 +302,8 @@ class WarmTier(Tier):
         index_path = os.path.join(path, mt.INDEX_NAME)
         os.makedirs(index_path, mode=0o700, exist_ok=True)
         size, limit = self._index_sizes()
-        index = ix.Index(index_path, sync="full", map_size=size, map_max=limit)
+        index = ix.Index(index_path, sync="full", map_size=size, map_max=limit,
+                         lock_timeout_s=self.lock_timeout_s)
         try:
             def init(txn):
                 # A half-made earlier attempt may have left an index: keep what it holds.
@@ -508,8 +512,8 @@ class WarmTier(Tier):
             return removed
 
         try:
-            removed = self._index.write(drop)
-        except (WarmTierUnavailable, TieredKVError):
+            removed = self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
+        except TieredKVError:
             return  # index not writable now: the block stays bad and is detected again on every read
         self._view_forget(np.asarray(removed, dtype=np.int64))
 
@@ -550,7 +554,7 @@ class WarmTier(Tier):
             kv = np.ascontiguousarray(keys.keys, dtype="<u8").view("V16").ravel()
             _, first = np.unique(kv, return_index=True)
             first.sort()
-            pid, start = ix.self_identity()
+            owner, token = self._index.identity  # this process in the tier's owner registry
             claim_time = ix.now_us()
 
             def claim(txn):
@@ -561,8 +565,8 @@ class WarmTier(Tier):
                         continue
                     c = txn.get(k, db=self._index.inflight)
                     if c is not None:
-                        slot, opid, ostart, ctime = ix.CLAIM.unpack(c)
-                        if _claim_live(slot, opid, ostart, ctime):
+                        slot, oowner, otoken, ctime = ix.CLAIM.unpack(c)
+                        if self._claim_live(slot, oowner, otoken, ctime):
                             continue  # a live writer (maybe another handle of ours) is writing it
                         # Its writer died (or is this process's own failed put): the slot is free.
                         txn.delete(k, db=self._index.inflight)
@@ -572,7 +576,7 @@ class WarmTier(Tier):
                 with _OWN_CLAIMS_LOCK:  # before the commit makes the claims visible
                     _OWN_CLAIMS.update((int(s), claim_time) for s in slots)
                 for i, s in zip(todo, slots):
-                    txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, pid, start, claim_time),
+                    txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, owner, token, claim_time),
                             db=self._index.inflight)
                 return todo, slots, evicted
 
@@ -589,9 +593,9 @@ class WarmTier(Tier):
                 touched = self._slabs.write(slot_arr, rows, idx)
                 if self.sync != "none":
                     self._slabs.sync(touched)  # data reaches the disk before the index points at it
-                stored = self._commit(raw, keys, idx, slot_arr, sums, pid, start)
+                stored = self._commit(raw, keys, idx, slot_arr, sums, owner, token)
             except BaseException:
-                self._release(raw, idx, slot_arr, pid, start)
+                self._release(raw, idx, slot_arr, owner, token)
                 raise
             finally:
                 with _OWN_CLAIMS_LOCK:
@@ -641,7 +645,7 @@ class WarmTier(Tier):
         return slots
 
     def _commit(self, raw: bytes, keys: ChunkKeys, idx: np.ndarray, slots: np.ndarray, sums: list[int],
-                pid: int, start: int) -> np.ndarray:
+                owner: int, token: int) -> np.ndarray:
         """Publish the written blocks: records in, claims out, one transaction. Return a stored mask."""
         m = len(idx)
         recs = np.zeros(m, dtype=self._rec)
@@ -654,7 +658,7 @@ class WarmTier(Tier):
         recs["last_access_us"] = t
         recs["position"] = keys.positions[idx]
         recs["tokens"] = keys.tokens[idx]
-        want = [ix.CLAIM.pack(int(s), pid, start, 0)[:16] for s in slots.tolist()]
+        want = [ix.CLAIM.pack(int(s), owner, token, 0)[:16] for s in slots.tolist()]
 
         def commit(txn):
             gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
@@ -692,14 +696,14 @@ class WarmTier(Tier):
                 out[j] = int(np.frombuffer(v, dtype=self._rec)["slot"][0])
         return out
 
-    def _release(self, raw: bytes, idx: np.ndarray, slots: np.ndarray, pid: int, start: int) -> None:
+    def _release(self, raw: bytes, idx: np.ndarray, slots: np.ndarray, owner: int, token: int) -> None:
         """Give back claims of a put that failed before its commit (best effort)."""
 
         def release(txn):
             for i, s in zip(idx.tolist(), slots.tolist()):
                 k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
                 c = txn.get(k, db=self._index.inflight)
-                if c is not None and ix.CLAIM.unpack(c)[:3] == (s, pid, start):
+                if c is not None and ix.CLAIM.unpack(c)[:3] == (s, owner, token):
                     txn.delete(k, db=self._index.inflight)
                     txn.put(ix.slot_key(s), b"", db=self._index.free)
 
@@ -711,12 +715,20 @@ class WarmTier(Tier):
             pass
 
     # ================================================================================== claims
+    def _claim_live(self, slot: int, owner: int, token: int, claim_time: int) -> bool:
+        """Whether the writer of a claim still runs: our own claims from ``_OWN_CLAIMS``, others' from
+        the owner registry's locks (valid across PID namespaces, immune to pid reuse)."""
+        if (owner, token) == self._index.identity:
+            with _OWN_CLAIMS_LOCK:
+                return (slot, claim_time) in _OWN_CLAIMS
+        return self._index.claim_alive(owner, token)
+
     def _reap_claims_in(self, txn) -> int:
         """Free the slots of claims whose writer is dead (or this process's own, between calls)."""
         dead = []
         for k, c in txn.cursor(db=self._index.inflight):
-            slot, pid, start, ctime = ix.CLAIM.unpack(c)
-            if not _claim_live(slot, pid, start, ctime):
+            slot, owner, token, ctime = ix.CLAIM.unpack(c)
+            if not self._claim_live(slot, owner, token, ctime):
                 dead.append((k, slot))
         for k, slot in dead:
             txn.delete(k, db=self._index.inflight)
@@ -831,10 +843,13 @@ class WarmTier(Tier):
         self._pending.append((raw, gens.copy(), slots_all, np.full(n, t, dtype=np.int64)))
         self._pending_n += n
         if self._pending_n >= self.flush_every:
-            self.flush()
+            self._flush(wait_s=0)  # on the read path: never wait behind a writer
 
     def flush(self) -> None:
         """Write batched hit bookkeeping (last access, hit count) into the records. One transaction."""
+        self._flush(wait_s=None)
+
+    def _flush(self, *, wait_s: float | None) -> None:
         with self._lock:
             if self._closed or not self._pending or os.getpid() != self._pid:
                 return
@@ -867,7 +882,12 @@ class WarmTier(Tier):
                     txn.put(k, rec.tobytes(), db=self._index.blocks)
 
             try:
-                self._index.write(write)
+                self._index.write(write, wait_s=wait_s)
+            except LockTimeout:
+                if wait_s is not None and self._pending_n < 16 * self.flush_every:
+                    # A writer holds the lock now: keep the hits for the next try (bounded memory).
+                    self._pending[:0] = pending
+                    self._pending_n += len(gens)
             except TieredKVError:
                 pass  # bookkeeping only: losing it skews the policy a little, never the data
 

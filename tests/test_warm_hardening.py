@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -117,3 +119,243 @@ def test_cache_starts_hot_only_when_warm_cannot_open(tmp_path, seg_name):
         assert cache.stats()["warm_errors"] == 1
     finally:
         cache.close()
+
+
+def wait_until(cond, polls: int = 3000) -> None:
+    """Poll ``cond`` (a state change in another process) until true; fail after ``polls`` tries."""
+    for _ in range(polls):
+        if cond():
+            return
+        time.sleep(0.01)
+    assert cond()
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _child(code: str, *prefix: str) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+
+
+_BLOCKED_WRITER = """
+import sys, time, numpy as np
+from tieredkv import KVSpec, chunk_keys
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS, payload_for
+spec = KVSpec(**TEST_SPEC_ARGS)
+t = WarmTier(spec, {root!r}, capacity_bytes=4 * 4096)
+def stuck(*a, **k):  # the claims are committed; the data copy never finishes while we live
+    print("claimed", flush=True)
+    time.sleep(600)
+t._slabs.write = stuck
+k = chunk_keys(spec, np.arange(7000, 7000 + 4 * spec.chunk_tokens))
+t.put_many(k, payload_for(k, spec.block_bytes))
+"""
+
+
+# ---- 1: claims of a writer in another PID namespace ----------------------------------------------------
+@needs_root
+def test_claims_of_a_writer_in_another_pid_namespace_are_live_until_it_dies(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare")
+    root = tmp_path / "warm"
+    WarmTier(SPEC, root, capacity_bytes=4 * SLOT).close()
+    # The writer is pid 1 of its own PID namespace with its own /proc: its pid and start time mean
+    # nothing here. It claims all 4 slots and stays inside its data copy.
+    child = _child(_BLOCKED_WRITER.format(root=str(root)), "unshare", "--pid", "--fork", "--mount-proc",
+                   "--kill-child")
+    try:
+        assert child.stdout.readline().strip() == "claimed"
+        mine = keys(0, 4)
+        with WarmTier(SPEC, root) as t:
+            codes = fill(t, mine)
+            # Its claims are live: never reaped, so our blocks find no room (before: all 4 reaped,
+            # stored, and its late copy would land on our blocks).
+            assert (codes == PutResult.NO_SPACE).all(), codes
+            assert t.stats().extra["inflight"] == 4
+            assert admin.verify(root)["tiers"][0]["dead_claims"] == 0
+            child.kill()  # SIGKILL unshare; --kill-child takes the namespace's pid 1 with it
+            child.wait(timeout=30)
+            wait_until(lambda: admin.verify(root)["tiers"][0]["dead_claims"] == 4)
+            codes = fill(t, mine)  # a dead container's claims are reaped
+            assert (codes == PutResult.STORED).all(), codes
+            assert served(t, mine) == 4
+        check_index(str(root / SPEC.namespace))
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+# ---- 7: a writer stopped inside a write transaction --------------------------------------------------
+_STOPPED_WRITER = """
+import os, signal, numpy as np
+from tieredkv import KVSpec
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS
+t = WarmTier(KVSpec(**TEST_SPEC_ARGS), {root!r})
+def body(txn):
+    txn.put(b"x", b"y", db=t._index.info)
+    print("inside", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # a debugger, docker pause, a frozen cgroup
+t._index.write(body)
+"""
+
+_OTHER_PROCESS = """
+import numpy as np
+from tieredkv import KVSpec, LockTimeout, chunk_keys
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS, payload_for
+spec = KVSpec(**TEST_SPEC_ARGS)
+try:
+    WarmTier(spec, {root!r}, lock_timeout_s=0.5)
+    print("opened")
+except LockTimeout as e:
+    print("open: LockTimeout")
+"""
+
+
+def test_a_writer_stopped_inside_a_write_transaction_blocks_nobody_without_bound(tmp_path):
+    root = tmp_path / "warm"
+    stored = keys(0, 4)
+    t = WarmTier(SPEC, root, capacity_bytes=16 * SLOT, lock_timeout_s=0.5)
+    fill(t, stored)
+    child = _child(_STOPPED_WRITER.format(root=str(root)))
+    try:
+        assert child.stdout.readline().strip() == "inside"
+        wait_until(lambda: _proc_state(child.pid) == "T")
+        # Lookups and reads do not wait behind the writer (before: they did not either, but puts and
+        # every opener hung for good).
+        assert t.match(stored) == 4
+        for _ in range(3):  # enough hits to flush bookkeeping: it must not wait either
+            assert served(t, stored) == 4
+        t.flush_every = 1
+        assert served(t, stored) == 4
+        with pytest.raises(TieredKVError, match="writer lock"):
+            fill(t, keys(1000, 2))
+        with pytest.raises(TieredKVError, match="writer lock"):
+            t.remove(stored[:1])
+        # Another process: opening is bounded too (a TieredCache then starts hot-only).
+        other = subprocess.run([sys.executable, "-c", _OTHER_PROCESS.format(root=str(root))],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert other.stdout.strip() == "open: LockTimeout", other.stdout + other.stderr
+        child.send_signal(signal.SIGCONT)  # it commits and exits
+        assert child.wait(timeout=60) == 0
+        assert (fill(t, keys(1000, 2)) == PutResult.STORED).all()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+        t.close()
+    check_index(str(root / SPEC.namespace))
+
+
+# ---- 2: index.lmdb/lock.mdb deleted or replaced under a live worker ------------------------------------
+_OPENER = """
+from tieredkv import KVSpec, WarmTierUnavailable
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS
+try:
+    WarmTier(KVSpec(**TEST_SPEC_ARGS), {root!r}).close()
+    print("opened")
+except WarmTierUnavailable as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("how", ["delete", "replace"])
+def test_a_replaced_lock_file_never_makes_two_writers(tmp_path, how):
+    root = tmp_path / "warm"
+    lock = root / SPEC.namespace / "index.lmdb" / "lock.mdb"
+    first = keys(0, 4)
+    t = WarmTier(SPEC, root, capacity_bytes=16 * SLOT)
+    try:
+        fill(t, first)
+        if how == "delete":
+            lock.unlink()
+        else:
+            shutil.copy(lock, str(lock) + ".new")
+            os.replace(str(lock) + ".new", lock)
+        # A new opener (another worker starting) would make a second LMDB lock table: refused.
+        other = subprocess.run([sys.executable, "-c", _OPENER.format(root=str(root))], capture_output=True,
+                               text=True, cwd=ROOT, timeout=120)
+        assert other.stdout.startswith("refused:") and "deleted or replaced" in other.stdout, \
+            other.stdout + other.stderr
+        # The worker that had it open stops writing, with a clear error; reads go on.
+        with pytest.raises(WarmTierUnavailable, match="deleted or replaced"):
+            fill(t, keys(1000, 2))
+        assert served(t, first) == 4
+    finally:
+        t.close()
+    # Once the old worker is gone, the tier opens again with everything committed.
+    with WarmTier(SPEC, root) as t:
+        assert served(t, first) == 4
+        assert (fill(t, keys(1000, 2)) == PutResult.STORED).all()
+    check_index(str(root / SPEC.namespace))
+
+
+# ---- 5: a truncated data.mdb ------------------------------------------------------------------------------
+_READER = """
+import sys, numpy as np
+from tieredkv import KVSpec, CorruptState, chunk_keys
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS
+spec = KVSpec(**TEST_SPEC_ARGS)
+k = chunk_keys(spec, np.arange(0, 8 * spec.chunk_tokens))
+out = np.zeros((8, spec.block_bytes), np.uint8)
+try:
+    t = WarmTier(spec, {root!r})
+except CorruptState as e:
+    print("open: CorruptState", e, flush=True)
+    sys.exit(0)
+print("open", t.get_many(k, out), flush=True)
+sys.stdin.readline()  # the test truncates data.mdb now
+for call in (lambda: t.get_many(k, out), lambda: t.match(k), lambda: t.put_many(k, out)):
+    try:
+        call()
+        print("served", flush=True)
+    except CorruptState as e:
+        print("CorruptState", flush=True)
+"""
+
+
+def _truncate_index(root, size):
+    data = root / SPEC.namespace / "index.lmdb" / "data.mdb"
+    os.truncate(data, size)
+
+
+def test_a_truncated_data_file_is_detected_before_lmdb_touches_it(tmp_path):
+    root = tmp_path / "warm"
+    with WarmTier(SPEC, root, capacity_bytes=64 * SLOT) as t:
+        fill(t, keys(0, 8))
+        for i in range(40):  # a few hundred records: an index of many pages
+            fill(t, keys(10_000 + 100 * i, 1))
+    # A reader that has the index open when it is truncated under it: errors, never SIGBUS.
+    reader = subprocess.Popen([sys.executable, "-c", _READER.format(root=str(root))], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert reader.stdout.readline().split() == ["open", "8"]
+    _truncate_index(root, 8192)
+    reader.stdin.write("go\n")
+    reader.stdin.flush()
+    lines = [reader.stdout.readline().strip() for _ in range(3)]
+    assert reader.wait(timeout=60) == 0, "the reader died (SIGBUS is -7)"
+    assert lines == ["CorruptState"] * 3
+    # A new opener, verify and verify --repair all see it without dying.
+    for size in (8192, 4096 + 100, 0 + 17):
+        _truncate_index(root, size)
+        proc = subprocess.run([sys.executable, "-c", _READER.format(root=str(root))], capture_output=True,
+                              text=True, cwd=ROOT, timeout=60, input="")
+        assert proc.returncode == 0 and proc.stdout.startswith("open: CorruptState"), proc
+        assert "verify --repair" in proc.stdout
+        report = cli("verify", str(root))
+        assert report.returncode == 2 and "truncated" in report.stdout, report
+    repaired = cli("verify", "--repair", str(root))
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    assert "rebuilt" in repaired.stdout
+    with WarmTier(SPEC, root) as t:  # an empty index again: every block a miss, stores work
+        assert t.match(keys(0, 8)) == 0
+        assert (fill(t, keys(0, 8)) == PutResult.STORED).all()
+        assert served(t, keys(0, 8)) == 8
+    check_index(str(root / SPEC.namespace))
+    assert cli("verify", str(root)).returncode == 0

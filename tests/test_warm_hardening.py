@@ -359,3 +359,48 @@ def test_a_truncated_data_file_is_detected_before_lmdb_touches_it(tmp_path):
         assert served(t, keys(0, 8)) == 8
     check_index(str(root / SPEC.namespace))
     assert cli("verify", str(root)).returncode == 0
+
+
+# ---- 10: a damaged slot field in a record -----------------------------------------------------------------
+def _damage_record_slot(root, key: bytes, new_slot: int) -> int:
+    """Rewrite the slot field of ``key``'s record inside data.mdb itself; return how many copies."""
+    from tieredkv.warm import index as ix
+
+    tier_dir = root / SPEC.namespace
+    index = ix.Index(str(tier_dir / "index.lmdb"), sync="none", map_size=1 << 20, map_max=1 << 30,
+                     readonly=True)
+    try:
+        rec = index.read(lambda txn: txn.get(key, db=index.blocks))
+    finally:
+        index.close()
+    data = tier_dir / "index.lmdb" / "data.mdb"
+    blob = bytearray(data.read_bytes())
+    needle = key + rec
+    at, copies = blob.find(needle), 0
+    while at >= 0:
+        blob[at + 16:at + 20] = new_slot.to_bytes(4, "little")
+        copies += 1
+        at = blob.find(needle, at + 1)
+    data.write_bytes(bytes(blob))
+    return copies
+
+
+@pytest.mark.parametrize("slot", ["out of range", "another block's"])
+def test_a_record_with_a_damaged_slot_is_dropped_and_counted(tmp_path, slot):
+    root = tmp_path / "warm"
+    k = keys(0, 4)
+    with WarmTier(SPEC, root, capacity_bytes=16 * SLOT) as t:
+        fill(t, k)
+    raw = np.ascontiguousarray(k.keys, dtype="<u8").tobytes()
+    assert _damage_record_slot(root, raw[32:48], 0x7F000001 if slot == "out of range" else 0) >= 1
+    # verify="never": the index invariants alone must keep block 0's bytes from being served as block 2.
+    with WarmTier(SPEC, root, verify="never") as t:
+        assert t.match(k) == 2 if slot == "out of range" else True
+        for _ in range(2):  # every load is a clean, shorter hit (before: IndexError on every load)
+            assert served(t, k) == 2
+        assert t.stats().corrupt == 1  # dropped once, counted once
+        assert t.stats().extra["corrupt_total"] == 1
+        assert t.match(k) == 2
+        assert (fill(t, k[2:]) == [PutResult.STORED, PutResult.EXISTS]).all()
+        assert served(t, k) == 4
+        assert t.evict(16).keys is not None  # a damaged view never breaks eviction

@@ -406,12 +406,58 @@ class WarmTier(Tier):
         recs = np.frombuffer(b"".join(vals), dtype=self._rec) if m else np.zeros(0, self._rec)
         found = np.zeros(n, dtype=bool)
         if m:
-            found[:m] = ((recs["length"] == self.block_bytes)
+            # A damaged slot field must be a miss, never an index past the slabs.
+            found[:m] = ((recs["length"] == self.block_bytes) & (recs["slot"] < self.n_slots)
                          & (recs["parent"] == keys.parents[:m]).all(axis=1)
                          & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
         if prefix and not found.all():
             found[int(np.argmin(found)):] = False
         return recs, found
+
+    def _bad_records(self, txn, raw: bytes, keys: ChunkKeys, recs: np.ndarray, n: int) -> np.ndarray:
+        """Among the first ``n`` records (found for ``keys``), those that break an index invariant.
+
+        A record whose key and tokens match but whose slot is out of range, or whose slot's reverse
+        entry names another key, was damaged on disk (one flipped byte in the slot field is enough):
+        serving it would hand out another block's bytes or fail on every load. Returns a bool mask.
+        """
+        m = min(n, len(recs))
+        if not m:
+            return np.zeros(0, dtype=bool)
+        bad = ((recs["slot"][:m] >= self.n_slots) & (recs["length"][:m] == self.block_bytes)
+               & (recs["parent"][:m] == keys.parents[:m]).all(axis=1)
+               & (recs["tokens"][:m] == keys.tokens[:m]).all(axis=1))
+        get, db = txn.get, self._index.slots
+        for i in np.flatnonzero(~bad).tolist():
+            if get(ix.slot_key(int(recs["slot"][i])), db=db) != raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]:
+                bad[i] = True
+        return bad
+
+    def _drop_bad_records(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
+        """Delete records that break an invariant (if unchanged since read), counting them as corrupt.
+
+        Their slots are left alone: a damaged record cannot say which slot is really its own.
+        """
+        self._counts["corrupt"] += len(which)
+        if self.readonly or not len(which):
+            return
+        entries = [(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], int(recs["gen"][i])) for i in which.tolist()]
+
+        def drop(txn):
+            dropped = 0
+            for key, gen in entries:
+                v = txn.get(key, db=self._index.blocks)
+                if v is not None and len(v) == self._rec.itemsize \
+                        and int(np.frombuffer(v, dtype=self._rec)[0]["gen"]) == gen:
+                    txn.delete(key, db=self._index.blocks)
+                    dropped += 1
+            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
+            ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, total)
+
+        try:
+            self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
+        except TieredKVError:
+            pass  # dropped by a later read
 
     @staticmethod
     def _raw(keys: ChunkKeys) -> bytes:
@@ -457,7 +503,15 @@ class WarmTier(Tier):
             rows = as_block_bytes(self.spec, out, n, what="out", writable=True)
             if n == 0:
                 return 0
-            recs, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, n, True))
+            def first(txn):
+                recs, found = self._lookup(txn, raw, keys, n, True)
+                end = int(np.argmin(found)) if not found.all() else n
+                return recs, found, self._bad_records(txn, raw, keys, recs, end + 1)
+
+            recs, found, bad = self._index.read(first)
+            if bad.any():
+                self._drop_bad_records(raw, recs, np.flatnonzero(bad))
+                found[int(np.argmax(bad)):] = False
             run = int(found.sum())
             if run:
                 run = self._copy_checked(raw, keys, recs[:run], rows)
@@ -526,7 +580,10 @@ class WarmTier(Tier):
         if expect_gen is not None and int(rec["gen"]) != expect_gen:
             return None
         txn.delete(key, db=self._index.blocks)
-        txn.delete(ix.slot_key(int(rec["slot"])), db=self._index.slots)
+        slot = int(rec["slot"])
+        if slot >= self.n_slots or txn.get(ix.slot_key(slot), db=self._index.slots) != key:
+            return None  # a damaged record: dropped, but its slot field names no slot of its own
+        txn.delete(ix.slot_key(slot), db=self._index.slots)
         return rec
 
     # ================================================================================== puts
@@ -759,7 +816,8 @@ class WarmTier(Tier):
         """Rebuild the policy state from the records (index only, no data): insert order, fields."""
         keys, vals = [], []
         for k, v in txn.cursor(db=self._index.blocks):
-            if len(v) == self._rec.itemsize:
+            if len(v) == self._rec.itemsize \
+                    and np.frombuffer(v, dtype=self._rec, count=1)["slot"][0] < self.n_slots:
                 keys.append(k)
                 vals.append(v)
         st = policies.SlotState.private(self.policy, self.n_slots)

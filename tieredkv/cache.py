@@ -92,7 +92,9 @@ class TieredCache:
         demotion: ``"on_evict"``, ``"write_through"`` or ``"on_nth_hit:N"`` (hot -> warm).
         hot_name: segment name (default derived from the spec).
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
-        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
+        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``. Only
+            ``"always"`` (the default) protects against media corruption: the others serve blocks
+            damaged on disk unless sampled (docs/warm-tier.md).
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
         lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
             lock, the warm tier's writer lock) before ``LockTimeout``.

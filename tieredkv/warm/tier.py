@@ -80,9 +80,11 @@ class WarmTier(Tier):
             OS), ``"data"`` (payloads fdatasync'd before the index commit; a system crash may lose the
             last commit but no record points at unsynced data), ``"full"`` (also fsync the index per
             commit: a returned put survives power loss). See docs/warm-tier.md for the cost of each.
-        verify: check each payload's xxh3_64 on read: ``"always"``, ``"sampled"`` (a random
-            ``sample_rate`` share of blocks) or ``"never"``. A short or recycled read is detected in
-            every mode.
+        verify: check each payload's xxh3_64 on read: ``"always"`` (default), ``"sampled"`` (a random
+            ``sample_rate`` share of blocks) or ``"never"``. Only ``"always"`` protects against media
+            corruption: with the others a block damaged on disk is served to the caller (as KV)
+            unless its read happens to be sampled. A short or recycled read, and a record that breaks
+            the index's invariants, are detected in every mode. See docs/warm-tier.md.
         policy: eviction policy name or instance (``tieredkv.policies``).
         sample_rate: share of blocks checksummed per read with ``verify="sampled"``.
         flush_every: write batched hit bookkeeping to the index after this many hits (and at close).

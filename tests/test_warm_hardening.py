@@ -404,3 +404,134 @@ def test_a_record_with_a_damaged_slot_is_dropped_and_counted(tmp_path, slot):
         assert (fill(t, k[2:]) == [PutResult.STORED, PutResult.EXISTS]).all()
         assert served(t, k) == 4
         assert t.evict(16).keys is not None  # a damaged view never breaks eviction
+
+
+# ---- 6: a lost or emptied index ------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["deleted", "emptied", "data.mdb zeroed"])
+def test_a_lost_or_emptied_index_is_rebuilt_empty_with_a_warning(tmp_path, how):
+    root = tmp_path / "warm"
+    index_dir = root / SPEC.namespace / "index.lmdb"
+    k = keys(0, 4)
+    with WarmTier(SPEC, root, capacity_bytes=16 * SLOT) as t:
+        fill(t, k)
+    if how == "deleted":
+        shutil.rmtree(index_dir)
+    elif how == "emptied":
+        for f in index_dir.iterdir():
+            f.unlink()
+    else:
+        os.truncate(index_dir / "data.mdb", 0)
+    proc = cli("verify", str(root))
+    assert proc.returncode == 2 and "index" in proc.stdout, proc.stdout  # before: exit 0, "0 bad"
+    with pytest.warns(UserWarning, match="rebuilt an empty one"):
+        t = WarmTier(SPEC, root)  # before: CorruptState on every open, forever
+    with t:
+        assert t.match(k) == 0
+        assert (fill(t, k) == PutResult.STORED).all()
+        assert served(t, k) == 4
+    check_index(str(root / SPEC.namespace))
+    assert cli("verify", str(root)).returncode == 0
+
+
+def test_verify_repair_rebuilds_a_lost_index_and_refuses_while_the_tier_is_open(tmp_path):
+    root = tmp_path / "warm"
+    with WarmTier(SPEC, root, capacity_bytes=16 * SLOT) as t:
+        fill(t, keys(0, 4))
+    tier_dir = root / SPEC.namespace
+    _truncate_index(root, 5000)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom tieredkv.warm.owners import Owners\n"
+                               f"o = Owners({str(tier_dir)!r}, writable=True)\no.register((0, 0, 0))\n"
+                               "print('in', flush=True)\nsys.stdin.readline()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "in"
+        proc = cli("verify", "--repair", str(root))
+        assert proc.returncode == 2 and "stop them" in proc.stdout, proc.stdout
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    proc = cli("verify", "--repair", str(root))
+    assert proc.returncode == 0 and "rebuilt" in proc.stdout, proc.stdout
+    assert cli("verify", str(root)).returncode == 0
+
+
+# ---- 12: creating a tier on a full disk ----------------------------------------------------------------------
+_CREATE = """
+import os, sys
+from tieredkv import KVSpec, TieredKVError
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS
+try:
+    WarmTier(KVSpec(**TEST_SPEC_ARGS), {root!r}, capacity_bytes={cap}).close()
+    print("created")
+except TieredKVError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@needs_root
+def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root in a mount namespace that allows it)")
+    try:
+        def create(cap: int) -> str:
+            proc = subprocess.run([sys.executable, "-c", _CREATE.format(root=str(mnt / "warm"), cap=cap)],
+                                  capture_output=True, text=True, cwd=ROOT, timeout=120)
+            assert proc.returncode == 0, f"died: {proc.returncode} {proc.stderr[-500:]}"  # SIGBUS is -7
+            return proc.stdout.strip()
+
+        def used() -> int:
+            st = os.statvfs(mnt)
+            return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+        for cap in (16 * MiB, 8 * MiB - 16 * 1024):  # the slabs do not fit / the slabs fit, the index not
+            for _ in range(2):  # and the retry, which used to die of SIGBUS on the leftovers
+                out = create(cap)
+                assert out.startswith("CapacityError") and "disk is full" in out, out
+                tier = mnt / "warm" / SPEC.namespace
+                left = sorted(p.name for p in tier.iterdir()) if tier.exists() else []
+                assert not [n for n in left if n.startswith("slab-") or n in ("index.lmdb", "meta.json")], left
+                assert used() < 64 << 10, used()
+        assert create(2 * MiB) == "created"
+        with WarmTier(SPEC, mnt / "warm") as t:
+            assert (fill(t, keys(0, 4)) == PutResult.STORED).all()
+            assert served(t, keys(0, 4)) == 4
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+# ---- 16: hostile modes and a symlinked tier directory ------------------------------------------------------
+def test_open_modes_are_restricted_with_a_warning(tmp_path):
+    root = tmp_path / "warm"
+    tier_dir = root / SPEC.namespace
+    with WarmTier(SPEC, root, capacity_bytes=16 * SLOT) as t:
+        fill(t, keys(0, 2))
+    os.chmod(tier_dir, 0o777)
+    os.chmod(tier_dir / "slab-0000.bin", 0o666)
+    os.chmod(tier_dir / "index.lmdb" / "data.mdb", 0o644)
+    with pytest.warns(UserWarning, match="open to other users"):
+        t = WarmTier(SPEC, root)
+    with t:
+        assert served(t, keys(0, 2)) == 2
+    assert tier_dir.stat().st_mode & 0o777 == 0o700
+    assert (tier_dir / "slab-0000.bin").stat().st_mode & 0o777 == 0o600
+    assert (tier_dir / "index.lmdb" / "data.mdb").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("target", ["elsewhere", "dangling"])
+def test_a_symlinked_tier_directory_is_never_followed(tmp_path, target, seg_name):
+    from tieredkv import PermissionDenied
+
+    root = tmp_path / "warm"
+    root.mkdir()
+    elsewhere = tmp_path / "attacker"
+    if target == "elsewhere":
+        elsewhere.mkdir()
+    (root / SPEC.namespace).symlink_to(elsewhere)
+    with pytest.raises(PermissionDenied, match="symbolic link"):
+        WarmTier(SPEC, root, capacity_bytes=16 * SLOT)
+    with pytest.raises(PermissionDenied, match="symbolic link"):
+        TieredCache(SPEC, hot_bytes=MiB, hot_name=seg_name, warm_dir=root, warm_bytes=16 * SLOT)
+    assert not elsewhere.exists() or list(elsewhere.iterdir()) == []  # nothing created through the link

@@ -321,6 +321,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     + (f", {t['dead_claims']} dead claims" if t["dead_claims"] else "")
                     + (f", slabs: {'; '.join(bad_slabs)}" if bad_slabs else "")
                     + (f", meta.json {t['meta']}" if t["meta"] != "ok" else "")
+                    + (f", index {t['index']}" if t.get("index", "ok") != "ok" else "")
                     + (f", {t['removed']:,} dropped" if args.repair else "")
                     + (f", error: {t['error']}" if t.get("error") else "")
                     + ("" if t["ok"] else "  <-- DAMAGED"))

@@ -8,14 +8,16 @@ files directly and may run while workers use the tier: a block that changes whil
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from tieredkv.errors import FormatError, TieredKVError
+from tieredkv.errors import CorruptState, FormatError, TieredKVError
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
+from tieredkv.warm.owners import Owners
 from tieredkv.warm.slabs import slab_name
 
 
@@ -67,7 +69,9 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
         directory: a tier directory (``<root>/<namespace>``) or a root holding tier directories.
         repair: drop the bad blocks from the index (their slots become free), free slots of claims
             whose writer died, restore missing or truncated slab files to full size, and rewrite a
-            missing or damaged ``meta.json`` from the index's copy.
+            missing or damaged ``meta.json`` from the index's copy, and replace a missing, emptied or
+            truncated index with an empty one made from ``meta.json`` (refused while a process has the
+            tier open).
 
     Returns:
         For a tier directory, a dict with:
@@ -75,6 +79,8 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
         - ``path`` (str), ``namespace`` (str or None), ``model`` (str or None)
         - ``ok`` (bool): no damage found (after ``repair``, ``ok`` still describes what was found)
         - ``meta`` (str): ``"ok"``, ``"missing"``, ``"damaged: <why>"``; ``"restored"`` after repair
+        - ``index`` (str): ``"ok"``, ``"missing"``, ``"empty"``, ``"truncated: <sizes>"``,
+          ``"damaged: <why>"`` (judged before LMDB maps the file); ``"rebuilt (was ...)"`` after repair
         - ``slabs`` (list of dict): ``name``, ``status`` (``"ok" | "missing" | "truncated"``),
           ``size_bytes``, ``expected_bytes``
         - ``blocks_checked`` (int), ``blocks_ok`` (int)
@@ -93,12 +99,72 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
     return _public({"path": directory, "ok": all(t["ok"] for t in tiers), "tiers": tiers})
 
 
+def index_state(path: str) -> str:
+    """State of a tier's index files, judged without letting LMDB touch a page: ``"ok"``,
+    ``"missing"``, ``"empty"`` (no slot count: deleted and recreated, or emptied), ``"truncated: ..."``
+    or ``"damaged: ..."``."""
+    index_dir = os.path.join(path, mt.INDEX_NAME)
+    problem = ix.data_file_problem(index_dir) if os.path.isdir(index_dir) else "missing"
+    if problem is not None:
+        return problem
+    if os.path.getsize(os.path.join(index_dir, "data.mdb")) == 0:
+        return "empty"
+    index = _open_index(path, write=False)
+    try:
+        empty = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_N_SLOTS) == 0
+                           and txn.stat(index.blocks)["entries"] == 0)
+    finally:
+        index.close()
+    return "empty" if empty else "ok"
+
+
+def _rebuild_index(path: str, meta: dict) -> None:
+    """Replace a lost, emptied or truncated index with an empty one made from ``meta``.
+
+    Refused while any process has the tier open: it may still hold the old index, and two indexes
+    over one set of slabs would hand one slot to two blocks.
+
+    Raises:
+        CorruptState: live processes have the tier open.
+    """
+    live = Owners(path, writable=False)
+    try:
+        others = live.others()
+    finally:
+        live.close()
+    if others:
+        raise CorruptState(f"{len(others)} process(es) have the warm tier {path} open; stop them, then "
+                           f"run `tieredkv verify --repair` again to rebuild its index")
+    index_dir = os.path.join(path, mt.INDEX_NAME)
+    shutil.rmtree(index_dir, ignore_errors=True)
+    os.makedirs(index_dir, mode=0o700, exist_ok=True)
+    index = _open_index(path, write=True)
+    try:
+        index.write(lambda txn: ix.init_info(txn, index, meta["n_slots"], mt.encode_meta(meta)))
+    finally:
+        index.close()
+
+
 def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": path, "namespace": None, "model": None, "ok": False, "meta": "?",
-                              "slabs": [], "blocks_checked": 0, "blocks_ok": 0, "bad_blocks": [],
-                              "dead_claims": 0, "repaired": False, "removed": 0, "error": None}
+                              "index": "?", "slabs": [], "blocks_checked": 0, "blocks_ok": 0,
+                              "bad_blocks": [], "dead_claims": 0, "repaired": False, "removed": 0,
+                              "error": None}
     try:
-        index = _open_index(path, write=repair)
+        report["index"] = index_state(path)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
+        report["index"] = f"damaged: {exc}"
+    index_ok = report["index"] == "ok"
+    if not index_ok and repair:
+        try:
+            meta = mt.read_meta(path)
+            _rebuild_index(path, meta)
+            report["index"] = f"rebuilt (was {report['index']})"
+        except (OSError, TieredKVError) as exc:
+            report["error"] = f"cannot rebuild the index: {exc}"
+            return report
+    try:
+        index = _open_index(path, write=repair) if index_ok or repair else None
     except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
         index = None
         report["error"] = f"cannot open the index: {exc}"
@@ -119,7 +185,7 @@ def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
                 mt.write_meta(path, copy)
                 report["meta"] = "restored"
             report["repaired"] = True
-        report["ok"] = (status == "ok" and not report["bad_blocks"] and not report["dead_claims"]
+        report["ok"] = (status == "ok" and index_ok and not report["bad_blocks"] and not report["dead_claims"]
                         and all(s["status"] == "ok" for s in report["slabs"]))
         return report
     finally:

@@ -371,10 +371,12 @@ class _SharedEnv:
                     self.owners.release_writer()
             self._data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
             self._seen_size = os.fstat(self._data_fd).st_size
-        except BaseException:
+        except BaseException as exc:
             if getattr(self, "env", None) is not None:
                 self.env.close()
             self.owners.close()
+            if isinstance(exc, lmdb.Error):  # a full disk, an I/O error: the tier's state, not a bug
+                raise _unavailable(path, exc) from exc
             raise
 
     def _open_env(self, path: str, sync: str, map_size: int, readonly: bool) -> None:
@@ -482,3 +484,13 @@ def get_u64(txn: lmdb.Transaction, db, name: bytes, default: int = 0) -> int:
 
 def put_u64(txn: lmdb.Transaction, db, name: bytes, value: int) -> None:
     txn.put(name, U64.pack(int(value)), db=db)
+
+
+def init_info(txn: lmdb.Transaction, index: Index, n_slots: int, meta_bytes: bytes) -> None:
+    """Fill a new (or emptied) index's ``info``: slot count, high-water mark, gen, the meta copy."""
+    # A half-made earlier attempt may have left an index: keep what it holds.
+    if txn.get(INFO_N_SLOTS, db=index.info) is None:
+        put_u64(txn, index.info, INFO_N_SLOTS, n_slots)
+        put_u64(txn, index.info, INFO_HWM, 0)
+        put_u64(txn, index.info, INFO_GEN, 0)
+    txn.put(INFO_META, meta_bytes, db=index.info)

@@ -35,6 +35,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
+import stat
 import threading
 import warnings
 from pathlib import Path
@@ -46,15 +48,16 @@ import xxhash
 from numpy.random import default_rng  # at import: a lazy numpy.random import costs ~20 ms at open
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, LockTimeout, PermissionDenied,
-                             TieredKVError, WarmTierUnavailable)
+from tieredkv.errors import (CapacityError, CorruptState, FormatError, InvalidInput, LockTimeout,
+                             PermissionDenied, TieredKVError, WarmTierUnavailable)
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
-from tieredkv.warm.slabs import Slabs, slot_bytes_for
+from tieredkv.warm import owners as owners_mod
+from tieredkv.warm.slabs import Slabs, slab_name, slot_bytes_for
 
 #: Claims this process holds right now, as (slot, claim time): a claim in the index that names this
 #: process is live only if it is here. Several WarmTier handles in one process share the LMDB
@@ -67,6 +70,13 @@ _OWN_CLAIMS_LOCK = threading.Lock()
 SYNC_MODES = ("none", "data", "full")
 VERIFY_MODES = ("always", "sampled", "never")
 DEFAULT_SLAB_BYTES = 1 << 30
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
 
 class WarmTier(Tier):
     """Blocks of one namespace in ``<directory>/<spec.namespace>/``, shared by processes, kept on disk.
@@ -168,15 +178,24 @@ class WarmTier(Tier):
         if not self.readonly:
             try:
                 self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-                if not self.path.exists():
+                if not os.path.lexists(path):  # a (dangling) symlink is refused below, never created through
                     self.path.mkdir(mode=0o700, exist_ok=True)
                     os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
             except OSError as exc:
                 if not self.path.is_dir():
                     raise WarmTierUnavailable(f"cannot create the warm tier directory {path}: {exc}") from exc
-        if not self.path.is_dir():
-            raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)")
-        st = os.stat(path)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)") from None
+        if stat.S_ISLNK(st.st_mode):
+            # In a root others can write to, a link planted under our namespace's name would send this
+            # process's files (users' prompts) wherever its owner likes.
+            raise PermissionDenied(f"the warm tier directory {path} is a symbolic link (to "
+                                   f"{os.readlink(path)!r}); tieredkv never follows one. Remove it, or "
+                                   f"pass the real directory as warm_dir")
+        if not stat.S_ISDIR(st.st_mode):
+            raise WarmTierUnavailable(f"{path} is not a directory; remove it or use another warm_dir")
         if st.st_uid != os.geteuid():
             raise PermissionDenied(f"the warm tier directory {path} belongs to uid {st.st_uid}, not to "
                                    f"this process (uid {os.geteuid()}); a KV cache holds users' prompts, "
@@ -198,6 +217,7 @@ class WarmTier(Tier):
         and a symlink would redirect our writes anywhere we may write.
         """
         me = os.geteuid()
+        wide = [path] if os.lstat(path).st_mode & 0o077 else []
         for where in (path, os.path.join(path, mt.INDEX_NAME)):
             try:
                 entries = list(os.scandir(where))
@@ -209,6 +229,30 @@ class WarmTier(Tier):
                     what = "is a symbolic link" if entry.is_symlink() else f"belongs to uid {st.st_uid}"
                     raise PermissionDenied(f"{entry.path} {what}, not a file of this user (uid {me}); "
                                            f"remove it, or use a warm directory only this user writes to")
+                if st.st_mode & 0o077:
+                    wide.append(entry.path)
+        if wide:
+            WarmTier._restrict_modes(path, wide)
+
+    @staticmethod
+    def _restrict_modes(path: str, wide: list[str]) -> None:
+        """Take group/other permissions off the tier's directory and files (0700 / 0600), warning.
+
+        A world-writable tier directory lets another user swap files in; a world-readable slab hands
+        out users' prompts. Ours to fix (we own them), so fixed rather than refused.
+        """
+        for p in wide:
+            try:
+                os.chmod(p, 0o700 if stat.S_ISDIR(os.lstat(p).st_mode) else 0o600)
+            except OSError as exc:
+                raise PermissionDenied(f"{p} is open to other users (mode {oct(os.lstat(p).st_mode & 0o777)}) "
+                                       f"and cannot be restricted ({exc}); chmod it 0600 (files) / 0700 "
+                                       f"(directories)") from exc
+        warnings.warn(f"warm tier {path}: {len(wide)} path(s) were open to other users "
+                      f"({', '.join(os.path.basename(p) or p for p in wide[:5])}"
+                      f"{', ...' if len(wide) > 5 else ''}); restricted them to this user (0700/0600). "
+                      f"Blocks another user may have changed fail their checksums (verify='always')",
+                      stacklevel=5)
 
     def _init_lock(self, path: str) -> int | None:
         """flock the tier's lock file for the duration of open (creation, repair). Freed on death."""
@@ -244,9 +288,22 @@ class WarmTier(Tier):
         self._rec = ix.record_dtype(self.spec.chunk_tokens)
         self._slabs = Slabs(path, self.n_slots, int(meta["slots_per_slab"]), self.slot_bytes,
                             self.block_bytes, readonly=self.readonly)
+        if not self.readonly:
+            os.makedirs(os.path.join(path, mt.INDEX_NAME), mode=0o700, exist_ok=True)
         self._open_index()
         if not self.readonly:
-            n_slots = self._index.read(lambda txn: ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS))
+            n_slots, n_blocks = self._index.read(lambda txn: (
+                ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS), txn.stat(self._index.blocks)["entries"]))
+            if n_slots == 0 and n_blocks == 0:
+                # The index was deleted or emptied (meta.json, written last at creation, says the tier
+                # was complete). Its records are gone, so every slot is free: start an empty index
+                # from meta.json rather than refuse to open forever.
+                self._index.write(lambda txn: ix.init_info(txn, self._index, meta["n_slots"], mt.encode_meta(meta)))
+                self._counts["recoveries"] += 1
+                warnings.warn(f"warm tier {path}: the index was missing or empty; rebuilt an empty one "
+                              f"from {mt.META_NAME} (the blocks it indexed are lost; the slabs are kept)",
+                              stacklevel=5)
+                n_slots = self.n_slots
             if n_slots != self.n_slots:
                 raise CorruptState(f"{path}: the index says {n_slots} slots, meta.json says "
                                    f"{self.n_slots}; run `tieredkv verify {path}`")
@@ -300,24 +357,38 @@ class WarmTier(Tier):
         meta = mt.make_meta(self.spec, n_slots=n_slots, slots_per_slab=per_slab, slot_bytes=slot_bytes)
         self.n_slots = n_slots
         self._rec = ix.record_dtype(self.spec.chunk_tokens)
-        Slabs(path, n_slots, per_slab, slot_bytes, self.spec.block_bytes).create_missing()
         index_path = os.path.join(path, mt.INDEX_NAME)
-        os.makedirs(index_path, mode=0o700, exist_ok=True)
-        size, limit = self._index_sizes()
-        index = ix.Index(index_path, sync="full", map_size=size, map_max=limit,
-                         lock_timeout_s=self.lock_timeout_s)
+        made_index = not os.path.lexists(index_path)
+        made_slabs: list[int] = []
         try:
-            def init(txn):
-                # A half-made earlier attempt may have left an index: keep what it holds.
-                if txn.get(ix.INFO_N_SLOTS, db=index.info) is None:
-                    ix.put_u64(txn, index.info, ix.INFO_N_SLOTS, n_slots)
-                    ix.put_u64(txn, index.info, ix.INFO_HWM, 0)
-                    ix.put_u64(txn, index.info, ix.INFO_GEN, 0)
-                txn.put(ix.INFO_META, mt.encode_meta(meta), db=index.info)
-            index.write(init)
-        finally:
-            index.close()
-        mt.write_meta(path, meta)  # last: its presence means slabs and index are complete
+            made_slabs = Slabs(path, n_slots, per_slab, slot_bytes, self.spec.block_bytes).create_missing()
+            os.makedirs(index_path, mode=0o700, exist_ok=True)
+            size, limit = self._index_sizes()
+            index = ix.Index(index_path, sync="full", map_size=size, map_max=limit,
+                             lock_timeout_s=self.lock_timeout_s)
+            try:
+                index.write(lambda txn: ix.init_info(txn, index, meta["n_slots"], mt.encode_meta(meta)))
+            finally:
+                index.close()
+            mt.write_meta(path, meta)  # last: its presence means slabs and index are complete
+        except BaseException as exc:
+            # Leave nothing behind: a half-made tier on a full disk would hold the space a retry needs
+            # (and a sparse leftover on tmpfs turns into SIGBUS when touched).
+            for i in made_slabs:
+                _unlink_quiet(os.path.join(path, slab_name(i)))
+            if made_index:
+                shutil.rmtree(index_path, ignore_errors=True)
+                _unlink_quiet(os.path.join(path, owners_mod.OWNERS_NAME))
+            if isinstance(exc, OSError) and not isinstance(exc, TieredKVError):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise CapacityError(f"cannot create the warm tier in {path}: the disk is full ({exc}); "
+                                        f"free space or pass a smaller capacity_bytes") from exc
+                raise WarmTierUnavailable(f"cannot create the warm tier in {path}: {exc}") from exc
+            if isinstance(exc, WarmTierUnavailable) and ("disk is full" in str(exc)
+                                                         or os.strerror(errno.ENOSPC) in str(exc)):
+                raise CapacityError(f"cannot create the warm tier in {path}: {exc}; free space or pass "
+                                    f"a smaller capacity_bytes") from exc
+            raise
         return meta
 
     def _repair_slabs(self) -> None:

@@ -319,6 +319,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bad_slabs = [f"{s['name']} {s['status']}" for s in t.get("slabs", []) if s["status"] != "ok"]
             line = (f"{t['path']}: {t['blocks_checked']:,} blocks checked, {len(t['bad_blocks']):,} bad"
                     + (f", {t['dead_claims']} dead claims" if t["dead_claims"] else "")
+                    + (f", {t['lost_slots']} lost slots" if t.get("lost_slots") else "")
                     + (f", slabs: {'; '.join(bad_slabs)}" if bad_slabs else "")
                     + (f", meta.json {t['meta']}" if t["meta"] != "ok" else "")
                     + (f", index {t['index']}" if t.get("index", "ok") != "ok" else "")

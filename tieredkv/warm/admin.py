@@ -87,6 +87,8 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
         - ``bad_blocks`` (list of dict): ``key`` (32 hex digits), ``slab`` (int), ``slot`` (int, global),
           ``reason`` (``"checksum" | "short read" | "missing slab" | "bad record"``)
         - ``dead_claims`` (int): slots claimed by writers that died before committing
+        - ``lost_slots`` (int): slots no record owns that are neither free nor claimed (left by a
+          record with a damaged slot field); ``repair`` frees them
         - ``repaired`` (bool), ``removed`` (int): blocks dropped by ``repair``
         - ``error`` (str or None): why the tier could not be checked at all
 
@@ -148,8 +150,8 @@ def _rebuild_index(path: str, meta: dict) -> None:
 def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": path, "namespace": None, "model": None, "ok": False, "meta": "?",
                               "index": "?", "slabs": [], "blocks_checked": 0, "blocks_ok": 0,
-                              "bad_blocks": [], "dead_claims": 0, "repaired": False, "removed": 0,
-                              "error": None}
+                              "bad_blocks": [], "dead_claims": 0, "lost_slots": 0, "repaired": False,
+                              "removed": 0, "error": None}
     try:
         report["index"] = index_state(path)
     except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
@@ -186,7 +188,7 @@ def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
                 report["meta"] = "restored"
             report["repaired"] = True
         report["ok"] = (status == "ok" and index_ok and not report["bad_blocks"] and not report["dead_claims"]
-                        and all(s["status"] == "ok" for s in report["slabs"]))
+                        and not report["lost_slots"] and all(s["status"] == "ok" for s in report["slabs"]))
         return report
     finally:
         if index is not None:
@@ -223,7 +225,8 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
                 rec = np.frombuffer(val, dtype=rec_dtype)[0]
                 slot, gen = int(rec["slot"]), int(rec["gen"])
                 slab = slot // per
-                if slot >= n_slots or rec["length"] != block_bytes:
+                if slot >= n_slots or rec["length"] != block_bytes \
+                        or txn.get(ix.slot_key(slot), db=index.slots) != key:
                     suspects.append((key, slot, gen, "bad record"))
                     continue
                 if slab not in fds:
@@ -239,6 +242,7 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
             # Claims whose writer died: their slots are neither free nor used until reaped.
             report["dead_claims"] = sum(1 for _, c in txn.cursor(db=index.inflight)
                                         if not index.claim_alive(*ix.CLAIM.unpack(c)[1:3]))
+            report["lost_slots"] = len(_lost_slots(txn, index, rec_dtype))
         finally:
             txn.abort()
     finally:
@@ -261,6 +265,31 @@ def _unchanged(txn, index: ix.Index, rec_dtype: np.dtype, suspect) -> bool:
     if len(val) != rec_dtype.itemsize:
         return True
     return int(np.frombuffer(val, dtype=rec_dtype)[0]["gen"]) == gen
+
+
+def _lost_slots(txn, index: ix.Index, rec_dtype: np.dtype) -> list[int]:
+    """Slots below the high-water mark that no record owns and that are neither free nor claimed.
+
+    A record whose slot field was damaged is dropped without freeing anything (it cannot say which
+    slot was its own), and a reverse entry may outlive its record: such slots would stay unusable.
+    """
+    hwm = ix.get_u64(txn, index.info, ix.INFO_HWM)
+    seen = np.zeros(hwm, dtype=bool)
+    for sk, key in txn.cursor(db=index.slots):
+        s = ix.SLOT_KEY.unpack(sk)[0]
+        v = txn.get(key, db=index.blocks)
+        if s < hwm and v is not None and len(v) == rec_dtype.itemsize \
+                and int(np.frombuffer(v, dtype=rec_dtype)[0]["slot"]) == s:
+            seen[s] = True
+    for sk, _ in txn.cursor(db=index.free):
+        s = ix.SLOT_KEY.unpack(sk)[0]
+        if s < hwm:
+            seen[s] = True
+    for _, c in txn.cursor(db=index.inflight):
+        s = ix.CLAIM.unpack(c)[0]
+        if s < hwm:
+            seen[s] = True
+    return np.flatnonzero(~seen).tolist()
 
 
 def _repair(path: str, meta: dict, index: ix.Index, report: dict) -> None:
@@ -288,6 +317,9 @@ def _repair(path: str, meta: dict, index: ix.Index, report: dict) -> None:
                 if not index.claim_alive(*ix.CLAIM.unpack(c)[1:3])]
         for k, slot in dead:
             txn.delete(k, db=index.inflight)
+            txn.put(ix.slot_key(slot), b"", db=index.free)
+        for slot in _lost_slots(txn, index, rec_dtype):  # after the drops above: what nobody owns
+            txn.delete(ix.slot_key(slot), db=index.slots)  # a reverse entry without its record
             txn.put(ix.slot_key(slot), b"", db=index.free)
         total = ix.get_u64(txn, index.info, ix.INFO_CORRUPT) + removed
         ix.put_u64(txn, index.info, ix.INFO_CORRUPT, total)

@@ -371,6 +371,8 @@ class _SharedEnv:
                     self.owners.release_writer()
             self._data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
             self._seen_size = os.fstat(self._data_fd).st_size
+            self._checks = 0
+            self._dir_stamp: tuple[int, int, int] | None = None
         except BaseException as exc:
             if getattr(self, "env", None) is not None:
                 self.env.close()
@@ -409,9 +411,18 @@ class _SharedEnv:
         """Raise instead of touching a truncated data file (SIGBUS). Marks the environment broken."""
         if self.broken is None:
             size = os.fstat(self._data_fd).st_size
+            self._checks += 1
             # LMDB (without writemap) never shrinks data.mdb: a file smaller than we saw was truncated.
-            problem = (f"truncated: {size} bytes, it had {self._seen_size}" if size < self._seen_size
-                       else data_file_problem(self.path, self._data_fd))
+            # A file of the size we last checked against its meta pages still holds every page they
+            # reference (referenced pages are written, and writing past the end grows the file), so
+            # the meta pages are read again only when the size changed, and now and then in case the
+            # file was grown by others and cut back to exactly the size we saw.
+            if size < self._seen_size:
+                problem = f"truncated: {size} bytes, it had {self._seen_size}"
+            elif size != self._seen_size or self._checks % 64 == 0:
+                problem = data_file_problem(self.path, self._data_fd)
+            else:
+                problem = None
             self._seen_size = max(self._seen_size, size)
             if problem is not None:
                 self.broken = (f"the warm tier index {self.path}/data.mdb was {problem} while this process "
@@ -423,8 +434,16 @@ class _SharedEnv:
     def check_files(self) -> None:
         """Before a write: the index files at the path are still ours, and not truncated."""
         self.check_size()
+        # Replacing or deleting a file changes its directory's mtime, and LMDB itself creates no file
+        # after open: an unchanged directory (one stat) means unchanged files (two more).
+        st = os.stat(self.path)
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        if stamp == self._dir_stamp:
+            return
         now = files_identity(self.path)
-        if now != self.identity:
+        if now == self.identity:
+            self._dir_stamp = stamp
+        else:
             raise WarmTierUnavailable(
                 f"the warm tier index files in {self.path} were deleted or replaced while this process had "
                 f"them open (lock.mdb/data.mdb inodes {self.identity[1:]} -> {now[1:]}); this process "

@@ -500,6 +500,10 @@ class WarmTier(Tier):
         bad = ((recs["slot"][:m] >= self.n_slots) & (recs["length"][:m] == self.block_bytes)
                & (recs["parent"][:m] == keys.parents[:m]).all(axis=1)
                & (recs["tokens"][:m] == keys.tokens[:m]).all(axis=1))
+        if self.verify == "always":
+            # Another block's slot fails this block's checksum (dropped and counted there); the
+            # reverse lookups (one LMDB get per block) are needed only where bytes go unchecked.
+            return bad
         get, db = txn.get, self._index.slots
         for i in np.flatnonzero(~bad).tolist():
             if get(ix.slot_key(int(recs["slot"][i])), db=db) != raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]:
@@ -630,11 +634,14 @@ class WarmTier(Tier):
 
         def drop(txn):
             removed = []
+            dropped = 0
             for key, slot, gen in entries:
-                if self._delete_record(txn, key, expect_gen=gen) is not None:
+                rec, owned = self._delete_record(txn, key, expect_gen=gen)
+                dropped += rec is not None
+                if owned:
                     txn.put(ix.slot_key(slot), b"", db=self._index.free)
                     removed.append(slot)
-            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + len(removed)
+            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
             ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, total)
             return removed
 
@@ -644,20 +651,27 @@ class WarmTier(Tier):
             return  # index not writable now: the block stays bad and is detected again on every read
         self._view_forget(np.asarray(removed, dtype=np.int64))
 
-    def _delete_record(self, txn, key: bytes, *, expect_gen: int | None = None) -> np.ndarray | None:
-        """Delete ``key``'s record and reverse entry (not freeing the slot); return the record."""
+    def _delete_record(self, txn, key: bytes, *,
+                       expect_gen: int | None = None) -> tuple[np.ndarray | None, bool]:
+        """Delete ``key``'s record (and its reverse entry, not freeing the slot).
+
+        Returns:
+            ``(record, owned)``: the deleted record (None: absent, or not of ``expect_gen``), and
+            whether its slot was really its own (in range, the reverse entry names ``key``). A record
+            whose slot field was damaged is deleted but frees nothing: it cannot say which slot is its.
+        """
         v = txn.get(key, db=self._index.blocks)
         if v is None or len(v) != self._rec.itemsize:
-            return None
+            return None, False
         rec = np.frombuffer(v, dtype=self._rec)[0]
         if expect_gen is not None and int(rec["gen"]) != expect_gen:
-            return None
+            return None, False
         txn.delete(key, db=self._index.blocks)
         slot = int(rec["slot"])
         if slot >= self.n_slots or txn.get(ix.slot_key(slot), db=self._index.slots) != key:
-            return None  # a damaged record: dropped, but its slot field names no slot of its own
+            return rec, False
         txn.delete(ix.slot_key(slot), db=self._index.slots)
-        return rec
+        return rec, True
 
     # ================================================================================== puts
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
@@ -952,9 +966,9 @@ class WarmTier(Tier):
                 key = txn.get(ix.slot_key(s), db=self._index.slots)
                 if key is None or np.frombuffer(key, dtype="<u8")[0].view(np.int64) != st.key64[s]:
                     continue  # stale view: that slot no longer holds the block we chose
-                rec = self._delete_record(txn, key)
-                if rec is None or int(rec["slot"]) != s:
-                    continue
+                rec, owned = self._delete_record(txn, key)
+                if not owned or int(rec["slot"]) != s:
+                    continue  # a damaged record: dropped, its slot left to `verify --repair`
                 out.append((s, key, rec))
         return out
 
@@ -1033,17 +1047,19 @@ class WarmTier(Tier):
             self._require_writable()
 
             def rm(txn):
-                freed = []
+                freed, gone = [], 0  # gone: damaged records dropped without a slot to free
                 for i in range(len(keys)):
-                    rec = self._delete_record(txn, raw[i * KEY_BYTES:(i + 1) * KEY_BYTES])
-                    if rec is not None:
+                    rec, owned = self._delete_record(txn, raw[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+                    if owned:
                         txn.put(ix.slot_key(int(rec["slot"])), b"", db=self._index.free)
                         freed.append(int(rec["slot"]))
-                return freed
+                    elif rec is not None:
+                        gone += 1
+                return freed, gone
 
-            freed = self._index.write(rm)
+            freed, gone = self._index.write(rm)
             self._view_forget(np.asarray(freed, dtype=np.int64))
-            return len(freed)
+            return len(freed) + gone
 
     def evict(self, n: int, *, with_payloads: bool = True) -> Evicted:
         """Evict up to ``n`` blocks chosen by the policy and hand them back.

@@ -13,16 +13,14 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tieredkv import (CapacityError, CorruptState, InvalidInput, KVSpec, PutResult, TieredCache, TieredKVError,
-                      WarmTierUnavailable, chunk_keys)
+from tieredkv import InvalidInput, KVSpec, PutResult, TieredCache, TieredKVError, WarmTierUnavailable, chunk_keys
 from tieredkv.warm import WarmTier, admin
-from tieredkv.warm.testing import TEST_SPEC_ARGS, check_index, payload_for, prompt_keys
+from tieredkv.warm.testing import TEST_SPEC_ARGS, check_index, payload_for
 
 SPEC = KVSpec(**TEST_SPEC_ARGS)
 SLOT = 4096

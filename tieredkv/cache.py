@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout, PermissionDenied,
-                             TieredKVError, WarmTierUnavailable)
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
+                             PermissionDenied, TieredKVError, WarmTierUnavailable)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import copy_into

@@ -103,11 +103,15 @@ def data_file_problem(index_dir: str, fd: int | None = None) -> str | None:
     initialises it as a new index.
     """
     own = fd is None
-    if own:
+    if fd is None:
         try:
             fd = os.open(os.path.join(index_dir, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return "missing"
+    return _size_problem(fd, own)
+
+
+def _size_problem(fd: int, own: bool) -> str | None:
     try:
         size = os.fstat(fd).st_size
         if size == 0:
@@ -385,7 +389,6 @@ class _SharedEnv:
         kwargs = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
                       meminit=False, max_readers=510, sync=sync != "none", metasync=sync == "full",
                       readonly=readonly, create=not readonly)
-        self.env = None
         try:
             self.env = lmdb.open(path, **kwargs)
         except lmdb.Error as exc:
@@ -417,6 +420,7 @@ class _SharedEnv:
             # reference (referenced pages are written, and writing past the end grows the file), so
             # the meta pages are read again only when the size changed, and now and then in case the
             # file was grown by others and cut back to exactly the size we saw.
+            problem: str | None
             if size < self._seen_size:
                 problem = f"truncated: {size} bytes, it had {self._seen_size}"
             elif size != self._seen_size or self._checks % 64 == 0:

@@ -967,7 +967,7 @@ class WarmTier(Tier):
                 if key is None or np.frombuffer(key, dtype="<u8")[0].view(np.int64) != st.key64[s]:
                     continue  # stale view: that slot no longer holds the block we chose
                 rec, owned = self._delete_record(txn, key)
-                if not owned or int(rec["slot"]) != s:
+                if rec is None or not owned or int(rec["slot"]) != s:
                     continue  # a damaged record: dropped, its slot left to `verify --repair`
                 out.append((s, key, rec))
         return out

@@ -149,7 +149,7 @@ def _pick_segment(name: str | None) -> str:
 
 def _quantile_bound(hist: list[int], q: float) -> float | None:
     """Upper bound (seconds) of the histogram bucket holding the ``q`` quantile; None when empty."""
-    from tieredkv.hot.segment import LATENCY_BUCKETS_S
+    from tieredkv.counters import LATENCY_BUCKETS_S
 
     total = sum(hist)
     if not total:

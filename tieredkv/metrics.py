@@ -131,7 +131,7 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
     Returns:
         A list of ``prometheus_client`` metric families.
     """
-    from tieredkv.hot import segment as seg
+    from tieredkv.counters import LATENCY_BUCKETS_S
 
     core = core or _prometheus()
     G, C, H = core.GaugeMetricFamily, core.CounterMetricFamily, core.HistogramMetricFamily
@@ -163,7 +163,7 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
     seg_bytes = G("tieredkv_hot_segment_bytes", "size of the shared-memory segment", labels=L)
     block_bytes = G("tieredkv_block_bytes", "bytes per cached block", labels=L)
     handles = G("tieredkv_live_handles", "handles (worker processes) attached now", labels=L)
-    bounds = [("+Inf" if b == float("inf") else repr(b)) for b in seg.LATENCY_BUCKETS_S]
+    bounds = [("+Inf" if b == float("inf") else repr(b)) for b in LATENCY_BUCKETS_S]
     lookup_h = H("tieredkv_lookup_seconds", "TieredCache.lookup latency", labels=L)
     load_h = H("tieredkv_load_seconds", "TieredCache.load latency", labels=L)
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 
+from tieredkv import counters
 from tieredkv.errors import CapacityError, FormatError, InvalidName, PermissionDenied, SpecMismatch
 from tieredkv.spec import KVSpec
 
@@ -75,23 +76,12 @@ SLOT_DTYPE = np.dtype([
     ("position", "<u8"), ("length", "<u8"), ("_pad", "<u8"),
 ])
 
-#: TieredCache counters, kept in the hot segment so that their sum over owners is per host.
-CACHE_FIELDS = ("lookups", "prompt_tokens", "hit_tokens", "hot_hit_tokens", "warm_hit_tokens",
-                "prefill_tokens", "loaded_tokens", "lost_blocks", "stored_blocks", "hot_bytes_read",
-                "warm_bytes_read", "hot_bytes_written", "warm_bytes_written", "promotions", "demotions",
-                "warm_errors", "corrupt_blocks", "lookup_ns", "load_ns")
-#: Upper bounds (seconds) of the lookup/load latency histogram buckets; the last bucket is +inf.
-LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
-                     5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))
-
 # One row per open handle. Each row is written only by its owner (no lock needed for counters);
 # a row outlives its owner, so sums over rows stay cumulative for the segment's life.
 OWNER_DTYPE = np.dtype([
     ("token", "<u8"), ("pid", "<u8"), ("start_time", "<u8"), ("n_pins", "<u8"),
     ("stats", "<u8", (len(STAT_FIELDS),)),
-    ("cache", "<u8", (len(CACHE_FIELDS),)),
-    ("lookup_hist", "<u8", (len(LATENCY_BUCKETS_S),)),
-    ("load_hist", "<u8", (len(LATENCY_BUCKETS_S),)),
+    *counters.ROW_FIELDS,  # the TieredCache counters of this handle: summed over rows, per host
     ("pins", "<i8", (MAX_PINS,)),
 ])
 

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from tieredkv import policies
+from tieredkv import counters, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
@@ -38,7 +38,7 @@ from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, WRITING
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes, copy_into
 from tieredkv.spec import KVSpec
-from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
 
 _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 
@@ -62,27 +62,6 @@ def _drop_inherited_descriptors() -> None:
 
 os.register_at_fork(after_in_child=_drop_inherited_descriptors)
 _STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(PutResult.NO_SPACE)
-
-
-class OwnerCounters:
-    """This handle's row of TieredCache counters in the segment. Only its owner writes it."""
-
-    _INDEX = {name: i for i, name in enumerate(seg.CACHE_FIELDS)}
-    _BOUNDS = np.asarray(seg.LATENCY_BUCKETS_S)
-
-    def __init__(self, row):
-        self.values = row["cache"]
-        self.lookup_hist = row["lookup_hist"]
-        self.load_hist = row["load_hist"]
-
-    def add(self, name: str, n: int) -> None:
-        self.values[self._INDEX[name]] += n
-
-    def observe(self, what: str, seconds: float) -> None:
-        """Record a lookup or load latency (``what`` is ``"lookup"`` or ``"load"``)."""
-        hist = self.lookup_hist if what == "lookup" else self.load_hist
-        hist[int(np.searchsorted(self._BOUNDS, seconds))] += 1
-        self.values[self._INDEX[what + "_ns"]] += int(seconds * 1e9)
 
 
 class HotTier(Tier):
@@ -218,7 +197,7 @@ class HotTier(Tier):
                     rec["pid"] = self._pid
                     rec["n_pins"] = 0
                     self._stats = rec["stats"]
-                    self.counters = OwnerCounters(rec)
+                    self.counters = counters.CacheCounters(rec, self._owners)
                     return
         self._drop_mapping()  # never registered: close() must not touch anybody's row
         raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
@@ -548,11 +527,7 @@ class HotTier(Tier):
         return ok
 
     def _check_keys(self, keys: ChunkKeys) -> None:
-        if not isinstance(keys, ChunkKeys):
-            raise InvalidInput("keys must be a ChunkKeys (from tieredkv.chunk_keys)")
-        if keys.tokens.shape[1:] != (self.spec.chunk_tokens,):
-            raise InvalidInput(f"keys were made with chunk_tokens={keys.tokens.shape[1]}, "
-                               f"this tier's spec has {self.spec.chunk_tokens}")
+        check_keys(self.spec, keys)
 
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         self._check()
@@ -570,12 +545,12 @@ class HotTier(Tier):
     def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
-        ``out``: the spec's dtype (or uint8) holding ``len(keys)`` blocks. Rows past the returned count
-        are untouched or partially written; never use them.
+        ``out``: the spec's dtype (or uint8) holding at least ``len(keys)`` blocks. Rows past the
+        returned count are untouched or partially written; never use them.
         """
         self._check()
         self._check_keys(keys)
-        dst = as_block_bytes(self.spec, out, len(keys), what="out", writable=True)
+        dst = out_rows(self.spec, out, len(keys))
 
         data = self._data
 
@@ -796,10 +771,9 @@ class HotTier(Tier):
     def evict(self, n: int) -> Evicted:
         """Evict up to ``n`` blocks chosen by the policy; returns their keys and bytes."""
         self._check()
-        if not isinstance(n, (int, np.integer)) or n < 0:
-            raise InvalidInput(f"n must be a non-negative integer, got {n!r}")
+        n = check_count(n)
         with self._critical():
-            victims, old = self._choose_victims(int(n))
+            victims, old = self._choose_victims(n)
         try:
             payloads = self._data[victims].copy()
         finally:
@@ -822,16 +796,20 @@ class HotTier(Tier):
                    "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
                    **{k: s[k] for k in ("lookups", "exists", "no_space", "removed", "reclaimed", "torn_reads")}})
 
+    def cache_counters(self) -> counters.CacheCounters | None:
+        """This handle's row of the cache's counters, in the segment (totals: per host)."""
+        self._check()
+        return self.counters
+
+    @property
+    def corrupt_seen(self) -> int:
+        """Blocks this handle saw change under a pinned read (a broken invariant; never returned)."""
+        return int(self._stats[_STAT["torn_reads"]]) if self._stats is not None else 0
+
     def host_counters(self) -> dict:
         """TieredCache counters and latency histograms summed over every handle: per host."""
         self._check()
-        owners = self._owners
-        totals = owners["cache"].sum(axis=0)
-        doc = {name: int(totals[i]) for i, name in enumerate(seg.CACHE_FIELDS)}
-        doc["lookup_hist"] = owners["lookup_hist"].sum(axis=0).tolist()
-        doc["load_hist"] = owners["load_hist"].sum(axis=0).tolist()
-        doc["latency_buckets_s"] = list(seg.LATENCY_BUCKETS_S)
-        return doc
+        return counters.totals(self._owners)
 
     def live_handles(self) -> int:
         """Open handles (processes, or several handles in one process) attached right now."""

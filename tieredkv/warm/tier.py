@@ -50,7 +50,7 @@ from tieredkv.errors import (CorruptState, FormatError, InvalidInput, Permission
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
-from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
 from tieredkv.warm.slabs import Slabs, slot_bytes_for
@@ -405,10 +405,9 @@ class WarmTier(Tier):
             found[int(np.argmin(found)):] = False
         return recs, found
 
-    @staticmethod
-    def _raw(keys: ChunkKeys) -> bytes:
-        if not isinstance(keys, ChunkKeys):
-            raise InvalidInput(f"keys must be a ChunkKeys (from tieredkv.chunk_keys), got {type(keys).__name__}")
+    def _raw(self, keys: ChunkKeys) -> bytes:
+        """The keys as LMDB key bytes, 16 per key, after checking them against the spec."""
+        check_keys(self.spec, keys)
         return np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
 
     def match(self, keys: ChunkKeys) -> int:
@@ -432,8 +431,8 @@ class WarmTier(Tier):
 
         Args:
             keys: the blocks, in prompt order.
-            out: a writable array with (at least) one row per key: ``(n, block_bytes)`` uint8 or the
-                spec's dtype shaped ``(n, *block_shape)``.
+            out: a writable array with at least one row per key: ``(m, block_bytes)`` uint8 or the
+                spec's dtype shaped ``(m, *block_shape)``, ``m >= len(keys)``.
 
         Returns:
             The length of the leading run returned. The run ends at the first block that is absent,
@@ -444,9 +443,7 @@ class WarmTier(Tier):
             self._check()
             n = len(keys)
             raw = self._raw(keys)
-            if isinstance(out, np.ndarray) and out.ndim and out.shape[0] > n:
-                out = out[:n]
-            rows = as_block_bytes(self.spec, out, n, what="out", writable=True)
+            rows = out_rows(self.spec, out, n)
             if n == 0:
                 return 0
             recs, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, n, True))
@@ -899,14 +896,15 @@ class WarmTier(Tier):
                 is dropped and counted as corrupt) before their slots are freed.
 
         Returns:
-            ``Evicted(keys, payloads)``: ``keys`` carries each block's key, parent key and tokens
-            (``start`` is 0: positions are not kept per key); ``payloads`` is ``(m, block_bytes)``
-            uint8, or None without ``with_payloads``.
+            ``Evicted(keys, payloads, hits)``: ``keys`` carries each block's key, parent key, tokens
+            and position; ``payloads`` is ``(m, block_bytes)`` uint8, or None without
+            ``with_payloads``; ``hits`` counts each block's hits (the flushed ones and this
+            process's pending ones).
         """
         with self._lock:
             self._check()
+            n = check_count(n)
             self._require_writable()
-            n = int(n)
             chunk = self.spec.chunk_tokens
 
             def ev(txn):
@@ -928,11 +926,27 @@ class WarmTier(Tier):
             self._counts["corrupt"] += int((~keep).sum())
             kept = [v for v, k in zip(victims, keep) if k]
             m = len(kept)
-            karr = np.frombuffer(b"".join(v[1] for v in kept), dtype="<u8").reshape(m, 2)
-            parents = np.array([v[2]["parent"] for v in kept], dtype=np.uint64).reshape(m, 2)
-            tokens = np.array([v[2]["tokens"] for v in kept], dtype=np.uint32).reshape(m, chunk)
+            raw = b"".join(v[1] for v in kept)
+            karr = np.frombuffer(raw, dtype="<u8").reshape(m, 2)
+            recs = np.array([v[2] for v in kept], dtype=self._rec).reshape(m)
+            keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
+                             recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
+                             recs["position"].astype(np.int64))
+            hits = recs["hits"].astype(np.int64) + self._pending_hits(raw, recs["gen"])
             payloads = rows[keep] if rows is not None else None
-            return Evicted(keys=ChunkKeys(karr, parents, tokens), payloads=payloads)
+            return Evicted(keys, payloads, hits)
+
+    def _pending_hits(self, raw: bytes, gens: np.ndarray) -> np.ndarray:
+        """Hits this process noted for each (key, gen) but has not flushed into the records yet."""
+        out = np.zeros(len(gens), dtype=np.int64)
+        if not self._pending or not len(gens):
+            return out
+        want = np.frombuffer(raw, dtype="V16")
+        seen = np.frombuffer(b"".join(p[0] for p in self._pending), dtype="V16")
+        seen_gens = np.concatenate([p[1] for p in self._pending])
+        for i in range(len(want)):
+            out[i] = int(np.count_nonzero((seen == want[i]) & (seen_gens == gens[i])))
+        return out
 
     # ================================================================================== stats, close
     def stats(self) -> TierStats:

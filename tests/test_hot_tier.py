@@ -209,7 +209,7 @@ def test_segment_larger_than_dev_shm_is_a_capacity_error(tiny_spec, seg_name):
     with pytest.raises(CapacityError, match="/dev/shm"):
         HotTier(tiny_spec, capacity_bytes=too_big, name=seg_name)
     assert not os.path.exists("/dev/shm" + seg_name)
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("tieredkv-tmp-%d-" % os.getpid())]
+    assert not [p for p in os.listdir("/dev/shm") if seg.temp_owner(p) == os.getpid()]
 
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "a/b", "", "-x", "x" * 300, "bad name", "/x/../y"])
@@ -418,7 +418,7 @@ def test_create_race_gives_one_segment(tiny_spec, seg_name):
     assert len({inst for _, inst in got}) == 1
     with HotTier(tiny_spec, name=seg_name, create=False) as t:
         assert t.slot_census()["ready"] == 8
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("tieredkv-tmp-")]
+    assert not [p for p in os.listdir("/dev/shm") if seg.temp_owner(p) is not None]
 
 
 def test_fork_reattaches(tiny_spec, seg_name):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import numpy as np
 import posix_ipc
@@ -17,7 +16,6 @@ from tieredkv.errors import TieredKVError
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 
-_TMP_RE = re.compile(r"^/" + re.escape(seg.PREFIX) + r"tmp-(\d+)-[0-9a-f]+$")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -40,9 +38,9 @@ def inspect(name: str) -> dict:
         doc["size_bytes"] = os.stat(seg._shm_path(name)).st_size
     except OSError as e:
         return {**doc, "error": str(e)}
-    tmp = _TMP_RE.match(name)
-    if tmp:
-        alive = _pid_alive(int(tmp.group(1)))
+    creator = seg.temp_owner(name)
+    if creator is not None:
+        alive = _pid_alive(creator)
         return {**doc, "stale": not alive, "reason": None if alive else "leftover of a creator that died"}
     try:
         mapping = seg.attach(None, name)

@@ -149,6 +149,23 @@ class Layout:
         return n
 
 
+_TEMP_RE = re.compile(r"^/" + re.escape(PREFIX) + r"tmp-(\d+)-[0-9a-f]+$")
+
+
+def temp_name() -> str:
+    """A fresh private name for a segment being built: ``/tieredkv-tmp-<creator pid>-<random>``.
+
+    The format is defined here only; ``temp_owner`` parses it back.
+    """
+    return f"/{PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def temp_owner(name: str) -> int | None:
+    """The creator's pid if ``name`` (with or without its leading ``/``) is a temporary name, else None."""
+    m = _TEMP_RE.match("/" + name.lstrip("/"))
+    return int(m.group(1)) if m else None
+
+
 def check_name(name: str) -> str:
     """Return ``/name`` or raise ``InvalidName``: letters, digits, ``._-``; no slashes or ``..``."""
     if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
@@ -267,7 +284,7 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
     if layout.total_bytes > room:
         raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {SHM_DIR} has "
                             f"{room / 2**20:.1f} MiB free; lower hot_bytes or enlarge /dev/shm")
-    tmp = f"/{PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_name()
     shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=mode)
     fd = shm.fd
     try:
@@ -405,7 +422,14 @@ def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:
     return mapping
 
 
-def list_segment_names() -> list[str]:
+def list_segment_names(*, published_only: bool = False) -> list[str]:
+    """Names of every tieredkv segment in /dev/shm, sorted.
+
+    Args:
+        published_only: leave out temporary names (segments still being built, or leftovers of a
+            creator that died building one).
+    """
     if not SHM_DIR.is_dir():
         return []
-    return sorted("/" + p.name for p in SHM_DIR.iterdir() if p.name.startswith(PREFIX))
+    names = sorted("/" + p.name for p in SHM_DIR.iterdir() if p.name.startswith(PREFIX))
+    return [n for n in names if temp_owner(n) is None] if published_only else names

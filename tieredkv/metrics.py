@@ -58,17 +58,15 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     """``list_warm_tiers`` rows plus each tier's lifetime count of corrupt blocks (from its index)."""
     if warm_dir is None:
         return []
+    from tieredkv.warm import files
     from tieredkv.warm import index as ix
-    from tieredkv.warm import meta as mt
     from tieredkv.warm.admin import list_warm_tiers
 
     rows = list_warm_tiers(warm_dir)
     for row in rows:
         row["corrupt_total"] = None
         try:
-            # Read-only and tiny map: reading must neither grow nor lock out the writers' index.
-            index = ix.Index(os.path.join(row["path"], mt.INDEX_NAME), sync="none", map_size=1 << 20,
-                             map_max=1 << 40, readonly=True)
+            index = files.open_index(row["path"])
             try:
                 row["corrupt_total"] = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT))
             finally:

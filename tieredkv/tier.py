@@ -57,7 +57,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tieredkv.counters import CacheCounters
-from tieredkv.errors import InvalidInput, InvalidPayload
+from tieredkv.errors import InvalidInput
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec

@@ -4,8 +4,8 @@ Layout (offsets from the segment base only; every process maps it at a different
 
     +-----------+------------------+---------------+-------------+--------------+----------+--------+
     | header    | owner table      | slot table    | chunk tokens| hash index   | policy   | data   |
-    | 4 KiB     | MAX_OWNERS recs  | n_slots recs  | n x C x u32 | 2^k x int64  | state    | n x    |
-    |           | (+ pins, stats)  | (seqlocked)   |             | linear probe | (SoA)    | slot_b |
+    | 4 KiB     | MAX_OWNERS recs  | n_slots recs  | n x C x u32 | 2 x 2^k i64  | state    | n x    |
+    |           | (+ pins, stats)  | (seqlocked)   |             | (index.py)   | (SoA)    | slot_b |
     +-----------+------------------+---------------+-------------+--------------+----------+--------+
 
 Every region starts on a 4 KiB boundary, every slot's data on a 4 KiB boundary (memcpy speed, O_DIRECT
@@ -35,10 +35,11 @@ import posix_ipc
 
 from tieredkv import counters
 from tieredkv.errors import CapacityError, FormatError, InvalidName, PermissionDenied, SpecMismatch
+from tieredkv.hot.index import index_slots_for
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the hash index holds (key word, slot) entries (hot/index.py)
 SHM_DIR = Path("/dev/shm")
 PREFIX = "tieredkv-"
 HEADER_BYTES = 4096
@@ -49,7 +50,6 @@ MAX_PINS = 512
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 FREE, WRITING, READY = 0, 1, 2
-EMPTY = -1  # an index entry holding no slot
 
 STAT_FIELDS = ("lookups", "hits", "misses", "bytes_in", "bytes_out", "puts", "exists", "no_space",
                "evictions", "removed", "recoveries", "reclaimed", "torn_reads")
@@ -118,9 +118,7 @@ class Layout:
     @classmethod
     def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
         slot_bytes = slot_bytes_for(spec)
-        # Load factor <= 1/4, and deletion shifts entries back (no tombstones): probe runs stay short,
-        # and a batch lookup is as slow as its longest run.
-        index_slots = 1 << max(4, (4 * n_slots - 1).bit_length())
+        index_slots = index_slots_for(n_slots)
         off = HEADER_BYTES
         owners_off = off
         off = _round(off + MAX_OWNERS * OWNER_DTYPE.itemsize)
@@ -129,7 +127,7 @@ class Layout:
         tokens_off = off
         off = _round(off + n_slots * spec.chunk_tokens * 4)
         index_off = off
-        off = _round(off + index_slots * 8)
+        off = _round(off + index_slots * 16)  # key words, then refs
         policy_off = off
         off = _round(off + policy_bytes)
         free_off = off
@@ -142,7 +140,8 @@ class Layout:
     @classmethod
     def slots_for(cls, spec: KVSpec, capacity_bytes: int, policy_bytes_of) -> int:
         """The most slots whose whole segment fits in ``capacity_bytes``."""
-        per_slot = slot_bytes_for(spec) + SLOT_DTYPE.itemsize + spec.chunk_tokens * 4 + 32 + 8 + 64
+        # data, slot record, tokens, index (>= 4 entries of 16 bytes), free stack, policy state
+        per_slot = slot_bytes_for(spec) + SLOT_DTYPE.itemsize + spec.chunk_tokens * 4 + 64 + 8 + 64
         n = max(1, capacity_bytes // per_slot)
         while n > 1 and cls.compute(spec, n, policy_bytes_of(n)).total_bytes > capacity_bytes:
             n = int(n * 0.98)
@@ -210,7 +209,7 @@ class Mapping:
         slots = np.frombuffer(buf, SLOT_DTYPE, n, int(h["slots_off"]))
         tokens = np.frombuffer(buf, "<u4", n * int(h["chunk_tokens"]), int(h["tokens_off"])).reshape(
             n, int(h["chunk_tokens"]))
-        index = np.frombuffer(buf, "<i8", int(h["index_slots"]), int(h["index_off"]))
+        index = np.frombuffer(buf, "<i8", 2 * int(h["index_slots"]), int(h["index_off"])).reshape(2, -1)
         free = np.frombuffer(buf, "<i8", n, int(h["free_off"]))
         data = np.frombuffer(buf, np.uint8, n * int(h["slot_bytes"]), int(h["data_off"])).reshape(
             n, int(h["slot_bytes"]))[:, : int(h["block_bytes"])]

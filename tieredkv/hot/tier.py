@@ -34,7 +34,8 @@ from tieredkv import counters, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
-from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, WRITING
+from tieredkv.hot.index import HotIndex
+from tieredkv.hot.segment import FREE, READY, STAT_FIELDS, WRITING
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes, copy_into
 from tieredkv.spec import KVSpec
@@ -155,9 +156,9 @@ class HotTier(Tier):
             raise FormatError(f"segment {self.name} names an eviction policy this tieredkv does not know "
                               f"({seg_policy!r}); remove it with `tieredkv rm {self.name}`") from None
         self._h = h = self._map.header
-        self._owners, self._slots, self._tokens, self._index, self._free, self._data = self._map.views()
+        self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
+        self._index = HotIndex(region, self._slots["key"], self.name)
         self.n_slots = int(h["n_slots"])
-        self._mask = int(h["index_slots"]) - 1
         self._state = policies.SlotState.over(self._policy, self.n_slots, self._map.mm, int(h["policy_off"]))
         if self._state.layout.nbytes != int(h["policy_bytes"]):
             self._drop_mapping()
@@ -176,7 +177,7 @@ class HotTier(Tier):
     @staticmethod
     def _init_segment(mapping: seg.Mapping, engine) -> None:
         owners, slots, tokens, index, free, data = mapping.views()
-        index[:] = EMPTY
+        index[:] = 0  # every entry empty (hot/index.py)
         n = len(slots)
         free[:] = np.arange(n - 1, -1, -1)  # pop from the end: slot 0 first
         mapping.header["free_top"] = n
@@ -362,7 +363,7 @@ class HotTier(Tier):
         free = np.flatnonzero(slots["state"] == FREE)[::-1]
         self._free[: len(free)] = free
         self._h["free_top"] = len(free)
-        self._rebuild_index(self._indexed_slots())
+        self._index.rebuild(self._indexed_slots())
         # Policy residency must equal READY.
         st, engine = self._state, self._policy
         ready = slots["state"] == READY
@@ -386,87 +387,13 @@ class HotTier(Tier):
     def _find(self, keys: np.ndarray) -> np.ndarray:
         """Slot holding each key (WRITING or READY) or -1. Lock-free; the answer is a hint that
         callers confirm against the slot (its key, state and generation)."""
-        n = len(keys)
-        out = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return out
-        index, slots_key, mask = self._index, self._slots["key"], self._mask
-        lo, hi = keys[:, 0], keys[:, 1]
-        pos = (lo & np.uint64(mask)).astype(np.int64)
-        active = np.arange(n)
-        for _ in range(mask + 1):  # bounded even if a racing writer fills the index meanwhile
-            entry = index[pos]
-            live = entry >= 0
-            cand = np.where(live, entry, 0)
-            hit = live & (slots_key[cand, 0] == lo[active]) & (slots_key[cand, 1] == hi[active])
-            out[active[hit]] = entry[hit]
-            go_on = ~(hit | (entry == EMPTY))
-            if not go_on.any():
-                break
-            active, pos = active[go_on], (pos[go_on] + 1) & mask
-        return out
-
-    def _index_insert(self, slot: int, lo: int) -> None:
-        index, mask = self._index, self._mask
-        pos = lo & mask
-        for _ in range(mask + 1):
-            if int(index[pos]) == EMPTY:
-                index[pos] = slot
-                return
-            pos = (pos + 1) & mask
-        raise CorruptState(f"segment {self.name}: hash index is full")  # impossible at load <= 1/4
-
-    def _index_remove(self, slots: np.ndarray, key_lo: np.ndarray) -> None:
-        """Delete the entries of ``slots`` (whose keys' low words are ``key_lo``) by backward shift.
-
-        No tombstones: the entries after the hole that may move closer to their home position do
-        so, and the run ends in an empty entry again. Every entry's slot must still hold the key it
-        was indexed under (callers zero a victim's key only after this). A lock-free reader racing
-        with a shift can miss an entry that is being moved: a miss, never a wrong block.
-        """
-        index, mask, keys = self._index, self._mask, self._slots["key"]
-        for s, lo in zip(slots.tolist(), key_lo.tolist()):
-            pos = lo & mask
-            for _ in range(mask + 1):
-                e = int(index[pos])
-                if e == s or e == EMPTY:
-                    break
-                pos = (pos + 1) & mask
-            if e != s:
-                continue  # not indexed (a detached victim reclaimed, say)
-            hole, j = pos, (pos + 1) & mask
-            for _ in range(mask + 1):
-                e = int(index[j])
-                if e == EMPTY:
-                    break
-                home = int(keys[e, 0]) & mask
-                if (j - home) & mask >= (j - hole) & mask:  # the hole lies between home and j
-                    index[hole] = e
-                    hole = j
-                j = (j + 1) & mask
-            index[hole] = EMPTY
+        return self._index.find(keys)
 
     def _indexed_slots(self) -> np.ndarray:
         """Slots the index must hold: READY or WRITING with a key. Victims detached from their old
         key (zeroed, see ``_choose_victims``) and FREE slots are not indexed."""
         rec = self._slots
         return np.flatnonzero((rec["state"] != FREE) & (rec["key"] != 0).any(axis=1))
-
-    def _rebuild_index(self, used: np.ndarray) -> None:
-        """Re-place every used slot, vectorised: one numpy pass per probe distance."""
-        index, mask = self._index, self._mask
-        index[:] = EMPTY
-        pending = np.asarray(used, dtype=np.int64)
-        pos = (self._slots["key"][pending, 0] & np.uint64(mask)).astype(np.int64)
-        while len(pending):
-            empty = index[pos] == EMPTY
-            cand_pos = pos[empty]
-            uniq, first = np.unique(cand_pos, return_index=True)
-            placed = np.flatnonzero(empty)[first]
-            index[uniq] = pending[placed]
-            keep = np.ones(len(pending), dtype=bool)
-            keep[placed] = False
-            pending, pos = pending[keep], (pos[keep] + 1) & mask
 
     # ---- slot bookkeeping (under the lock) -------------------------------------------------------
     def _free_slots(self, slots: np.ndarray) -> None:
@@ -479,7 +406,7 @@ class HotTier(Tier):
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
         rec["state"][slots] = FREE
-        self._index_remove(slots, rec["key"][slots, 0])
+        self._index.remove(slots, rec["key"][slots])
         top = int(self._h["free_top"])
         self._free[top:top + len(slots)] = slots
         self._h["free_top"] = top + len(slots)
@@ -503,7 +430,7 @@ class HotTier(Tier):
                       None, self._state.hits[victims].copy())  # remove() leaves hits: demotion rules use them
         if len(victims):
             self._claim(victims)
-            self._index_remove(victims, old.keys.keys[:, 0])
+            self._index.remove(victims, old.keys.keys)
             rec["key"][victims] = 0
             self._stats[_STAT["evictions"]] += len(victims)
         return victims, old
@@ -517,7 +444,8 @@ class HotTier(Tier):
 
     # ---- the block interface -------------------------------------------------------------------
     def _confirmed(self, keys: ChunkKeys, found: np.ndarray) -> np.ndarray:
-        """Bool per key: slot ``found`` holds it READY with the same parent and chunk tokens."""
+        """Bool per key: slot ``found`` (from ``_find``: it held the key) holds it READY with the same
+        parent and chunk tokens."""
         ok = found >= 0
         s = np.where(ok, found, 0)
         rec = self._slots
@@ -694,8 +622,7 @@ class HotTier(Tier):
             rec["parent"][use] = keys.parents[stored]
             rec["position"][use] = keys.positions[stored]
             rec["length"][use] = self.spec.block_bytes
-            for s, lo in zip(use.tolist(), keys.keys[stored, 0].tolist()):
-                self._index_insert(s, lo)
+            self._index.insert(use, keys.keys[stored])
         evicted = None
         try:
             if len(victims):

@@ -16,6 +16,7 @@ from helpers import payload_for
 from tieredkv import (CapacityError, FormatError, HotTier, InvalidInput, InvalidName, KVSpec,
                       PutResult, SpecMismatch, chunk_keys)
 from tieredkv.hot import segment as seg
+from tieredkv.hot import tier as hot_tier_module
 
 FORK = mp.get_context("fork")
 
@@ -179,6 +180,37 @@ def test_eight_processes_share_blocks_with_zero_wrong_bytes(tiny_spec, seg_name)
         assert tier.stats().evictions > 0
 
 
+def _arm(tier, point, fn, monkeypatch=None):
+    """Make ``tier`` call ``fn()`` at ``point`` of its protocol, patched in from the test side:
+
+    - ``"critical"``: inside the metadata lock (header dirty), as ``put_many`` takes free slots;
+    - ``"write"``: slots claimed (WRITING, generation odd), as ``put_many`` copies a payload in;
+    - ``"copy"``: blocks pinned, as ``get_many`` copies one out.
+
+    In a child process the module attribute is simply replaced; in the test's own process pass
+    ``monkeypatch`` so that it is restored.
+    """
+    if point == "critical":
+        take_free = tier._take_free
+
+        def take(n):
+            fn()
+            return take_free(n)
+
+        tier._take_free = take
+        return
+    real_copy = hot_tier_module.copy_into
+
+    def copy(dst, src):
+        fn()
+        return real_copy(dst, src)
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(hot_tier_module, "copy_into", copy)
+    else:
+        hot_tier_module.copy_into = copy
+
+
 def _stop_at(spec, name, hook, ready, seed):
     """Attach, arm ``hook`` to signal ``ready`` and hang there, then store (or read) a prompt."""
     tier = HotTier(spec, name=name, policy=None, create=False)
@@ -188,13 +220,12 @@ def _stop_at(spec, name, hook, ready, seed):
         ready.set()
         time.sleep(3600)
 
-    tier._hooks[hook] = hang
     if hook == "copy":
-        del tier._hooks[hook]
         tier.put_many(keys, payload_for(spec, keys))
-        tier._hooks[hook] = hang
+        _arm(tier, hook, hang)
         tier.get_many(keys, np.zeros((4, spec.block_bytes), np.uint8))
     else:
+        _arm(tier, hook, hang)
         tier.put_many(keys, payload_for(spec, keys))
 
 
@@ -393,10 +424,10 @@ def test_an_interrupted_put_gives_its_slots_back(tiny_spec, seg_name):
         def interrupt():
             raise KeyboardInterrupt
 
-        tier._hooks["write"] = interrupt
-        with pytest.raises(KeyboardInterrupt):
-            tier.put_many(keys, payload_for(tiny_spec, keys))
-        del tier._hooks["write"]
+        with pytest.MonkeyPatch.context() as mp_:
+            _arm(tier, "write", interrupt, mp_)
+            with pytest.raises(KeyboardInterrupt):
+                tier.put_many(keys, payload_for(tiny_spec, keys))
         assert tier.slot_census()["free"] == 4
         assert (tier.put_many(keys, payload_for(tiny_spec, keys)) == PutResult.STORED).all()
 
@@ -424,7 +455,7 @@ def _fork_a_bystander_then_hang(spec, name, ready, child_pid):
         ready.set()
         time.sleep(3600)
 
-    tier._hooks["write"] = hang
+    _arm(tier, "write", hang)
     tier.put_many(keys, payload_for(spec, keys))
 
 

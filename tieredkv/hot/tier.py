@@ -108,7 +108,6 @@ class HotTier(Tier):
                           create=create)
         self._tlock = threading.Lock()
         self._read_lock = threading.Lock()
-        self._hooks: dict[str, Callable[[], None]] = {}
         self._closed = True
         self._open(**self._args)
 
@@ -275,17 +274,11 @@ class HotTier(Tier):
                 if int(h["dirty"]):
                     self._scrub()
                 h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
-                self._hook("critical")
                 yield
                 # Reached only if the body finished: an exception (or a death) leaves it dirty.
                 h["dirty"] = 0
             finally:
                 locks.unlock(self._fd, locks.META_LOCK_BYTE)
-
-    def _hook(self, name: str) -> None:
-        fn = self._hooks.get(name)
-        if fn is not None:
-            fn()
 
     # ---- liveness and recovery -----------------------------------------------------------------
     def _owner_alive(self, i: int, token: int) -> bool:
@@ -546,7 +539,6 @@ class HotTier(Tier):
             me["pins"][:n] = slots
             me["n_pins"] = n
         try:
-            self._hook("copy")
             copy(first, slots)
             # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
             # on a broken invariant (checked after unpinning, a legitimate eviction would trip it).
@@ -629,7 +621,6 @@ class HotTier(Tier):
                 # The victims are WRITING by us: nobody else touches their bytes until we publish.
                 payload = self._data[victims].copy() if self.on_evict is not None else None
                 evicted = Evicted(old.keys, payload, old.hits)
-            self._hook("write")
             self._tokens[use] = keys.tokens[stored]
             data = self._data
             for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy

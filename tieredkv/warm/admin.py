@@ -8,16 +8,15 @@ files directly and may run while workers use the tier: a block that changes whil
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from tieredkv.errors import CorruptState, FormatError, TieredKVError
+from tieredkv.errors import FormatError, TieredKVError
+from tieredkv.warm import files
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
-from tieredkv.warm.owners import Owners
 from tieredkv.warm.slabs import slab_name
 
 
@@ -34,11 +33,6 @@ def _tier_dirs(root: str) -> list[str]:
         return []
     return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))
             and _is_tier(os.path.join(root, n))]
-
-
-def _open_index(path: str, *, write: bool) -> ix.Index:
-    return ix.Index(os.path.join(path, mt.INDEX_NAME), sync="full" if write else "none",
-                    map_size=1 << 20, map_max=1 << 40, readonly=not write)
 
 
 def _load_meta(path: str, index: ix.Index | None) -> tuple[dict | None, str, dict | None]:
@@ -101,72 +95,37 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
     return _public({"path": directory, "ok": all(t["ok"] for t in tiers), "tiers": tiers})
 
 
-def index_state(path: str) -> str:
-    """State of a tier's index files, judged without letting LMDB touch a page: ``"ok"``,
-    ``"missing"``, ``"empty"`` (no slot count: deleted and recreated, or emptied), ``"truncated: ..."``
-    or ``"damaged: ..."``."""
-    index_dir = os.path.join(path, mt.INDEX_NAME)
-    problem = ix.data_file_problem(index_dir) if os.path.isdir(index_dir) else "missing"
-    if problem is not None:
-        return problem
-    if os.path.getsize(os.path.join(index_dir, "data.mdb")) == 0:
-        return "empty"
-    index = _open_index(path, write=False)
-    try:
-        empty = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_N_SLOTS) == 0
-                           and txn.stat(index.blocks)["entries"] == 0)
-    finally:
-        index.close()
-    return "empty" if empty else "ok"
-
-
-def _rebuild_index(path: str, meta: dict) -> None:
-    """Replace a lost, emptied or truncated index with an empty one made from ``meta``.
-
-    Refused while any process has the tier open: it may still hold the old index, and two indexes
-    over one set of slabs would hand one slot to two blocks.
-
-    Raises:
-        CorruptState: live processes have the tier open.
-    """
-    live = Owners(path, writable=False)
-    try:
-        others = live.others()
-    finally:
-        live.close()
-    if others:
-        raise CorruptState(f"{len(others)} process(es) have the warm tier {path} open; stop them, then "
-                           f"run `tieredkv verify --repair` again to rebuild its index")
-    index_dir = os.path.join(path, mt.INDEX_NAME)
-    shutil.rmtree(index_dir, ignore_errors=True)
-    os.makedirs(index_dir, mode=0o700, exist_ok=True)
-    index = _open_index(path, write=True)
-    try:
-        index.write(lambda txn: ix.init_info(txn, index, meta["n_slots"], mt.encode_meta(meta)))
-    finally:
-        index.close()
-
-
 def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": path, "namespace": None, "model": None, "ok": False, "meta": "?",
                               "index": "?", "slabs": [], "blocks_checked": 0, "blocks_ok": 0,
                               "bad_blocks": [], "dead_claims": 0, "lost_slots": 0, "repaired": False,
                               "removed": 0, "error": None}
+    if repair:
+        try:
+            files.check_access(path)  # the same refusal as opening the tier: we are about to write
+        except TieredKVError as exc:
+            report["error"] = str(exc)
+            return report
+        with files.init_lock(path):  # the lock WarmTier holds while it creates or repairs at open
+            return _verify_open(path, repair, report)
+    return _verify_open(path, repair, report)
+
+
+def _verify_open(path: str, repair: bool, report: dict[str, Any]) -> dict[str, Any]:
     try:
-        report["index"] = index_state(path)
+        report["index"] = files.index_state(path)
     except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
         report["index"] = f"damaged: {exc}"
     index_ok = report["index"] == "ok"
     if not index_ok and repair:
         try:
-            meta = mt.read_meta(path)
-            _rebuild_index(path, meta)
+            files.rebuild_index(path, mt.read_meta(path))
             report["index"] = f"rebuilt (was {report['index']})"
         except (OSError, TieredKVError) as exc:
             report["error"] = f"cannot rebuild the index: {exc}"
             return report
     try:
-        index = _open_index(path, write=repair) if index_ok or repair else None
+        index = files.open_index(path, write=repair) if index_ok or repair else None
     except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
         index = None
         report["error"] = f"cannot open the index: {exc}"
@@ -326,15 +285,10 @@ def _repair(path: str, meta: dict, index: ix.Index, report: dict) -> None:
         return removed
 
     report["removed"] = index.write(fix)
-    per, slot_bytes = meta["slots_per_slab"], meta["slot_bytes"]
-    for i, s in enumerate(report["slabs"]):
-        if s["status"] != "ok":
-            # Every record in this slab was reported bad and dropped above: restore the file's size.
-            fd = os.open(os.path.join(path, s["name"]), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, min(per, meta["n_slots"] - i * per) * slot_bytes)
-            finally:
-                os.close(fd)
+    # The records of lost bytes are dropped above; the tier's own repair restores the files (and drops
+    # anything the scrub did not see, e.g. a block stored into a short slab since).
+    _, dropped = files.repair_slabs(index, files.slabs_of(path, meta))
+    report["removed"] += dropped
 
 
 def _public(report: dict) -> dict:
@@ -372,7 +326,7 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
         except (OSError, TieredKVError) as exc:
             row["error"] = f"meta.json: {exc}"
         try:
-            index = _open_index(path, write=False)
+            index = files.open_index(path)
             try:
                 row["blocks"] = int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
             finally:
@@ -386,8 +340,8 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
 def disk_bytes(path: str) -> int:
     """Bytes the files under ``path`` occupy on disk (allocated blocks, not apparent sizes)."""
     total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
+    for dirpath, _, names in os.walk(path):
+        for f in names:
             try:
                 total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
             except FileNotFoundError:

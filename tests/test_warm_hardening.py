@@ -212,6 +212,17 @@ try:
     print("opened")
 except LockTimeout as e:
     print("open: LockTimeout")
+import os, warnings
+from tieredkv import TieredCache
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    cache = TieredCache(spec, hot_bytes=1 << 20, hot_name=f"/tieredkv-test-stopped-{{os.getpid()}}",
+                        warm_dir={root!r}, warm_bytes=1 << 20, lock_timeout_s=0.5)
+try:
+    print("cache:", "hot-only" if cache.warm is None else "with warm",
+          sum("hot-only" in str(w.message) for w in caught))
+finally:
+    cache.unlink_hot()
 """
 
 
@@ -238,7 +249,8 @@ def test_a_writer_stopped_inside_a_write_transaction_blocks_nobody_without_bound
         # Another process: opening is bounded too (a TieredCache then starts hot-only).
         other = subprocess.run([sys.executable, "-c", _OTHER_PROCESS.format(root=str(root))],
                                capture_output=True, text=True, cwd=ROOT, timeout=120)
-        assert other.stdout.strip() == "open: LockTimeout", other.stdout + other.stderr
+        assert other.stdout.split("\n")[:2] == ["open: LockTimeout", "cache: hot-only 1"], \
+            other.stdout + other.stderr
         child.send_signal(signal.SIGCONT)  # it commits and exits
         assert child.wait(timeout=60) == 0
         assert (fill(t, keys(1000, 2)) == PutResult.STORED).all()

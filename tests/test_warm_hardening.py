@@ -552,3 +552,51 @@ def test_a_symlinked_tier_directory_is_never_followed(tmp_path, target, seg_name
     with pytest.raises(PermissionDenied, match="symbolic link"):
         TieredCache(SPEC, hot_bytes=MiB, hot_name=seg_name, warm_dir=root, warm_bytes=16 * SLOT)
     assert not elsewhere.exists() or list(elsewhere.iterdir()) == []  # nothing created through the link
+
+
+_SCAN_ALL = """
+import sys, numpy as np
+from tieredkv import KVSpec, CorruptState, chunk_keys
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS
+spec = KVSpec(**TEST_SPEC_ARGS)
+try:
+    t = WarmTier(spec, {root!r})
+except CorruptState:
+    print("refused")
+    sys.exit(0)
+out = np.zeros((50, spec.block_bytes), np.uint8)
+n = sum(t.get_many(chunk_keys(spec, np.arange(i * 100_000, i * 100_000 + 50 * spec.chunk_tokens)), out)
+        for i in range(30))
+print("served", n)
+"""
+
+
+def test_a_data_file_cut_by_a_few_pages_is_refused_not_a_signal(tmp_path):
+    root = tmp_path / "warm"
+    with WarmTier(SPEC, root, capacity_bytes=2048 * SLOT) as t:
+        for i in range(30):  # ~1,500 records: an index of a few hundred pages
+            fill(t, chunk_keys(SPEC, np.arange(i * 100_000, i * 100_000 + 50 * SPEC.chunk_tokens)))
+        for j in range(300):  # small commits reuse freed pages: the roots move down, leaves stay at the end
+            k = keys(9_000_000 + 10 * j, 1)
+            fill(t, k)
+            t.remove(k)
+    data = root / SPEC.namespace / "index.lmdb" / "data.mdb"
+    whole = data.read_bytes()
+    outcomes = []
+    for cut_pages in (1, 2, 3, 5, 8, 13, 21, 40):  # fewer pages than a quick size check can see
+        data.write_bytes(whole[:len(whole) - cut_pages * 4096])
+        proc = subprocess.run([sys.executable, "-c", _SCAN_ALL.format(root=str(root))], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, f"cut {cut_pages} pages: died with {proc.returncode}"  # SIGBUS is -7
+        outcomes.append(" ".join(proc.stdout.split()))
+        if outcomes[-1] == "refused" and outcomes.count("refused") == 1:
+            report = cli("verify", str(root))  # reads every record: must see the cut first
+            assert report.returncode == 2 and "truncated" in report.stdout, report
+    # Cut pages that held nothing (free pages at the end) cost nothing; a cut into used pages is refused.
+    assert set(outcomes) <= {"refused", "served 1500"}, outcomes
+    assert "refused" in outcomes, outcomes
+    data.write_bytes(whole)
+    proc = subprocess.run([sys.executable, "-c", _SCAN_ALL.format(root=str(root))], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.stdout.split() == ["served", "1500"], proc.stdout + proc.stderr

@@ -237,7 +237,7 @@ def index_state(path: str) -> str:
         emptied), ``"truncated: <sizes>"`` or ``"damaged: <why>"``.
     """
     index_dir = os.path.join(path, mt.INDEX_NAME)
-    problem = ix.data_file_problem(index_dir) if os.path.isdir(index_dir) else "missing"
+    problem = ix.data_file_problem(index_dir, exact=True) if os.path.isdir(index_dir) else "missing"
     if problem is not None:
         return problem
     if os.path.getsize(os.path.join(index_dir, "data.mdb")) == 0:

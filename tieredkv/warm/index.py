@@ -89,18 +89,24 @@ _META_MAGIC = 0xBEEFC0DE
 _META = struct.Struct("<II8x8xI36xQ40xQQQ")  # magic, version, page size, free root, main root, last, txn
 _META_AT = 16
 _NO_PAGE = 2**64 - 1  # P_INVALID: an empty tree's root
-#: How many pages short of its meta page's last page a healthy data.mdb may be (see above).
+#: How many pages short of its meta page's last page a data.mdb may be and still pass the quick
+#: (not ``exact``) check; see ``data_file_problem``.
 _UNWRITTEN_TAIL_PAGES = 64
 
 
-def data_file_problem(index_dir: str, fd: int | None = None) -> str | None:
+def data_file_problem(index_dir: str, fd: int | None = None, *, exact: bool = False) -> str | None:
     """Why ``data.mdb`` cannot be mapped safely (``"missing"``, ``"truncated: ..."``), or None if it can.
 
-    LMDB maps the file and touches pages up to the last one its newest meta page names; a file shorter
-    than that (truncated under it, or copied short) turns the first such touch into SIGBUS, which kills
-    the process whatever Python does. So the size is checked against both meta pages, read with pread,
-    before LMDB opens the file and before every transaction. An empty file is not a problem: LMDB
-    initialises it as a new index.
+    LMDB maps the file and touches the pages its trees reference; a file shorter than that (truncated
+    under it, or copied short) turns the first such touch into SIGBUS, which kills the process whatever
+    Python does. So the size is checked against both meta pages, read with pread, before LMDB opens the
+    file and before every transaction. An empty file is not a problem: LMDB initialises it as a new
+    index.
+
+    A healthy file may end short of the last page the meta page names: the last pages a transaction
+    allocated and freed again before its commit are never written. Without ``exact`` a file up to
+    ``_UNWRITTEN_TAIL_PAGES`` short passes (the roots must be inside); with ``exact`` (at open, in
+    ``verify``) a short file's trees are walked with pread and every page they reference must exist.
     """
     own = fd is None
     if fd is None:
@@ -108,40 +114,99 @@ def data_file_problem(index_dir: str, fd: int | None = None) -> str | None:
             fd = os.open(os.path.join(index_dir, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return "missing"
-    return _size_problem(fd, own)
-
-
-def _size_problem(fd: int, own: bool) -> str | None:
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return None
-        metas = []
-        psize = 4096
-        for offset in (0, None):  # meta page 0, then meta page 1 at one page size
-            raw = os.pread(fd, _META.size, (psize if offset is None else offset) + _META_AT)
-            if len(raw) < _META.size:
+        for _ in range(8):  # a commit during a walk may recycle pages it reads: walk that txn again
+            meta = _newest_meta(fd)
+            # Meta first, size second: a commit writes its pages (growing the file) before its meta
+            # page, so the size read after a meta page covers every page written for it.
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            if meta is None:
+                return f"damaged: no valid LMDB meta page in {size} bytes"
+            txnid, psize, last_pg, roots = meta
+            pages = size // psize
+            need = max([2] + [r + 1 for r in roots])
+            if pages < need:
+                return f"truncated: {size} bytes, the index needs at least {need * psize}"
+            if pages > last_pg:
+                return None
+            if not exact:
+                if pages < last_pg + 1 - _UNWRITTEN_TAIL_PAGES:
+                    return f"truncated: {size} bytes, the index needs at least {(last_pg + 1) * psize}"
+                return None
+            missing = _first_missing_page(fd, psize, pages, roots)
+            again = _newest_meta(fd)
+            if again is not None and again[0] != txnid:
                 continue
-            magic, _, page, free_root, main_root, last_pg, txnid = _META.unpack(raw)
-            if magic == _META_MAGIC and page >= 512 and not page & (page - 1):
-                metas.append((txnid, page, last_pg, free_root, main_root))
-                psize = page
-        best = max(metas) if metas else None
-        if best is None:
-            return f"damaged: no valid LMDB meta page in {size} bytes"
-        _, psize, last_pg, free_root, main_root = best
-        pages = size // psize
-        # The last pages an LMDB transaction allocates may never be written (pages it freed again
-        # before commit are skipped), so a healthy file can end a few pages short of ``last_pg``;
-        # the roots, though, are always written.
-        roots = [r for r in (free_root, main_root) if r != _NO_PAGE]
-        need = max([last_pg + 1 - _UNWRITTEN_TAIL_PAGES, 2] + [r + 1 for r in roots])
-        if pages < need:
-            return f"truncated: {size} bytes, the index needs at least {need * psize}"
-        return None
+            if missing is None:
+                return None
+            return f"truncated: {size} bytes, page {missing} ({(missing + 1) * psize} bytes) is in use"
+        return None  # the index kept changing under the walk: it is being written, so it is mapped fine
     finally:
         if own:
             os.close(fd)
+
+
+def _newest_meta(fd: int) -> tuple[int, int, int, list[int]] | None:
+    """``(txn id, page size, last page, tree roots)`` of the newer valid meta page, or None."""
+    metas = []
+    psize = 4096
+    for page_no in (0, 1):  # meta page 1 sits one page size in: learn the page size from page 0
+        raw = os.pread(fd, _META.size, page_no * psize + _META_AT)
+        if len(raw) < _META.size:
+            continue
+        magic, _, page, free_root, main_root, last_pg, txnid = _META.unpack(raw)
+        if magic == _META_MAGIC and page >= 512 and not page & (page - 1):
+            metas.append((txnid, page, last_pg, [r for r in (free_root, main_root) if r != _NO_PAGE]))
+            psize = page
+    return max(metas, key=lambda m: m[0]) if metas else None
+
+
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_NODE = struct.Struct("<HHHH")  # lo, hi, flags, key size (a branch node's child is lo | hi<<16 | flags<<32)
+
+
+def _first_missing_page(fd: int, psize: int, pages: int, roots: list[int]) -> int | None:
+    """Walk every tree from ``roots`` with pread; return a referenced page at or past ``pages``.
+
+    Follows branch children, named databases (a leaf's sub-database root) and overflow runs. Pages are
+    never touched through a map, so a short file is an answer here, not a signal.
+    """
+    stack, seen = list(roots), set()
+    while stack:
+        pg = stack.pop()
+        if pg in seen:
+            continue
+        seen.add(pg)
+        if pg >= pages or len(seen) > pages:
+            return pg
+        buf = os.pread(fd, psize, pg * psize)
+        if len(buf) < psize:
+            return pg
+        flags, lower = struct.unpack_from("<HH", buf, 10)
+        if flags & _P_OVERFLOW:
+            last = pg + struct.unpack_from("<I", buf, 12)[0] - 1
+            if last >= pages:
+                return last
+            continue
+        if not flags & (_P_BRANCH | _P_LEAF) or lower < 16 or lower > psize:
+            continue  # a sub-page or damaged header: nothing we can follow
+        for i in range((lower - 16) >> 1):
+            off = struct.unpack_from("<H", buf, 16 + 2 * i)[0]
+            if off + _NODE.size > psize:
+                continue
+            lo, hi, nflags, ksize = _NODE.unpack_from(buf, off)
+            if flags & _P_BRANCH:
+                stack.append(lo | hi << 16 | nflags << 32)
+            elif nflags & _F_BIGDATA and off + 8 + ksize + 8 <= psize:
+                stack.append(struct.unpack_from("<Q", buf, off + 8 + ksize)[0])
+            elif nflags & _F_SUBDATA and off + 8 + ksize + 48 <= psize:
+                root = struct.unpack_from("<Q", buf, off + 8 + ksize + 40)[0]
+                if root != _NO_PAGE:
+                    stack.append(root)
+    return None
 
 
 # ---- the environment -----------------------------------------------------------------------------
@@ -353,7 +418,7 @@ class _SharedEnv:
         self.pid = os.getpid()
         self.closed = False
         self.broken: str | None = None
-        problem = data_file_problem(path)
+        problem = data_file_problem(path, exact=True)
         if problem is not None and problem != "missing":
             raise CorruptState(f"the warm tier index {path}/data.mdb is {problem}; run `tieredkv verify "
                                f"--repair {os.path.dirname(path)}` to rebuild it")

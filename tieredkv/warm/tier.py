@@ -97,9 +97,18 @@ class WarmTier(Tier):
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
         FormatError: the meta file is damaged or from a newer tieredkv.
-        PermissionDenied: the directory belongs to another user.
-        CapacityError: the disk cannot hold ``capacity_bytes``.
-        InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier).
+        PermissionDenied: the directory (or a file in it) belongs to another user, is a symbolic
+            link, or has a mode open to others that cannot be restricted.
+        CapacityError: the disk cannot hold ``capacity_bytes`` (nothing the failed creation made is
+            left behind).
+        CorruptState: the index is truncated (run ``tieredkv verify --repair``) or disagrees with
+            ``meta.json``. A missing or emptied index is rebuilt empty instead, with a warning.
+        WarmTierUnavailable: the files cannot be opened, or a live process uses index files that
+            were since deleted or replaced.
+        LockTimeout: another process held the writer lock for ``lock_timeout_s`` (it is stopped
+            inside a write).
+        InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier, a
+            directory that is not a non-empty path).
 
     A ``WarmTier`` may be used from several threads (calls are serialised) and survives ``fork``:
     the child opens its own LMDB environment on its first call.

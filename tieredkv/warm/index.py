@@ -349,8 +349,8 @@ class Index:
         """
         if self.readonly:
             raise WarmTierUnavailable(f"warm tier index {self.path} is open read-only")
-        self.owners.acquire_writer(self.lock_timeout_s if wait_s is None else wait_s)
         try:
+            self.owners.acquire_writer(self.lock_timeout_s if wait_s is None else wait_s)
             self._shared.check_files()
             result = self._write_locked(fn)
         finally:
@@ -426,18 +426,17 @@ class _SharedEnv:
             raise WarmTierUnavailable(f"the warm tier index {path} has no data.mdb (opened read-only)")
         self.owners = Owners(os.path.dirname(path), writable=not readonly)
         try:
-            if not readonly:
-                # open_db may run a write transaction: bounded like every other write.
-                self.owners.acquire_writer(lock_timeout_s)
             try:
+                if not readonly:
+                    # open_db may run a write transaction: bounded like every other write.
+                    self.owners.acquire_writer(lock_timeout_s)
                 self._open_env(path, sync, map_size, readonly)
                 self.identity = files_identity(path)
                 if not readonly:
                     self.owners.register(self.identity)
                     self._check_peers()
             finally:
-                if not readonly:
-                    self.owners.release_writer()
+                self.owners.release_writer()
             self._data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
             self._seen_size = os.fstat(self._data_fd).st_size
             self._checks = 0

@@ -82,6 +82,7 @@ class Owners:
         self.owner = -1
         self.token = 0
         self._thread_lock = threading.Lock()  # OFD locks do not exclude threads sharing the descriptor
+        self._holder: int | None = None  # the thread that owns _thread_lock (and so the writer byte)
         flags = os.O_CLOEXEC | os.O_NOFOLLOW
         try:
             if writable:
@@ -153,6 +154,9 @@ class Owners:
     def acquire_writer(self, timeout_s: float) -> None:
         """Take the writer lock, waiting at most ``timeout_s`` (0: only if free now).
 
+        Call it inside ``try`` and ``release_writer`` in the ``finally``: an exception raised by a
+        signal handler anywhere in here must not leave the lock held by a live, idle process.
+
         Raises:
             LockTimeout: a live process held it all that time (a dead one would have released it).
         """
@@ -163,19 +167,23 @@ class Owners:
             got = self._thread_lock.acquire(blocking=False)
         if not got:
             raise LockTimeout(f"{what} is held by another thread of this process for over {timeout_s:.1f} s")
-        try:
-            if timeout_s > 0:
-                locks.acquire(self.fd, WRITER_BYTE, timeout_s, what)
-            elif not locks.try_lock(self.fd, WRITER_BYTE):
-                raise LockTimeout(f"{what} is held by another process right now")
-        except BaseException:
-            self._thread_lock.release()
-            raise
+        # From here on this thread owns the byte range too: release_writer may unlock it whatever
+        # happened next (unlocking a range we did not get is a no-op).
+        self._holder = threading.get_ident()
+        if timeout_s > 0:
+            locks.acquire(self.fd, WRITER_BYTE, timeout_s, what)
+        elif not locks.try_lock(self.fd, WRITER_BYTE):
+            raise LockTimeout(f"{what} is held by another process right now")
 
     def release_writer(self) -> None:
+        """Release what ``acquire_writer`` took in this thread, if anything (safe after a failed or
+        interrupted acquire)."""
+        if self._holder != threading.get_ident():
+            return  # the thread lock is another thread's: so is the byte range
         try:
             locks.unlock(self.fd, WRITER_BYTE)
         finally:
+            self._holder = None
             self._thread_lock.release()
 
     def close(self) -> None:

@@ -170,7 +170,9 @@ def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
 
     Raises:
         InvalidInput: no or too small ``capacity_bytes``.
-        CapacityError: the disk cannot hold the slabs.
+        CapacityError: the disk cannot hold the slabs or the index. Whatever failed, the files this
+            call made are removed again.
+        WarmTierUnavailable: another OS error while creating.
     """
     if capacity_bytes is None:
         raise InvalidInput(f"no warm tier at {path} yet: pass capacity_bytes to create one")
@@ -203,7 +205,10 @@ def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
         if made_index:
             shutil.rmtree(index_path, ignore_errors=True)
             _unlink_quiet(os.path.join(path, OWNERS_NAME))
-        raise _disk_error(path, exc) from exc
+        err = _disk_error(path, exc)
+        if err is exc:
+            raise
+        raise err from exc
     return meta
 
 

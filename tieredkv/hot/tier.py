@@ -685,7 +685,13 @@ class HotTier(Tier):
             return codes
         _, first = np.unique(keys.keys, axis=0, return_index=True)
         todo = np.sort(first)
-        todo = todo[self._find(keys.keys[todo]) < 0]  # lock-free pre-check; re-checked below
+        # Lock-free pre-check, re-checked below: skip keys already READY. A key found WRITING still
+        # goes to the locked path, which frees it if its writer died (else that prefix would answer
+        # EXISTS, and be prefilled again, on every request for as long as the segment lives).
+        found = self._find(keys.keys[todo])
+        held = found >= 0
+        held[held] = self._slots["state"][found[held]] == READY
+        todo = todo[~held]
         if not len(todo):
             self._stats[_STAT["exists"]] += n
             return codes

@@ -225,7 +225,7 @@ def test_invalid_sizes(tiny_spec, seg_name):
         HotTier(tiny_spec, capacity_bytes=-5, name=seg_name)
     with pytest.raises(InvalidInput):
         HotTier(tiny_spec, n_slots=0, name=seg_name)
-    with pytest.raises(posix_ipc.ExistentialError):
+    with pytest.raises(InvalidInput, match="does not exist; create=False only attaches"):
         HotTier(tiny_spec, name=seg_name, create=False)
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 
-from tieredkv.errors import CapacityError, FormatError, InvalidName, PermissionDenied, SpecMismatch
+from tieredkv.errors import CapacityError, FormatError, InvalidInput, InvalidName, PermissionDenied, SpecMismatch
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
@@ -45,6 +45,8 @@ PAGE = 4096
 MAX_OWNERS = 128
 #: Blocks one owner may hold pinned at once; get_many works in batches of this size.
 MAX_PINS = 512
+#: Bytes of the header's policy field: the full policy spec, e.g. ``prefix_aware:s3fifo``.
+POLICY_BYTES = 48
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 FREE, WRITING, READY = 0, 1, 2
@@ -64,7 +66,7 @@ HEADER_DTYPE = np.dtype([
     ("free_top", "<u8"),       # entries in the free stack
     ("_spare", "<u8", (2,)),   # spare header words (layout version 1 keeps them zero)
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
-    ("fingerprint", "S16"), ("policy", "S48"), ("spec_json", "S1024"),
+    ("fingerprint", "S16"), ("policy", f"S{POLICY_BYTES}"), ("spec_json", "S1024"),
 ])
 assert HEADER_DTYPE.itemsize <= HEADER_BYTES  # static layout fact, not a runtime invariant
 
@@ -167,6 +169,18 @@ def check_name(name: str) -> str:
     return name if name.startswith("/") else "/" + name
 
 
+def check_mode(mode: object) -> int:
+    """Return ``mode`` or raise ``InvalidInput``: permission bits only, owner read/write included,
+    never writable by every user (anyone on the host could then rewrite cached KV, or read prompts)."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise InvalidInput(f"mode must be permission bits between 0o600 and 0o775 (e.g. mode=0o600), got {mode!r}; "
+                           "set-id and sticky bits are refused")
+    if mode & 0o600 != 0o600 or mode & 0o002:
+        raise InvalidInput(f"mode={mode:#o} must let the owner read and write (0o600) and must not let every "
+                           "user write (0o002): other users could rewrite cached KV")
+    return mode
+
+
 def default_name(spec: KVSpec, numa_node: int | None = None) -> str:
     suffix = f"-numa{numa_node}" if numa_node is not None else ""
     return f"/{PREFIX}{spec.namespace}{suffix}"
@@ -225,11 +239,18 @@ def _shm_path(name: str) -> Path:
     return SHM_DIR / name.lstrip("/")
 
 
-def _check_owner(fd: int, name: str) -> os.stat_result:
+def _check_owner(fd: int, name: str, mode: int | None = None) -> os.stat_result:
     st = os.fstat(fd)
     if st.st_uid != os.getuid():
         raise PermissionDenied(f"segment {name} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
                                "refusing to use another user's cache")
+    extra = st.st_mode & 0o7777 & ~(mode if mode is not None else 0o775)
+    if extra & 0o7002 or mode is not None and extra:
+        # Someone widened it after creation (a creator always sets exactly its mode): what others
+        # could write into it cannot be trusted, and what they could read has leaked prompts.
+        raise PermissionDenied(f"segment {name} has mode {st.st_mode & 0o7777:#o}, wider than mode="
+                               f"{mode if mode is not None else 0o600:#o}; remove it with `tieredkv rm {name}` "
+                               "(a worker recreates it) or pass the mode it was created with")
     return st
 
 
@@ -244,7 +265,7 @@ def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, 
     """
     for _ in range(8):
         try:
-            return attach(spec, name), False
+            return attach(spec, name, mode=mode), False
         except posix_ipc.ExistentialError:
             pass
         mapping = _create_private(spec, name, layout, policy_name, mode, init)
@@ -318,7 +339,7 @@ def _init_header(mapping: Mapping, spec: KVSpec, layout: Layout, policy_name: st
                   "data_off"):
         h[field] = getattr(layout, field)
     h["fingerprint"] = spec.fingerprint.encode()
-    h["policy"] = policy_name.encode()[:48]
+    h["policy"] = policy_name.encode()  # HotTier checked it fits
     h["spec_json"] = json.dumps(spec.to_dict(), sort_keys=True).encode()[:1024]
     init(mapping)
     h["magic"] = MAGIC  # last: a segment without magic was never published
@@ -395,12 +416,17 @@ def _check_geometry(mapping: Mapping) -> None:
                           f"geometry); remove it with `tieredkv rm {mapping.name}` and let a worker recreate it")
 
 
-def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:
-    """Open an existing, published segment. Raises ``posix_ipc.ExistentialError`` if there is none."""
+def attach(spec: KVSpec | None, name: str, writable: bool = True, mode: int | None = None) -> Mapping:
+    """Open an existing, published segment. Raises ``posix_ipc.ExistentialError`` if there is none.
+
+    Args:
+        mode: the permission bits the caller accepts; a segment with more is ``PermissionDenied``.
+            ``None`` (operator views): refuse only world-writable and set-id bits.
+    """
     shm = posix_ipc.SharedMemory(name, 0 if writable else posix_ipc.O_RDONLY, read_only=not writable)
     fd = shm.fd
     try:
-        st = _check_owner(fd, name)
+        st = _check_owner(fd, name, mode)
         if st.st_size < HEADER_BYTES:
             raise FormatError(f"segment {name} is {st.st_size} bytes: too small to be a tieredkv segment")
         mapping = Mapping(name, fd, st.st_size, writable)
@@ -413,6 +439,15 @@ def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:
         mapping.close()
         raise
     return mapping
+
+
+def unlink_if_same(name: str, inode: int) -> None:
+    """Unlink ``name`` if it is still the segment with ``inode`` (not one recreated since)."""
+    try:
+        if os.stat(_shm_path(name)).st_ino == inode:
+            posix_ipc.unlink_shared_memory(name)
+    except (FileNotFoundError, posix_ipc.ExistentialError):
+        pass
 
 
 def list_segment_names() -> list[str]:

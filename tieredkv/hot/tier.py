@@ -31,7 +31,8 @@ import numpy as np
 import posix_ipc
 
 from tieredkv import policies
-from tieredkv.errors import CorruptState, FormatError, InvalidInput
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, require_positive_int,
+                             require_positive_seconds)
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, WRITING
@@ -123,7 +124,12 @@ class HotTier(Tier):
         self.spec = spec
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
-        self.lock_timeout_s = float(lock_timeout_s)
+        self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
+        if capacity_bytes is not None:
+            capacity_bytes = require_positive_int("capacity_bytes", capacity_bytes, "64 << 20")
+        if n_slots is not None:
+            n_slots = require_positive_int("n_slots", n_slots, "1024")
+        seg.check_mode(mode)
         self._args = dict(capacity_bytes=capacity_bytes, n_slots=n_slots, policy=policy, mode=mode,
                           create=create)
         self._tlock = threading.Lock()
@@ -141,40 +147,56 @@ class HotTier(Tier):
             engine = policies.make(policy or "lru")
         except KeyError as e:  # UnknownPolicy: its message lists the valid names
             raise InvalidInput(str(e)) from None
+        # The full spec ("prefix_aware:arc", not "prefix_aware") is recorded and compared: two
+        # policies with one name keep different state, and a wrapper's base changes every decision.
+        wanted = engine.full_name()
+        if len(wanted.encode()) > seg.POLICY_BYTES:
+            raise InvalidInput(f"policy {policy!r} names a policy spec longer than {seg.POLICY_BYTES} bytes; "
+                               "register it under a shorter name")
         if create and capacity_bytes is None and n_slots is None:
-            try:  # no size given: attach to the segment other processes made
-                self._map, self.created = seg.attach(spec, self.name), False
-            except posix_ipc.ExistentialError:
-                raise InvalidInput(f"segment {self.name} does not exist yet; give capacity_bytes (or "
-                                   "n_slots) to create it") from None
+            self._map, self.created = self._attach(mode, "; give capacity_bytes (or n_slots) to create it"), False
         elif create:
             sized_by_bytes = n_slots is None
             if sized_by_bytes:
-                if capacity_bytes <= 0:
-                    raise InvalidInput(f"capacity_bytes must be positive, got {capacity_bytes}")
                 n_slots = seg.Layout.slots_for(
                     spec, int(capacity_bytes), lambda n: policies.StateLayout.for_policy(engine, n).nbytes)
-            if int(n_slots) <= 0:
-                raise InvalidInput(f"n_slots must be positive, got {n_slots}")
             layout = seg.Layout.compute(spec, int(n_slots), policies.StateLayout.for_policy(engine, int(n_slots)).nbytes)
             if sized_by_bytes and layout.total_bytes > capacity_bytes:
                 raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block "
                                    f"and the segment's metadata ({layout.total_bytes} bytes needed)")
-            self._map, self.created = seg.create_or_attach(spec, self.name, layout, engine.name, mode,
+            self._map, self.created = seg.create_or_attach(spec, self.name, layout, wanted, mode,
                                                            lambda m: self._init_segment(m, engine))
         else:
-            self._map, self.created = seg.attach(spec, self.name), False
-        seg_policy = self._map.header["policy"].decode()
-        if policy is not None and seg_policy != engine.name:
-            self._map.close()
-            raise InvalidInput(f"segment {self.name} uses eviction policy {seg_policy!r}, not {policy!r}; "
-                               "pass policy=None to attach with the segment's policy")
+            self._map, self.created = self._attach(mode, "; create=False only attaches: pass create=True and a "
+                                                         "capacity_bytes to create it"), False
+        made_inode = os.fstat(self._map.fd).st_ino if self.created else None
         try:
-            self._policy = policies.make(seg_policy)
+            self._adopt(policy, wanted)
+        except BaseException:
+            # A segment this call created and cannot use must not stay in /dev/shm for others to trip on.
+            if made_inode is not None:
+                seg.unlink_if_same(self.name, made_inode)
+            raise
+
+    def _attach(self, mode: int, how_to_create: str) -> seg.Mapping:
+        try:
+            return seg.attach(self.spec, self.name, mode=mode)
+        except posix_ipc.ExistentialError:
+            raise InvalidInput(f"segment {self.name} does not exist{how_to_create}") from None
+
+    def _adopt(self, policy: str | None, wanted: str) -> None:
+        """Check the segment's policy, build the views and register this handle."""
+        recorded = self._map.header["policy"].decode()
+        try:
+            self._policy = policies.make(recorded)
         except KeyError:
             self._map.close()
             raise FormatError(f"segment {self.name} names an eviction policy this tieredkv does not know "
-                              f"({seg_policy!r}); remove it with `tieredkv rm {self.name}`") from None
+                              f"({recorded!r}); remove it with `tieredkv rm {self.name}`") from None
+        if policy is not None and self._policy.full_name() != wanted:
+            self._map.close()
+            raise InvalidInput(f"segment {self.name} uses eviction policy {self._policy.full_name()!r}, not "
+                               f"{wanted!r}; pass the segment's policy (or policy=None to HotTier) to attach")
         self._h = h = self._map.header
         self._owners, self._slots, self._tokens, self._index, self._free, self._data = self._map.views()
         self.n_slots = int(h["n_slots"])

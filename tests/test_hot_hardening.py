@@ -6,6 +6,7 @@ real signals and real shared-memory bytes, and checks the outcome the fix promis
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -172,3 +173,202 @@ def test_meta_requires_grad_and_overlapping_outputs_are_invalid_payloads(tiny_sp
         assert np.array_equal(out.numpy(), kv)
         grad = torch.zeros(2, 2, 1, 16, 8, requires_grad=True)
         assert cache.load(hit, grad.detach()) == 16
+
+
+# ---- items 3, 4, 14, 15, 18 and issue 14's rm edges: segment lifecycle -------------------------------
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user (setuid)")
+OTHER_UID = 65534  # nobody
+
+
+def rm(capsys, *argv):
+    from tieredkv import cli
+
+    status = cli.main(["rm", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def _hold_as_other_user(spec, name, ready, done):
+    os.setgid(OTHER_UID)
+    os.setuid(OTHER_UID)
+    with HotTier(spec, n_slots=8, name=name):
+        ready.set()
+        done.wait(60)
+
+
+@needs_root
+def test_rm_stale_as_root_never_removes_another_users_live_segment(tiny_spec, seg_name, capsys):
+    from tieredkv.hot import admin
+
+    ready, done = FORK.Event(), FORK.Event()
+    p = FORK.Process(target=_hold_as_other_user, args=(tiny_spec, seg_name, ready, done))
+    p.start()
+    try:
+        assert ready.wait(30)
+        assert os.stat("/dev/shm" + seg_name).st_uid == OTHER_UID
+        [doc] = [d for d in admin.list_segments() if d["name"] == seg_name]
+        assert doc["live"] and not doc["stale"] and doc["live_handles"] == 1
+        for args in (["--stale"], ["--stale", "--idle"]):
+            status, out, _ = rm(capsys, *args, "--match", seg_name)
+            assert status == 0 and out.strip() == "no stale segments"
+            assert os.path.exists("/dev/shm" + seg_name)
+    finally:
+        done.set()
+        p.join(30)
+    assert p.exitcode == 0
+    status, out, _ = rm(capsys, "--stale", "--match", seg_name)  # idle now: kept without --idle
+    assert status == 0 and os.path.exists("/dev/shm" + seg_name)
+    status, out, _ = rm(capsys, "--stale", "--idle", "--match", seg_name)
+    assert status == 0 and out.strip() == f"removed {seg_name}: no process has it open"
+
+
+def test_a_live_segment_that_looks_unusable_is_not_stale(tiny_spec, seg_name, capsys):
+    """Liveness is the registry locks, not whether this tieredkv can attach: a worker of another
+    layout version (here: a header version bumped under a live handle) keeps its segment."""
+    with HotTier(tiny_spec, n_slots=8, name=seg_name) as tier:
+        tier._map.header["version"] = 99
+        status, out, _ = rm(capsys, "--stale", "--idle", "--match", seg_name)
+        assert status == 0 and out.strip() == "no stale segments"
+        assert os.path.exists("/dev/shm" + seg_name)
+        tier._map.header["version"] = 1
+    tier_version_99 = HotTier(tiny_spec, n_slots=8, name=seg_name)
+    tier_version_99._map.header["version"] = 99
+    tier_version_99.close()
+    status, out, _ = rm(capsys, "--stale", "--match", seg_name)  # dead and unusable: stale
+    assert status == 0 and out.startswith(f"removed {seg_name}: unusable") and "layout version 99" in out
+
+
+def _open_slowly(spec, name, published, go, result):
+    """Open a HotTier whose registration waits, after the segment is published, until ``go``."""
+    from tieredkv.hot import tier as hot_tier
+
+    real = hot_tier.HotTier._register
+
+    def slow(self):
+        published.set()
+        go.wait(60)
+        real(self)
+
+    hot_tier.HotTier._register = slow
+    with HotTier(spec, n_slots=8, name=name) as tier:
+        result.put((tier.created, tier._still_published(), os.fstat(tier._fd).st_ino))
+
+
+def test_a_segment_is_live_from_its_first_published_instant(tiny_spec, seg_name, capsys):
+    published, go, result = FORK.Event(), FORK.Event(), FORK.Queue()
+    p = FORK.Process(target=_open_slowly, args=(tiny_spec, seg_name, published, go, result))
+    p.start()
+    try:
+        assert published.wait(30)
+        assert os.path.exists("/dev/shm" + seg_name)  # published, creator not yet registered
+        status, out, _ = rm(capsys, "--stale", "--idle", "--match", seg_name)
+        assert status == 0 and out.strip() == "no stale segments"
+        assert os.path.exists("/dev/shm" + seg_name)
+    finally:
+        go.set()
+    created, still_published, _ = result.get(timeout=30)
+    p.join(30)
+    assert created and still_published
+
+
+def test_an_attacher_that_loses_its_idle_segment_to_rm_attaches_again(tiny_spec, seg_name, capsys):
+    HotTier(tiny_spec, n_slots=8, name=seg_name).close()  # idle
+    old_inode = os.stat("/dev/shm" + seg_name).st_ino
+    published, go, result = FORK.Event(), FORK.Event(), FORK.Queue()
+    p = FORK.Process(target=_open_slowly, args=(tiny_spec, seg_name, published, go, result))
+    p.start()
+    try:
+        assert published.wait(30)  # attached to the idle segment, not registered yet
+        status, out, _ = rm(capsys, "--stale", "--idle", "--match", seg_name)
+        assert out.strip() == f"removed {seg_name}: no process has it open"
+    finally:
+        go.set()
+    created, still_published, inode = result.get(timeout=30)
+    p.join(30)
+    assert p.exitcode == 0
+    assert created and still_published and inode != old_inode  # a handle on the segment in /dev/shm
+
+
+def _hang_while_building(spec, name, ready):
+    from tieredkv.hot import tier as hot_tier
+
+    def hang(mapping, engine):
+        ready.set()
+        time.sleep(3600)
+
+    hot_tier.HotTier._init_segment = staticmethod(hang)
+    HotTier(spec, n_slots=8, name=name)
+
+
+def test_dead_creators_temporaries_are_reaped_and_live_ones_kept(tiny_spec, seg_name):
+    def temporaries(pid):
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"tieredkv-tmp-{pid}-")]
+
+    dead = []
+    for i in range(3):  # a crash-looping worker, killed mid-build three times
+        ready = FORK.Event()
+        p = FORK.Process(target=_hang_while_building, args=(tiny_spec, f"{seg_name}-{i}", ready))
+        p.start()
+        assert ready.wait(30)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        dead.append(p.pid)
+        # Each new attempt reaped the previous attempt's leftover: they never pile up.
+        assert [len(temporaries(pid)) for pid in dead] == [0] * i + [1]
+    ready = FORK.Event()
+    live = FORK.Process(target=_hang_while_building, args=(tiny_spec, seg_name + "-live", ready))
+    live.start()
+    try:
+        assert ready.wait(30)
+        with HotTier(tiny_spec, n_slots=8, name=seg_name):  # a creation reaps
+            pass
+        assert [temporaries(pid) for pid in dead] == [[], [], []]
+        assert len(temporaries(live.pid)) == 1  # a creator still building keeps its temporary
+    finally:
+        os.kill(live.pid, signal.SIGKILL)
+        live.join(10)
+    from tieredkv.hot import segment as seg
+
+    assert seg.reap_temporaries() >= 1 and temporaries(live.pid) == []
+
+
+@pytest.fixture
+def custom_name():
+    name = f"/kvtest-custom-{os.getpid()}-{os.urandom(3).hex()}"
+    yield name
+    if os.path.exists("/dev/shm" + name):
+        os.unlink("/dev/shm" + name)
+
+
+def test_segments_with_a_custom_name_are_listed_and_handled_by_rm(tiny_spec, custom_name, capsys):
+    from tieredkv import cli
+
+    with HotTier(tiny_spec, n_slots=8, name=custom_name):
+        assert cli.main(["ls", "--json", "-"]) == 0
+        listed = {d["name"]: d for d in json.loads(capsys.readouterr().out)["hot"]}
+        assert custom_name in listed and listed[custom_name]["live_handles"] == 1
+        status, out, _ = rm(capsys, "--stale", "--idle", "--match", custom_name)
+        assert out.strip() == "no stale segments" and os.path.exists("/dev/shm" + custom_name)
+    status, out, _ = rm(capsys, "--stale", "--idle", "--match", custom_name.lstrip("/"))  # no leading '/'
+    assert status == 0 and out.strip() == f"removed {custom_name}: no process has it open"
+    assert not os.path.exists("/dev/shm" + custom_name)
+
+
+def test_rm_stale_goes_on_past_odd_dev_shm_entries(tiny_spec, seg_name, capsys):
+    odd = ["/dev/shm" + seg_name + "-a-dir", "/dev/shm" + seg_name + "-b-fifo", "/dev/shm" + seg_name + "-c-link"]
+    stale = seg_name + "-d-stale"
+    os.mkdir(odd[0])
+    os.mkfifo(odd[1])
+    os.symlink("/etc/passwd", odd[2])
+    try:
+        with open("/dev/shm" + stale, "wb") as f:
+            f.write(b"\x01" * 8192)  # named like ours, not ours: unusable
+        status, out, err = rm(capsys, "--stale", "--match", seg_name + "*")
+        assert status == 0, err
+        assert out.strip().startswith(f"removed {stale}: unusable")
+        assert not os.path.exists("/dev/shm" + stale)
+        assert all(os.path.lexists(p) for p in odd)
+    finally:
+        os.rmdir(odd[0])
+        os.unlink(odd[1])
+        os.unlink(odd[2])

@@ -418,7 +418,8 @@ def test_create_race_gives_one_segment(tiny_spec, seg_name):
     assert len({inst for _, inst in got}) == 1
     with HotTier(tiny_spec, name=seg_name, create=False) as t:
         assert t.slot_census()["ready"] == 8
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("tieredkv-tmp-")]
+    ours = tuple(f"tieredkv-tmp-{p.pid}-" for p in procs)  # /dev/shm is shared with other test runs
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(ours)]
 
 
 def test_fork_reattaches(tiny_spec, seg_name):

@@ -51,7 +51,7 @@ def _segment_names(names: Sequence[str] | None) -> list[str]:
     if names:
         return [seg.check_name(n) for n in names]
     # Temporary names belong to creators that are still building (or died building): not a segment yet.
-    return [n for n in seg.list_segment_names() if "-tmp-" not in n]
+    return seg.list_segment_names(temporary=False)
 
 
 def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:

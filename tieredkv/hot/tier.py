@@ -65,6 +65,10 @@ os.register_at_fork(after_in_child=_drop_inherited_descriptors)
 _STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(PutResult.NO_SPACE)
 
 
+class _Unpublished(Exception):
+    """The segment was unlinked between attaching and registering; the open starts over."""
+
+
 class OwnerCounters:
     """This handle's row of TieredCache counters in the segment. Only its owner writes it."""
 
@@ -139,7 +143,16 @@ class HotTier(Tier):
         self._open(**self._args)
 
     # ---- open / close ----------------------------------------------------------------------------
-    def _open(self, capacity_bytes, n_slots, policy, mode, create) -> None:
+    def _open(self, **args) -> None:
+        for _ in range(8):
+            try:
+                return self._open_once(**args)
+            except _Unpublished:
+                continue  # removed between attach and registration: attach (or create) again
+        raise FormatError(f"segment {self.name} keeps being removed while this handle opens it; is an "
+                          "operator running `tieredkv rm` in a loop?")
+
+    def _open_once(self, capacity_bytes, n_slots, policy, mode, create) -> None:
         spec = self.spec
         if policy is not None and not isinstance(policy, str):
             raise InvalidInput("policy must be a registered policy name, e.g. 'lru'")
@@ -231,6 +244,11 @@ class HotTier(Tier):
         with self._critical():
             for i in range(seg.MAX_OWNERS):
                 if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
+                    if not self._still_published():
+                        # `rm --stale` judged the segment unused and unlinked it between our attach
+                        # and this registration (it judges under this same lock): attach afresh.
+                        locks.unlock(self._fd, locks.REGISTRY_BASE + i)
+                        break
                     if self._owners[i]["token"]:
                         self._reclaim_owner(i)  # its previous holder died without closing
                     self._owner = i
@@ -242,8 +260,12 @@ class HotTier(Tier):
                     self._stats = rec["stats"]
                     self.counters = OwnerCounters(rec)
                     return
+            else:
+                i = -1
         self._drop_mapping()  # never registered: close() must not touch anybody's row
-        raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
+        if i < 0:
+            raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
+        raise _Unpublished(self.name)
 
     def close(self) -> None:
         """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""

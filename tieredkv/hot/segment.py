@@ -67,7 +67,8 @@ HEADER_DTYPE = np.dtype([
     # mutable, under the metadata lock
     ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
     ("free_top", "<u8"),       # entries in the free stack
-    ("_spare", "<u8", (2,)),   # spare header words (layout version 1 keeps them zero)
+    ("repin", "<u8"),          # nonzero: a reader dropped its pins without the lock; recount them
+    ("_spare", "<u8"),         # a spare header word (layout version 1 keeps it zero)
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
     ("fingerprint", "S16"), ("policy", f"S{POLICY_BYTES}"), ("spec_json", "S1024"),
 ])
@@ -77,7 +78,8 @@ SLOT_DTYPE = np.dtype([
     ("gen", "<u8"),            # seqlock: odd while a writer owns the slot
     ("key", "<u8", (2,)), ("parent", "<u8", (2,)),
     ("state", "<u8"), ("owner", "<u8"), ("owner_token", "<u8"), ("pins", "<u8"),
-    ("position", "<u8"), ("length", "<u8"), ("_pad", "<u8"),
+    ("position", "<u8"), ("length", "<u8"),
+    ("claim", "<u8"),          # while WRITING: the claiming call's id (its slots, if it is interrupted)
 ])
 
 #: TieredCache counters, kept in the hot segment so that their sum over owners is per host.

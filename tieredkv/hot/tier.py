@@ -1,7 +1,7 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
 Concurrency (design.md section 6.1), in one paragraph: metadata (slot states, the index, the free stack,
-pins, policy state) changes only inside ``_critical()``, under an OFD lock the kernel releases if its
+pins, policy state) changes only inside critical sections (see ``_enter``), under an OFD lock the kernel releases if its
 holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
 fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
 the lock to *find* blocks; they read a slot's generation, its key and state, use the data, and re-read
@@ -18,7 +18,8 @@ A WRITING slot or a pin whose owner is dead is reclaimed by the next process tha
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
+import itertools
 import os
 import secrets
 import threading
@@ -226,6 +227,7 @@ class HotTier(Tier):
         self._closed = False
         self._owner, self._token = -1, 0
         self._stats = np.zeros(len(STAT_FIELDS), dtype=np.uint64)  # until registered
+        self._claim_ids = itertools.count(1)  # tells one call's claims from another thread's
         self._register()
         _HANDLES.add(self)
 
@@ -241,27 +243,34 @@ class HotTier(Tier):
 
     def _register(self) -> None:
         """Take a free owner registry byte for this handle's lifetime and record who we are."""
-        with self._critical():
-            for i in range(seg.MAX_OWNERS):
-                if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
-                    if not self._still_published():
-                        # `rm --stale` judged the segment unused and unlinked it between our attach
-                        # and this registration (it judges under this same lock): attach afresh.
-                        locks.unlock(self._fd, locks.REGISTRY_BASE + i)
+        with self._tlock:
+            try:
+                self._enter()
+                for i in range(seg.MAX_OWNERS):
+                    if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
+                        if not self._still_published():
+                            # `rm --stale` judged the segment unused and unlinked it between our attach
+                            # and this registration (it judges under this same lock): attach afresh.
+                            locks.unlock(self._fd, locks.REGISTRY_BASE + i)
+                            break
+                        if self._owners[i]["token"]:
+                            self._reclaim_owner(i)  # its previous holder died without closing
+                        self._owner = i
+                        self._token = secrets.randbits(63) | 1
+                        rec = self._owners[i]
+                        rec["token"] = self._token
+                        rec["pid"] = self._pid
+                        rec["n_pins"] = 0
+                        self._stats = rec["stats"]
+                        self.counters = OwnerCounters(rec)
                         break
-                    if self._owners[i]["token"]:
-                        self._reclaim_owner(i)  # its previous holder died without closing
-                    self._owner = i
-                    self._token = secrets.randbits(63) | 1
-                    rec = self._owners[i]
-                    rec["token"] = self._token
-                    rec["pid"] = self._pid
-                    rec["n_pins"] = 0
-                    self._stats = rec["stats"]
-                    self.counters = OwnerCounters(rec)
-                    return
-            else:
-                i = -1
+                else:
+                    i = -1
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        if self._owner >= 0:
+            return
         self._drop_mapping()  # never registered: close() must not touch anybody's row
         if i < 0:
             raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
@@ -273,10 +282,15 @@ class HotTier(Tier):
             return
         if os.getpid() == self._pid:
             try:
-                with self._critical():
-                    self._release_pins()
-                    # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
-                    self._reclaim_owner(self._owner)
+                with self._tlock:
+                    try:
+                        self._enter()
+                        self._release_pins()
+                        # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
+                        self._reclaim_owner(self._owner)
+                        self._h["dirty"] = 0
+                    finally:
+                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
                 locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
             except Exception as e:  # closing must not raise on a broken segment
                 warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
@@ -329,22 +343,31 @@ class HotTier(Tier):
             return False
 
     # ---- the critical section --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _critical(self):
-        """Hold the metadata lock. Repairs first if the previous holder died inside it."""
-        with self._tlock:
-            locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
-            try:
-                h = self._h
-                if int(h["dirty"]):
-                    self._scrub()
-                h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
-                self._hook("critical")
-                yield
-                # Reached only if the body finished: an exception (or a death) leaves it dirty.
-                h["dirty"] = 0
-            finally:
-                locks.unlock(self._fd, locks.META_LOCK_BYTE)
+    # Every critical section is written out as
+    #
+    #     with self._tlock:                     # threads sharing this handle take turns
+    #         try:
+    #             self._enter()                 # the lock; repairs first if needed; marks dirty
+    #             ...                           # the metadata changes
+    #             self._h["dirty"] = 0          # reached only if the body finished
+    #         finally:
+    #             fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+    #
+    # and not as a context manager: an exception from a signal handler can be raised on entry to any
+    # Python function, a context manager's __exit__ included, which would leave the lock held by a
+    # live (and maybe idle) process. Here the unlock is the finally's first call, and no Python-level
+    # code runs before it; releasing a lock this description does not hold is a no-op.
+    def _enter(self) -> None:
+        """Take the metadata lock; repair first if the previous holder died inside (or if a reader
+        dropped its pins without the lock); mark the header dirty. Call as shown above."""
+        locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
+        h = self._h
+        if int(h["dirty"]):
+            self._scrub()
+        elif int(h["repin"]):
+            self._recount_pins()
+        h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
+        self._hook("critical")
 
     def _hook(self, name: str) -> None:
         fn = self._hooks.get(name)
@@ -378,20 +401,50 @@ class HotTier(Tier):
         return len(mine)
 
     def _reclaim_dead(self) -> int:
-        """Reclaim every dead owner's WRITING slots and pins. Under the lock. Returns slots freed."""
+        """Reclaim every dead owner's WRITING slots and pins, and every abandoned claim (a token that
+        is not its owner's: an interrupted call gave it up). Under the lock. Returns slots freed."""
         freed = 0
         for i in np.flatnonzero(self._owners["token"]):
             i = int(i)
             if i != self._owner and not locks.is_locked(self._fd, locks.REGISTRY_BASE + i):
                 freed += self._reclaim_owner(i)
+        rec = self._slots
+        writing = np.flatnonzero(rec["state"] == WRITING)
+        if len(writing):
+            owner = rec["owner"][writing]
+            known = owner < seg.MAX_OWNERS
+            tokens = self._owners["token"][np.where(known, owner, 0).astype(np.int64)]
+            orphans = writing[~known | (rec["owner_token"][writing] != tokens)]
+            self._free_slots(orphans)
+            self._stats[_STAT["reclaimed"]] += len(orphans)
+            freed += len(orphans)
         return freed
+
+    def _recount_pins(self) -> None:
+        """Pin counts from the live owners' pin lists (a reader dropped its list without the lock,
+        or a list was damaged). Under the lock."""
+        self._h["repin"] = 0
+        pins = np.zeros(self.n_slots, dtype=np.uint64)
+        for i in np.flatnonzero(self._owners["token"]):
+            rec = self._owners[int(i)]
+            if self._owner_alive(int(i), int(rec["token"])):
+                listed = rec["pins"][: min(int(rec["n_pins"]), seg.MAX_PINS)]
+                np.add.at(pins, listed[(listed >= 0) & (listed < self.n_slots)], 1)
+            else:
+                rec["n_pins"] = 0
+        self._slots["pins"] = pins
 
     def recover(self) -> dict:
         """Reclaim what dead processes left (WRITING slots, pins) and scrub; returns what was done."""
         self._check()
-        with self._critical():
-            freed = self._reclaim_dead()
-            self._scrub()
+        with self._tlock:
+            try:
+                self._enter()
+                freed = self._reclaim_dead()
+                self._scrub()
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
         return {"reclaimed_slots": freed, "scrubs": int(self._h["scrubs"])}
 
     def _scrub(self) -> None:
@@ -412,17 +465,12 @@ class HotTier(Tier):
             gen = slots["gen"][broken]
             slots["gen"][broken] = gen + 1 + (gen + 1) % 2  # to the next even value: readers re-check
             slots["state"][broken] = FREE
-        # Pins: only live owners' pin lists count.
-        pins = np.zeros(self.n_slots, dtype=np.uint64)
+        # Pins: only live owners' pin lists count; dead owners' rows are retired.
         for i in np.flatnonzero(self._owners["token"]):
-            rec = self._owners[int(i)]
-            if self._owner_alive(int(i), int(rec["token"])):
-                n_pins = min(int(rec["n_pins"]), seg.MAX_PINS)
-                np.add.at(pins, rec["pins"][:n_pins], 1)
-            else:
-                rec["n_pins"] = 0
-                rec["token"] = 0
-        slots["pins"] = pins
+            if not self._owner_alive(int(i), int(self._owners[int(i)]["token"])):
+                self._owners[int(i)]["n_pins"] = 0
+                self._owners[int(i)]["token"] = 0
+        self._recount_pins()
         # Free stack and index from the slot table.
         free = np.flatnonzero(slots["state"] == FREE)[::-1]
         self._free[: len(free)] = free
@@ -556,7 +604,7 @@ class HotTier(Tier):
         self._h["free_top"] = top - k
         return got
 
-    def _choose_victims(self, n: int, incoming: np.ndarray | None = None) -> tuple[np.ndarray, Evicted]:
+    def _choose_victims(self, n: int, incoming: np.ndarray | None, claim: int) -> tuple[np.ndarray, Evicted]:
         """Let the policy pick up to ``n`` READY, unpinned victims and detach them from the index and
         the policy: they become WRITING by us (generation odd), with their key zeroed, until reused
         or freed. Returns the victims and what they held (keys, hit counts; bytes still in place)."""
@@ -567,14 +615,16 @@ class HotTier(Tier):
                                 self._tokens[victims].copy(), 0, rec["position"][victims].astype(np.int64)),
                       None, self._state.hits[victims].copy())  # remove() leaves hits: demotion rules use them
         if len(victims):
-            self._claim(victims)
+            self._claim(victims, claim)
             self._index_remove(victims, old.keys.keys[:, 0])
             rec["key"][victims] = 0
             self._stats[_STAT["evictions"]] += len(victims)
         return victims, old
 
-    def _claim(self, slots: np.ndarray) -> None:
+    def _claim(self, slots: np.ndarray, claim: int) -> None:
+        """Slots -> WRITING by this handle, for the call whose id is ``claim``. Under the lock."""
         rec = self._slots
+        rec["claim"][slots] = claim
         rec["gen"][slots] += 1  # odd: readers treat the slot as being rewritten
         rec["state"][slots] = WRITING
         rec["owner"][slots] = self._owner
@@ -676,17 +726,24 @@ class HotTier(Tier):
             return 0
         slots = found[:n]
         rec = self._slots
-        with self._critical():
-            # Re-check under the lock and pin in the same critical section (design.md 6.1 #3).
-            ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
-            n = int(np.argmin(ok)) if not ok.all() else n
-            slots = slots[:n]
-            gens = rec["gen"][slots].copy()
-            rec["pins"][slots] += 1
-            me = self._owners[self._owner]
-            me["pins"][:n] = slots
-            me["n_pins"] = n
         try:
+            with self._tlock:
+                try:
+                    self._enter()
+                    # Re-check under the lock and pin in the same critical section (design.md 6.1 #3).
+                    # The pin list goes into our owner row before the counts: whatever interrupts
+                    # this, the row says at least what the counts hold (a scrub recounts from rows).
+                    ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
+                    n = int(np.argmin(ok)) if not ok.all() else n
+                    slots = slots[:n]
+                    gens = rec["gen"][slots].copy()
+                    me = self._owners[self._owner]
+                    me["pins"][:n] = slots
+                    me["n_pins"] = n
+                    rec["pins"][slots] += 1
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
             self._hook("copy")
             copy(first, slots)
             # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
@@ -697,13 +754,30 @@ class HotTier(Tier):
                 self._stats[_STAT["torn_reads"]] += 1
             # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
             if self._policy.hit_needs_lock:
-                with self._critical():
-                    policies.hit(self._policy, self._state, slots[:n])
+                with self._tlock:
+                    try:
+                        self._enter()
+                        policies.hit(self._policy, self._state, slots[:n])
+                        self._h["dirty"] = 0
+                    finally:
+                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
             else:
                 policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
-        finally:
-            with self._critical():
-                self._release_pins()
+            with self._tlock:
+                try:
+                    self._enter()
+                    self._release_pins()
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        except BaseException:
+            # Interrupted anywhere above (a signal handler's exception, MemoryError, a sink that
+            # raised): drop our pins without waiting for the lock, which could itself be interrupted
+            # or time out. Plain stores only, no calls: nothing can interrupt them. The next lock
+            # holder recounts the pin counts from the owner rows.
+            self._owners["n_pins"][self._owner] = 0
+            self._h["repin"] = 1
+            raise
         return n
 
     def _release_pins(self) -> None:
@@ -740,62 +814,86 @@ class HotTier(Tier):
             self._stats[_STAT["exists"]] += n
             return codes
         rec = self._slots
-        with self._critical():
-            found = self._find(keys.keys[todo])
-            if self._reclaim_abandoned(found):
-                found = self._find(keys.keys[todo])
-            todo = todo[found < 0]
-            slots = self._take_free(len(todo))
-            if len(slots) < len(todo) and self._reclaim_dead():
-                slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
-            n_free = len(slots)
-            victims, old = np.zeros(0, dtype=np.int64), None
-            if n_free < len(todo):
-                want = max(len(todo) - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
-                incoming = keys.keys[todo[n_free:], 0]
-                victims, old = self._choose_victims(want, incoming)
-                if not len(victims) and self._reclaim_dead():
-                    slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
-                    n_free = len(slots)
-                    if n_free < len(todo):
-                        victims, old = self._choose_victims(want, incoming)
-            if len(victims):
-                slots = np.concatenate([slots, victims])
-            stored = todo[: len(slots)]
-            codes[todo[len(slots):]] = _NO_SPACE
-            use, spare = slots[: len(stored)], slots[len(stored):]  # spare: surplus victims only
-            self._claim(use[:n_free])  # victims are claimed already
-            rec["key"][use] = keys.keys[stored]
-            rec["parent"][use] = keys.parents[stored]
-            rec["position"][use] = keys.positions[stored]
-            rec["length"][use] = self.spec.block_bytes
-            for s, lo in zip(use.tolist(), keys.keys[stored, 0].tolist()):
-                self._index_insert(s, lo)
-        evicted = None
+        claim = next(self._claim_ids)
         try:
-            if len(victims):
-                # The victims are WRITING by us: nobody else touches their bytes until we publish.
-                payload = self._data[victims].copy() if self.on_evict is not None else None
-                evicted = Evicted(old.keys, payload, old.hits)
-            self._hook("write")
-            self._tokens[use] = keys.tokens[stored]
-            data = self._data
-            for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
-                copy_into(data[slot], src[row])
+            with self._tlock:
+                try:
+                    self._enter()
+                    found = self._find(keys.keys[todo])
+                    if self._reclaim_abandoned(found):
+                        found = self._find(keys.keys[todo])
+                    todo = todo[found < 0]
+                    slots = self._take_free(len(todo))
+                    if len(slots) < len(todo) and self._reclaim_dead():
+                        slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
+                    n_free = len(slots)
+                    victims, old = np.zeros(0, dtype=np.int64), None
+                    if n_free < len(todo):
+                        want = max(len(todo) - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
+                        incoming = keys.keys[todo[n_free:], 0]
+                        victims, old = self._choose_victims(want, incoming, claim)
+                        if not len(victims) and self._reclaim_dead():
+                            slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
+                            n_free = len(slots)
+                            if n_free < len(todo):
+                                victims, old = self._choose_victims(want, incoming, claim)
+                    if len(victims):
+                        slots = np.concatenate([slots, victims])
+                    stored = todo[: len(slots)]
+                    codes[todo[len(slots):]] = _NO_SPACE
+                    use, spare = slots[: len(stored)], slots[len(stored):]  # spare: surplus victims only
+                    self._claim(use[:n_free], claim)  # victims are claimed already
+                    rec["key"][use] = keys.keys[stored]
+                    rec["parent"][use] = keys.parents[stored]
+                    rec["position"][use] = keys.positions[stored]
+                    rec["length"][use] = self.spec.block_bytes
+                    for s, lo in zip(use.tolist(), keys.keys[stored, 0].tolist()):
+                        self._index_insert(s, lo)
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            evicted = None
+            try:
+                if len(victims):
+                    # The victims are WRITING by us: nobody else touches their bytes until we publish.
+                    payload = self._data[victims].copy() if self.on_evict is not None else None
+                    evicted = Evicted(old.keys, payload, old.hits)
+                self._hook("write")
+                self._tokens[use] = keys.tokens[stored]
+                data = self._data
+                for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
+                    copy_into(data[slot], src[row])
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
+                # rather than leave them WRITING until this handle closes.
+                with self._tlock:
+                    try:
+                        self._enter()
+                        self._free_slots(use)
+                        self._release_spare(spare)
+                        self._h["dirty"] = 0
+                    finally:
+                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                raise
+            with self._tlock:
+                try:
+                    self._enter()
+                    rec["gen"][use] += 1  # even again: published
+                    rec["state"][use] = READY
+                    parents = self._find(keys.parents[stored])
+                    policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
+                                    keys.positions[stored])
+                    self._release_spare(spare)
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
         except BaseException:
-            # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
-            # rather than leave them WRITING until this handle closes.
-            with self._critical():
-                self._free_slots(use)
-                self._release_spare(spare)
+            # Interrupted anywhere above, even inside the giving back: abandon what this call still
+            # holds WRITING (its claim id tells which) without the lock, with plain stores only. A
+            # zero token reads as a dead writer's, which the next process short of space, storing
+            # the same keys, or scrubbing frees.
+            rec["owner_token"][(rec["state"] == WRITING) & (rec["owner"] == self._owner) & (rec["claim"] == claim)] = 0
             raise
-        with self._critical():
-            rec["gen"][use] += 1  # even again: published
-            rec["state"][use] = READY
-            parents = self._find(keys.parents[stored])
-            policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
-                            keys.positions[stored])
-            self._release_spare(spare)
         codes[stored] = _STORED
         st = self._stats
         st[_STAT["puts"]] += len(stored)
@@ -835,11 +933,16 @@ class HotTier(Tier):
         """Remove resident, unpinned blocks; returns how many were removed."""
         self._check()
         self._check_keys(keys)
-        with self._critical():
-            found = self._find(keys.keys)
-            ok = self._confirmed(keys, found) & (self._slots["pins"][np.maximum(found, 0)] == 0)
-            slots = np.unique(found[ok])
-            self._free_slots(slots)
+        with self._tlock:
+            try:
+                self._enter()
+                found = self._find(keys.keys)
+                ok = self._confirmed(keys, found) & (self._slots["pins"][np.maximum(found, 0)] == 0)
+                slots = np.unique(found[ok])
+                self._free_slots(slots)
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
         self._stats[_STAT["removed"]] += len(slots)
         return len(slots)
 
@@ -848,13 +951,27 @@ class HotTier(Tier):
         self._check()
         if not isinstance(n, (int, np.integer)) or n < 0:
             raise InvalidInput(f"n must be a non-negative integer, got {n!r}")
-        with self._critical():
-            victims, old = self._choose_victims(int(n))
+        rec = self._slots
+        claim = next(self._claim_ids)
         try:
+            with self._tlock:
+                try:
+                    self._enter()
+                    victims, old = self._choose_victims(int(n), None, claim)
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
             payloads = self._data[victims].copy()
-        finally:
-            with self._critical():
-                self._release_spare(victims)
+            with self._tlock:
+                try:
+                    self._enter()
+                    self._release_spare(victims)
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        except BaseException:  # as in put_many: abandon the victims without the lock
+            rec["owner_token"][(rec["state"] == WRITING) & (rec["owner"] == self._owner) & (rec["claim"] == claim)] = 0
+            raise
         return Evicted(old.keys, payloads, old.hits)
 
     # ---- introspection ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import pytest
 from helpers import payload_for
 from tieredkv import (CorruptState, HotTier, InvalidInput, InvalidPayload, KVSpec, PermissionDenied, PutResult,
                       chunk_keys)
+from tieredkv.hot import segment as seg
 
 FORK = mp.get_context("fork")
 
@@ -30,11 +31,13 @@ def prompt(spec, seed, n_chunks):
 def _write_then_hang(spec, name, keys, ready):
     tier = HotTier(spec, name=name, policy=None, create=False)
 
-    def hang():
+    from tieredkv.hot import tier as hot_tier
+
+    def hang(dst, src):  # the slots are claimed (WRITING) when the payload copy starts
         ready.set()
         time.sleep(3600)
 
-    tier._hooks["write"] = hang
+    hot_tier.copy_into = hang  # patched in the child only
     tier.put_many(keys, payload_for(spec, keys))
 
 
@@ -230,7 +233,7 @@ def test_a_live_segment_that_looks_unusable_is_not_stale(tiny_spec, seg_name, ca
         status, out, _ = rm(capsys, "--stale", "--idle", "--match", seg_name)
         assert status == 0 and out.strip() == "no stale segments"
         assert os.path.exists("/dev/shm" + seg_name)
-        tier._map.header["version"] = 1
+        tier._map.header["version"] = seg.LAYOUT_VERSION
     tier_version_99 = HotTier(tiny_spec, n_slots=8, name=seg_name)
     tier_version_99._map.header["version"] = 99
     tier_version_99.close()

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import posix_ipc
 
+from tieredkv import counters
 from tieredkv.errors import TieredKVError
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
@@ -34,8 +35,8 @@ def inspect(name: str) -> dict:
     finally:
         os.close(fd)
     doc.update(live=state == seg.LIVE, stale=state == seg.STALE, idle=state == seg.IDLE, reason=reason)
-    if seg.is_temporary(name) or state == seg.STALE:
-        if state == seg.STALE and not seg.is_temporary(name):
+    if seg.temp_owner(name) is not None or state == seg.STALE:
+        if state == seg.STALE and not seg.temp_owner(name) is not None:
             doc["error"] = reason.removeprefix("unusable: ")
         return doc
     try:
@@ -53,21 +54,19 @@ def inspect(name: str) -> dict:
             spec = {}
         state = slots["state"]
         stats = owners["stats"].sum(axis=0)
-        cache = owners["cache"].sum(axis=0)
-        counters = {n: int(stats[i]) for i, n in enumerate(seg.STAT_FIELDS)}
-        cache_counters = {n: int(cache[i]) for i, n in enumerate(seg.CACHE_FIELDS)}
-        prompt = cache_counters["prompt_tokens"]
+        tier_counters = {n: int(stats[i]) for i, n in enumerate(seg.STAT_FIELDS)}
+        totals = counters.totals(owners)
+        cache_counters = {n: totals[n] for n in counters.CACHE_FIELDS}
         doc.update({
             "model_id": spec.get("model_id"), "spec": spec, "fingerprint": h["fingerprint"].decode(),
             "policy": h["policy"].decode(), "n_slots": int(h["n_slots"]), "block_bytes": int(h["block_bytes"]),
             "ready_slots": int(np.count_nonzero(state == seg.READY)),
             "writing_slots": int(np.count_nonzero(state == seg.WRITING)),
             "live_handles": len(live), "live_pids": [int(owners["pid"][i]) for i in live],
-            "hits": counters["hits"], "misses": counters["misses"], "counters": counters,
+            "hits": tier_counters["hits"], "misses": tier_counters["misses"], "counters": tier_counters,
             "cache": cache_counters,
-            "prefix_hit_rate": cache_counters["hit_tokens"] / prompt if prompt else 0.0,
-            "lookup_hist": owners["lookup_hist"].sum(axis=0).tolist(),
-            "load_hist": owners["load_hist"].sum(axis=0).tolist(),
+            "prefix_hit_rate": counters.prefix_hit_rate(totals),
+            "lookup_hist": totals["lookup_hist"], "load_hist": totals["load_hist"],
             "scrubs": int(h["scrubs"]),
         })
         del owners, slots, h

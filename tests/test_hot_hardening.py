@@ -471,3 +471,90 @@ def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec
             for w in workers:
                 os.kill(w.pid, signal.SIGKILL)
                 w.join(10)
+
+
+# ---- item 9: damaged derived structures are a miss plus a scrub, never an exception ----------------
+def _damage(name, offset, words):
+    """Write int64 ``words`` at ``offset`` of the segment file itself (real shared-memory bytes)."""
+    fd = os.open("/dev/shm" + name, os.O_RDWR)
+    try:
+        os.pwrite(fd, np.asarray(words, dtype="<i8").tobytes(), offset)
+    finally:
+        os.close(fd)
+
+
+def _open_and_die(spec, name):
+    tier = HotTier(spec, name=name, policy=None, create=False)  # noqa: F841 - kept open until death
+    os._exit(0)  # no close: a dead owner whose row stays
+
+
+def _reader(spec, name, seeds, results):
+    """Another process: every call must answer (misses allowed, wrong bytes and exceptions not)."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    try:
+        with HotTier(spec, name=name, policy=None, create=False) as tier:
+            wrong = 0
+            for seed in seeds:
+                keys = prompt(spec, seed, 8)
+                tier.match(keys)
+                tier.contains_many(keys)
+                out = np.zeros((8, spec.block_bytes), np.uint8)
+                n = tier.get_many(keys, out)
+                wrong += not np.array_equal(out[:n], payload_for(spec, keys)[:n])
+                tier.put_many(keys, payload_for(spec, keys))
+            tier.evict(2)
+            results.put(("ok", wrong, tier.stats().extra["scrubs"]))
+    except BaseException as e:  # noqa: BLE001 - the point is that nothing escapes
+        results.put(("raised", repr(e), 0))
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "prefix_aware:s3fifo"])
+@pytest.mark.parametrize("where", ["index", "free stack", "free top", "policy state", "pin list"])
+def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, seg_name, where, policy):
+    with HotTier(tiny_spec, n_slots=24, name=seg_name, policy=policy) as tier:
+        for seed in range(3):
+            keys = prompt(tiny_spec, seed, 8)
+            tier.put_many(keys, payload_for(tiny_spec, keys))
+        tier.evict(4)  # some free slots on the stack
+        h = tier._map.header
+        scrubs = int(h["scrubs"])
+        if where == "index":  # every used entry's slot reference -> far past the slot table
+            refs_off = int(h["index_off"]) + 8 * int(h["index_slots"])
+            refs = np.frombuffer(tier._map.mm, "<i8", int(h["index_slots"]), refs_off)
+            used = np.flatnonzero(refs)
+            for i in used.tolist():
+                _damage(seg_name, refs_off + 8 * i, [1 << 40])
+        elif where == "free stack":
+            _damage(seg_name, int(h["free_off"]), [1 << 40, -5, 3])
+        elif where == "free top":
+            _damage(seg_name, h.dtype.fields["free_top"][1], [1 << 50])
+        elif where == "policy state":
+            rng = np.random.default_rng(5)
+            n_words = int(h["policy_bytes"]) // 8
+            _damage(seg_name, int(h["policy_off"]), rng.integers(-(1 << 40), 1 << 40, n_words))
+        else:  # a dead reader's pin list names slots that do not exist
+            p = FORK.Process(target=_open_and_die, args=(tiny_spec, seg_name))
+            p.start()
+            p.join(30)
+            assert p.exitcode == 0
+            [dead] = [i for i in np.flatnonzero(tier._owners["token"]) if i != tier._owner]
+            off = int(h["owners_off"]) + int(dead) * seg.OWNER_DTYPE.itemsize
+            _damage(seg_name, off + seg.OWNER_DTYPE.fields["pins"][1], [1 << 40, -3])
+            _damage(seg_name, off + seg.OWNER_DTYPE.fields["n_pins"][1], [2])
+        results = FORK.Queue()
+        p = FORK.Process(target=_reader, args=(tiny_spec, seg_name, range(6), results))
+        p.start()
+        status, wrong, _ = results.get(timeout=60)
+        p.join(30)
+        assert status == "ok", wrong
+        assert wrong == 0
+        if where in ("index", "free stack", "free top"):
+            assert int(h["scrubs"]) > scrubs  # the reader found the damage and scrubbed
+        # Repaired for everyone: the whole segment works again, with every block readable.
+        fill = prompt(tiny_spec, 4321, tier.n_slots)
+        assert (tier.put_many(fill, payload_for(tiny_spec, fill)) == PutResult.STORED).all()
+        out = np.zeros((tier.n_slots, tiny_spec.block_bytes), np.uint8)
+        assert tier.get_many(fill, out) == tier.n_slots
+        assert np.array_equal(out, payload_for(tiny_spec, fill))

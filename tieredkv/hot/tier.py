@@ -19,6 +19,7 @@ A WRITING slot or a pin whose owner is dead is reclaimed by the next process tha
 from __future__ import annotations
 
 import fcntl
+import functools
 import itertools
 import os
 import secrets
@@ -69,6 +70,41 @@ _STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(
 
 class _Unpublished(Exception):
     """The segment was unlinked between attaching and registering; the open starts over."""
+
+
+class _Damage(Exception):
+    """A derived structure (index, free stack, pin list, policy state) holds a value it cannot hold:
+    a damaged word. Never reaches a caller: the call is a miss and the segment is scrubbed."""
+
+
+def _survives_damage(method=None, *, user_code: bool = False):
+    """Decorator for the block calls: damage to a derived structure found during the call (or a
+    numpy IndexError it caused) scrubs the segment, rebuilding everything derived from the slot
+    table, and runs the call once more. Damage that a scrub cannot cure is a ``CorruptState``.
+    ``user_code``: the call runs a caller's function, whose own IndexError must pass through."""
+    if method is None:
+        return functools.partial(_survives_damage, user_code=user_code)
+    caught = (_Damage,) if user_code else (_Damage, IndexError)
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            result = method(self, *args, **kwargs)
+        except caught as e:
+            self._repair(e)
+            self._retrying = True
+            try:
+                result = method(self, *args, **kwargs)
+            except caught as again:
+                raise CorruptState(f"segment {self.name} is damaged beyond what a scrub repairs ({again}); "
+                                   f"remove it with `tieredkv rm {self.name}`") from again
+            finally:
+                self._retrying = False
+        if self._index is not None and self._index.damaged:
+            self._repair("a damaged index entry")  # the lookup already answered with a miss
+        return result
+
+    return guarded
 
 
 class HotTier(Tier):
@@ -207,6 +243,7 @@ class HotTier(Tier):
         self._owner, self._token = -1, 0
         self._stats = np.zeros(len(STAT_FIELDS), dtype=np.uint64)  # until registered
         self._claim_ids = itertools.count(1)  # tells one call's claims from another thread's
+        self._retrying = False  # a block call runs again after a repair (see _survives_damage)
         self._register()
         _HANDLES.add(self)
 
@@ -366,8 +403,11 @@ class HotTier(Tier):
         self._free_slots(mine)
         n_pins = int(rec["n_pins"])
         if n_pins:
-            pinned = rec["pins"][:n_pins]
-            np.subtract.at(slots["pins"], pinned, 1)
+            pinned = rec["pins"][: min(n_pins, seg.MAX_PINS)]
+            if n_pins > seg.MAX_PINS or (pinned < 0).any() or (pinned >= self.n_slots).any():
+                self._h["repin"] = 1  # a damaged pin list: the next holder counts from every row
+            else:
+                np.subtract.at(slots["pins"], pinned, 1)
             rec["n_pins"] = 0
         rec["token"] = 0
         self._stats[_STAT["reclaimed"]] += len(mine)
@@ -420,12 +460,25 @@ class HotTier(Tier):
                 fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
         return {"reclaimed_slots": freed, "scrubs": int(self._h["scrubs"])}
 
-    def _scrub(self) -> None:
+    def _repair(self, why) -> None:
+        """Scrub after damage was found in a derived structure, rebuilding the policy state too."""
+        warnings.warn(f"tieredkv: segment {self.name}: damaged metadata ({why}); rebuilding it from the slot "
+                      "table", RuntimeWarning, stacklevel=3)
+        with self._tlock:
+            try:
+                self._enter()
+                self._scrub(policy_too=True)
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+
+    def _scrub(self, policy_too: bool = False) -> None:
         """Rebuild derived metadata from the slot table. Under the lock.
 
         The slot table is the truth; the index, the free stack, pin counts, the used count and the
         policy's residency are derived from it. A slot a dead writer left half-published (READY with
-        an odd generation) or WRITING by a dead owner is freed.
+        an odd generation) or WRITING by a dead owner is freed. ``policy_too``: also reset the policy
+        state and re-insert every resident block (its history is lost; damage may be anywhere in it).
         """
         slots = self._slots
         state = slots["state"]
@@ -452,6 +505,13 @@ class HotTier(Tier):
         # Policy residency must equal READY.
         st, engine = self._state, self._policy
         ready = slots["state"] == READY
+        if policy_too:
+            st.reset()
+            resident = np.flatnonzero(ready)
+            parents = self._index.find(slots["parent"][resident])
+            parents[(parents >= 0) & ~ready[np.maximum(parents, 0)]] = -1
+            policies.insert(engine, st, resident, slots["key"][resident, 0], parents,
+                            slots["position"][resident].astype(np.int64))
         stale = np.flatnonzero((st.resident == 1) & ~ready)
         st.resident[stale] = 0
         missing = np.flatnonzero(ready & (st.resident != 1))
@@ -487,19 +547,30 @@ class HotTier(Tier):
         if not len(slots):
             return
         rec = self._slots
-        policies.remove(self._policy, self._state, slots)
+        try:
+            policies.remove(self._policy, self._state, slots)
+        except (IndexError, ValueError) as e:
+            raise _Damage(f"policy state: {e}") from e
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
         rec["state"][slots] = FREE
         self._index.remove(slots, rec["key"][slots])
         top = int(self._h["free_top"])
+        if top + len(slots) > self.n_slots:
+            raise _Damage(f"free stack holds {top} entries, {len(slots)} more would pass its {self.n_slots}")
         self._free[top:top + len(slots)] = slots
         self._h["free_top"] = top + len(slots)
 
     def _take_free(self, n: int) -> np.ndarray:
         top = int(self._h["free_top"])
+        if top > self.n_slots:
+            raise _Damage(f"free stack top {top} is past its {self.n_slots} entries")
         k = min(n, top)
         got = self._free[top - k:top][::-1].copy()
+        # Every entry must name a FREE slot, once: handing out a READY slot would overwrite a block.
+        if k and ((got < 0).any() or (got >= self.n_slots).any() or len(np.unique(got)) != k
+                  or (self._slots["state"][got] != FREE).any()):
+            raise _Damage("the free stack names a slot that is not free")
         self._h["free_top"] = top - k
         return got
 
@@ -509,7 +580,15 @@ class HotTier(Tier):
         or freed. Returns the victims and what they held (keys, hit counts; bytes still in place)."""
         rec = self._slots
         evictable = (rec["state"] == READY) & (rec["pins"] == 0)
-        victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
+        try:
+            victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
+        except (IndexError, ValueError, RuntimeError) as e:  # base.evict checks what the policy chose
+            raise _Damage(f"policy state: {e}") from e
+        if len(victims) < min(n, int(np.count_nonzero(evictable))) and not self._retrying:
+            # A policy evicts min(n, candidates) (the conformance suite holds every one to it), so
+            # fewer means damaged state (residency, child counts, queue marks) that would refuse
+            # stores from now on.
+            raise _Damage(f"the policy chose {len(victims)} of {n} victims among evictable blocks")
         old = Evicted(ChunkKeys(rec["key"][victims].copy(), rec["parent"][victims].copy(),
                                 self._tokens[victims].copy(), 0, rec["position"][victims].astype(np.int64)),
                       None, self._state.hits[victims].copy())  # remove() leaves hits: demotion rules use them
@@ -544,11 +623,13 @@ class HotTier(Tier):
     def _check_keys(self, keys: ChunkKeys) -> None:
         check_keys(self.spec, keys)
 
+    @_survives_damage
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         self._check()
         self._check_keys(keys)
         return self._confirmed(keys, self._find(keys.keys))
 
+    @_survives_damage
     def match(self, keys: ChunkKeys) -> int:
         self._check()
         self._check_keys(keys)
@@ -557,6 +638,7 @@ class HotTier(Tier):
         self._stats[_STAT["lookups"]] += 1
         return n
 
+    @_survives_damage
     def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
@@ -581,6 +663,7 @@ class HotTier(Tier):
 
         return self._read(keys, copy)
 
+    @_survives_damage(user_code=True)
     def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
         """Like ``get_many``, but hand each block to ``sink(i, block_bytes)`` while it is pinned.
 
@@ -648,16 +731,19 @@ class HotTier(Tier):
                 n = int(np.argmin(same))
                 self._stats[_STAT["torn_reads"]] += 1
             # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
-            if self._policy.hit_needs_lock:
-                with self._tlock:
-                    try:
-                        self._enter()
-                        policies.hit(self._policy, self._state, slots[:n])
-                        self._h["dirty"] = 0
-                    finally:
-                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
-            else:
-                policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
+            try:
+                if self._policy.hit_needs_lock:
+                    with self._tlock:
+                        try:
+                            self._enter()
+                            policies.hit(self._policy, self._state, slots[:n])
+                            self._h["dirty"] = 0
+                        finally:
+                            fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                else:
+                    policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
+            except (IndexError, ValueError) as e:
+                raise _Damage(f"policy state: {e}") from e
             with self._tlock:
                 try:
                     self._enter()
@@ -679,9 +765,14 @@ class HotTier(Tier):
         me = self._owners[self._owner]
         n_pins = int(me["n_pins"])
         if n_pins:
-            np.subtract.at(self._slots["pins"], me["pins"][:n_pins], 1)
+            listed = me["pins"][: min(n_pins, seg.MAX_PINS)]
+            if n_pins > seg.MAX_PINS or (listed < 0).any() or (listed >= self.n_slots).any():
+                self._h["repin"] = 1  # a damaged pin list: count again from every row
+            else:
+                np.subtract.at(self._slots["pins"], listed, 1)
             me["n_pins"] = 0
 
+    @_survives_damage(user_code=True)  # on_evict is the caller's
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
         """Store blocks. Returns one ``PutResult`` code per key (int8 array).
 
@@ -774,8 +865,11 @@ class HotTier(Tier):
                     rec["gen"][use] += 1  # even again: published
                     rec["state"][use] = READY
                     parents = self._find(keys.parents[stored])
-                    policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
-                                    keys.positions[stored])
+                    try:
+                        policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
+                                        keys.positions[stored])
+                    except (IndexError, ValueError) as e:
+                        raise _Damage(f"policy state: {e}") from e
                     self._release_spare(spare)
                     self._h["dirty"] = 0
                 finally:
@@ -822,6 +916,7 @@ class HotTier(Tier):
         self._free[top:top + len(spare)] = spare
         self._h["free_top"] = top + len(spare)
 
+    @_survives_damage
     def remove(self, keys: ChunkKeys) -> int:
         """Remove resident, unpinned blocks; returns how many were removed."""
         self._check()
@@ -839,6 +934,7 @@ class HotTier(Tier):
         self._stats[_STAT["removed"]] += len(slots)
         return len(slots)
 
+    @_survives_damage
     def evict(self, n: int) -> Evicted:
         """Evict up to ``n`` blocks chosen by the policy; returns their keys and bytes."""
         self._check()

@@ -454,6 +454,8 @@ def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec
             stop.set()
             assert idle.wait(60), "the worker never finished its loop"
             msgs = [counts.get(timeout=10)]
+            print(f"\ninterrupts: {msgs[0][1]} landed in tier calls, {msgs[0][2]} calls completed, "
+                  f"{msgs[0][3]} wrong reads")
             assert msgs[0][0] == "done" and msgs[0][1] > 500 and msgs[0][3] == 0, msgs  # they really landed
             # The worker is alive and idle. Nothing it was doing may still hold anything:
             started = time.monotonic()

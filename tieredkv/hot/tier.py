@@ -115,11 +115,15 @@ class HotTier(Tier):
         capacity_bytes: total segment size to create (ignored when attaching to an existing segment).
         n_slots: create exactly this many slots instead of deriving them from ``capacity_bytes``.
         name: segment name; default ``/tieredkv-<namespace>``.
-        policy: eviction policy name for a new segment (default ``"lru"``); attaching with a different
-            name than the segment's is an error. ``None`` attaches with whatever the segment uses.
-        mode: permission bits of a new segment (default 0600: a KV cache holds users' prompts).
-        create: create the segment if missing (``False``: attach only).
-        lock_timeout_s: bound on every lock wait.
+        policy: eviction policy name for a new segment (default ``"lru"``); the full spec is recorded
+            (``"prefix_aware:arc"``), and attaching with a different one is an error. ``None``
+            attaches with whatever the segment uses.
+        mode: permission bits of a new segment (default 0600: a KV cache holds users' prompts), at
+            least 0600, never writable by every user, no set-id or sticky bits. An existing segment
+            whose mode allows more than ``mode`` (widened after creation) is refused.
+        create: create the segment if missing (``False``: attach only; a missing segment is then
+            ``InvalidInput``).
+        lock_timeout_s: bound on every lock wait (positive seconds).
         on_evict: called with an ``Evicted`` (keys and copied bytes) for blocks evicted to make room,
             outside the lock, before their slots are reused: the demotion hook.
         numa_node: suffix the segment name with the node (one segment per node).
@@ -128,8 +132,9 @@ class HotTier(Tier):
         CapacityError: the segment does not fit in /dev/shm.
         SpecMismatch: the existing segment was made for another spec.
         FormatError: the existing segment is not ours or has another layout version.
-        PermissionDenied: the existing segment belongs to another user.
+        PermissionDenied: the existing segment belongs to another user, or its mode is wider than ``mode``.
         InvalidName: an unusable ``name``.
+        InvalidInput: a size, timeout, mode or policy that is not one (named in the message).
     """
 
     #: Evict at least this fraction of the slots whenever eviction runs: the policy's O(n_slots) pass is

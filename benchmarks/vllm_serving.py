@@ -153,13 +153,13 @@ def serving(args, work: Path) -> dict:
                     pass
             print(f"  {scenario}: starting {args.engines} engines ...", flush=True)
             runs = _run_engines(args, model, None if scenario == "prefix_caching" else extra, systems, work, scenario)
-            rows[scenario] = _summary(runs)
+            row = rows[scenario if scenario not in rows else f"{scenario}#{len(rows) + 1}"] = _summary(runs)
             if scenario != "prefix_caching":
                 with TieredCache(spec, hot_bytes=extra["hot_bytes"], hot_name=hot_name, warm_dir=extra["warm_dir"],
                                  warm_bytes=extra["warm_bytes"]) as cache:
                     st = cache.stats()
-                    rows[scenario]["hot_bytes_used"] = st["hot"]["used_blocks"] * spec.block_bytes
-                    rows[scenario]["warm_bytes_used"] = st["warm"]["used_blocks"] * spec.block_bytes
+                    row["hot_bytes_used"] = st["hot"]["used_blocks"] * spec.block_bytes
+                    row["warm_bytes_used"] = st["warm"]["used_blocks"] * spec.block_bytes
     finally:
         try:
             posix_ipc.unlink_shared_memory(hot_name)
@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suffix-tokens", type=int, default=32)
     parser.add_argument("--requests", type=int, default=8, help="requests per engine")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
-                        help=f"comma-separated, in order, from {SCENARIOS} (prefix_caching is the baseline)")
+                        help=f"comma-separated, in order, from {SCENARIOS}; the first prefix_caching run is the "
+                             "baseline (repeat it to see the run-to-run spread)")
     parser.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
     parser.add_argument("--reps", type=int, default=20, help="repetitions of the restore timing")
     parser.add_argument("--skip", choices=("serving", "restore"), action="append", default=[])

@@ -161,6 +161,19 @@ def test_spec_matches_the_hf_integration_and_checks_chunk_tokens(model_dir, cfg)
         tv.spec_from_vllm(cfg, kv_cache_config(sliding))
 
 
+def test_each_tp_rank_has_its_own_heads_and_namespace(model_dir, cfg):
+    from tieredkv import KVSpec
+
+    cfg.parallel_config.tensor_parallel_size = 2
+    per_rank = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // 2, head_size=HEAD_DIM, dtype=torch.float32)
+    ranks = [tv.spec_from_vllm(cfg, kv_cache_config(per_rank), chunk_tokens=64, tp_rank=r)[0] for r in (0, 1)]
+    for rank, spec in enumerate(ranks):
+        assert (spec.num_kv_heads, spec.tp_rank, spec.tp_size) == (HEADS // 2, rank, 2)
+        assert spec == KVSpec.from_hf_config(model_dir, chunk_tokens=64, dtype="float32", model_id=model_dir,
+                                             tp_rank=rank, tp_size=2)
+    assert ranks[0].namespace != ranks[1].namespace  # a rank never reads another rank's heads
+
+
 # ---- paged-cache layouts (the copies themselves: tests/test_paged_kv.py) ------------------------------
 def test_vllms_layouts_are_the_ones_test_paged_kv_builds():
     from test_paged_kv import LAYOUT_ORDERS

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tieredkv import InvalidInput, KVSpec, PutResult, TieredCache, TieredKVError, WarmTierUnavailable, chunk_keys
+from tieredkv import InvalidInput, KVSpec, LockTimeout, PutResult, TieredCache, TieredKVError, WarmTierUnavailable, chunk_keys
 from tieredkv.warm import WarmTier, admin
 from tieredkv.warm.testing import TEST_SPEC_ARGS, check_index, payload_for
 
@@ -201,6 +201,14 @@ def body(txn):
 t._index.write(body)
 """
 
+_STOPPED_OPENER = """
+import os, signal
+from tieredkv.warm import files
+with files.init_lock({tier_dir!r}):
+    print("inside", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
 _OTHER_PROCESS = """
 import numpy as np
 from tieredkv import KVSpec, LockTimeout, chunk_keys
@@ -252,6 +260,14 @@ def test_a_writer_stopped_inside_a_write_transaction_blocks_nobody_without_bound
         assert other.stdout.split("\n")[:2] == ["open: LockTimeout", "cache: hot-only 1"], \
             other.stdout + other.stderr
         child.send_signal(signal.SIGCONT)  # it commits and exits
+        assert child.wait(timeout=60) == 0
+        # The same for a process stopped while it opens (holding the tier's init lock).
+        child = _child(_STOPPED_OPENER.format(tier_dir=str(root / SPEC.namespace)))
+        assert child.stdout.readline().strip() == "inside"
+        wait_until(lambda: _proc_state(child.pid) == "T")
+        with pytest.raises(LockTimeout, match="stopped"):
+            WarmTier(SPEC, root, lock_timeout_s=0.5)
+        child.send_signal(signal.SIGCONT)
         assert child.wait(timeout=60) == 0
         assert (fill(t, keys(1000, 2)) == PutResult.STORED).all()
     finally:

@@ -21,11 +21,12 @@ import fcntl
 import os
 import shutil
 import stat
+import time
 import warnings
 from typing import Any, Iterator
 
-from tieredkv.errors import (CapacityError, CorruptState, InvalidInput, PermissionDenied, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import (CapacityError, CorruptState, InvalidInput, LockTimeout, PermissionDenied,
+                             TieredKVError, WarmTierUnavailable)
 from tieredkv.keys import KEY_BYTES
 from tieredkv.spec import KVSpec
 from tieredkv.warm import index as ix
@@ -118,10 +119,18 @@ def _restrict_modes(path: str, wide: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def init_lock(path: str) -> Iterator[None]:
+def init_lock(path: str, timeout_s: float | None = None) -> Iterator[None]:
     """Hold the tier's ``lock`` file (flock, freed by the kernel if we die) while creating or repairing.
 
     A read-only directory without a lock file cannot be created or repaired by anyone: no lock needed.
+
+    Args:
+        path: the tier directory.
+        timeout_s: longest wait for a holder that is alive but stopped (SIGSTOP, a debugger) inside
+            its open; None waits as long as it takes (an operator's ``verify --repair``).
+
+    Raises:
+        LockTimeout: a live process held the lock for ``timeout_s``.
     """
     lock_path = os.path.join(path, mt.LOCK_NAME)
     try:
@@ -133,10 +142,29 @@ def init_lock(path: str) -> Iterator[None]:
             yield
             return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if timeout_s is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            _flock_within(fd, lock_path, timeout_s)
         yield
     finally:
         os.close(fd)  # releases the flock
+
+
+def _flock_within(fd: int, lock_path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-4
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if time.monotonic() > deadline:
+            raise LockTimeout(f"{lock_path} is still held by a live process after {timeout_s:.1f} s: a "
+                              f"process opening or repairing the warm tier may be stopped (SIGSTOP)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
 
 
 def index_sizes(n_slots: int, record_bytes: int, map_size: int | None = None,

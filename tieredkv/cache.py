@@ -27,10 +27,11 @@ import numpy as np
 
 from tieredkv import counters, policies
 from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
-                             PermissionDenied, TieredKVError, WarmTierUnavailable)
+                             PermissionDenied, TieredKVError, WarmTierUnavailable, require_positive_int,
+                             require_positive_seconds)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import copy_into
+from tieredkv.layout import copy_into, overlaps_itself
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
@@ -111,6 +112,12 @@ class TieredCache:
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        # Checked here, under the names the caller used, before any tier is made.
+        if hot_bytes is not None:
+            hot_bytes = require_positive_int("hot_bytes", hot_bytes, "256 << 20")
+        if hot_blocks is not None:
+            hot_blocks = require_positive_int("hot_blocks", hot_blocks, "4096")
+        lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
         try:
             policies.make(eviction)
             self.promotion = promotion_rules.make(promotion)
@@ -360,6 +367,18 @@ class TieredCache:
         if arr.shape[3] < min_tokens:
             raise InvalidPayload(f"{what} holds {arr.shape[3]} tokens; the hit needs {min_tokens}")
 
+    @staticmethod
+    def _check_no_overlap(out) -> None:
+        if isinstance(out, np.ndarray):
+            strides, size = out.strides, out.itemsize
+        else:  # torch counts strides in elements
+            size = out.element_size()
+            strides = tuple(st * size for st in out.stride())
+        if overlaps_itself(tuple(out.shape), strides, size):
+            raise InvalidPayload(f"out has overlapping strides (byte strides {strides}, as made by as_strided "
+                                 "or expand): restored tokens would overwrite each other; pass an array with "
+                                 "one element per index")
+
     def _torch_dtype_ok(self, t) -> bool:
         return str(t.dtype).removeprefix("torch.") == self.spec.dtype
 
@@ -373,6 +392,7 @@ class TieredCache:
             if not out.flags.writeable:
                 raise InvalidPayload("out is read-only")
             self._check_array(out, "out", min_tokens)
+            self._check_no_overlap(out)
             return out, lambda n: None
         torch = _torch_or_none(out)
         if torch is None:
@@ -380,6 +400,11 @@ class TieredCache:
         if not self._torch_dtype_ok(out):
             raise InvalidPayload(f"out dtype {out.dtype} != the spec's {self.spec.dtype}")
         self._check_array(out, "out", min_tokens)
+        _check_device(out, "out")
+        if out.requires_grad:
+            raise InvalidPayload("out requires grad: autograd cannot track a cache restore; allocate it "
+                                 "without requires_grad (or pass out.detach(), which shares its memory)")
+        self._check_no_overlap(out)
         if out.device.type == "cpu":
             return _numpy_of(out, self.spec.numpy_dtype), lambda n: None
         # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call. The
@@ -414,6 +439,7 @@ class TieredCache:
         if not self._torch_dtype_ok(kv):
             raise InvalidPayload(f"kv dtype {kv.dtype} != the spec's {self.spec.dtype}")
         self._check_array(kv, "kv", 0)
+        _check_device(kv, "kv")
         if kv.device.type != "cpu":
             kv = kv.detach().to("cpu")
         return _numpy_of(kv.detach(), self.spec.numpy_dtype)
@@ -486,6 +512,11 @@ def _torch_or_none(obj: Any):
     import torch
 
     return torch if isinstance(obj, torch.Tensor) else None
+
+
+def _check_device(t, what: str) -> None:
+    if t.device.type == "meta":
+        raise InvalidPayload(f"{what} is on the meta device, which holds no data; pass a CPU or CUDA tensor")
 
 
 def _numpy_of(t, numpy_dtype: np.dtype) -> np.ndarray:

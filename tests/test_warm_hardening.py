@@ -616,3 +616,50 @@ def test_a_data_file_cut_by_a_few_pages_is_refused_not_a_signal(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _SCAN_ALL.format(root=str(root))], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.stdout.split() == ["served", "1500"], proc.stdout + proc.stderr
+
+
+_FORKING_WRITER = """
+import os, sys, time, numpy as np
+from tieredkv import KVSpec, chunk_keys
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS, payload_for
+spec = KVSpec(**TEST_SPEC_ARGS)
+t = WarmTier(spec, {root!r}, capacity_bytes=4 * 4096)
+def stuck(*a, **k):
+    child = os.fork()
+    if child == 0:  # a helper process that never touches the tier
+        time.sleep(600)
+        os._exit(0)
+    print("claimed", child, flush=True)
+    time.sleep(600)
+t._slabs.write = stuck
+k = chunk_keys(spec, np.arange(7000, 7000 + 4 * spec.chunk_tokens))
+t.put_many(k, payload_for(k, spec.block_bytes))
+"""
+
+
+def test_a_forked_child_does_not_keep_a_dead_writer_alive(tmp_path):
+    root = tmp_path / "warm"
+    WarmTier(SPEC, root, capacity_bytes=4 * SLOT).close()
+    writer = _child(_FORKING_WRITER.format(root=str(root)))
+    helper = None
+    try:
+        word, pid = writer.stdout.readline().split()
+        assert word == "claimed"
+        helper = int(pid)
+        assert admin.verify(root)["tiers"][0]["dead_claims"] == 0  # the writer lives
+        writer.kill()
+        writer.wait(timeout=30)
+        # Its child inherited the registry's descriptor (and so the lock) but dropped it at fork.
+        assert _proc_state(helper) in "SR"
+        assert admin.verify(root)["tiers"][0]["dead_claims"] == 4
+        with WarmTier(SPEC, root) as t:
+            assert (fill(t, keys(0, 4)) == PutResult.STORED).all()
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+        if helper is not None:
+            try:
+                os.kill(helper, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

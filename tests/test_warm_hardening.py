@@ -290,7 +290,7 @@ except WarmTierUnavailable as e:
 """
 
 
-@pytest.mark.parametrize("how", ["delete", "replace"])
+@pytest.mark.parametrize("how", ["delete", "replace", "delete owners"])
 def test_a_replaced_lock_file_never_makes_two_writers(tmp_path, how):
     root = tmp_path / "warm"
     lock = root / SPEC.namespace / "index.lmdb" / "lock.mdb"
@@ -300,17 +300,21 @@ def test_a_replaced_lock_file_never_makes_two_writers(tmp_path, how):
         fill(t, first)
         if how == "delete":
             lock.unlink()
-        else:
+        elif how == "replace":
             shutil.copy(lock, str(lock) + ".new")
             os.replace(str(lock) + ".new", lock)
-        # A new opener (another worker starting) would make a second LMDB lock table: refused.
+        else:  # the owner registry: a new one would not know the running worker (its claims look dead)
+            (root / SPEC.namespace / "owners").unlink()
+        # A new opener (another worker starting) would make a second LMDB lock table, or a second
+        # registry: refused.
         other = subprocess.run([sys.executable, "-c", _OPENER.format(root=str(root))], capture_output=True,
                                text=True, cwd=ROOT, timeout=120)
         assert other.stdout.startswith("refused:") and "deleted or replaced" in other.stdout, \
             other.stdout + other.stderr
-        # The worker that had it open stops writing, with a clear error; reads go on.
-        with pytest.raises(WarmTierUnavailable, match="deleted or replaced"):
-            fill(t, keys(1000, 2))
+        if how != "delete owners":
+            # The worker that had it open stops writing, with a clear error; reads go on.
+            with pytest.raises(WarmTierUnavailable, match="deleted or replaced"):
+                fill(t, keys(1000, 2))
         assert served(t, first) == 4
     finally:
         t.close()

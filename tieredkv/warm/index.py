@@ -426,6 +426,12 @@ class _SharedEnv:
             raise WarmTierUnavailable(f"the warm tier index {path} has no data.mdb (opened read-only)")
         self.owners = Owners(os.path.dirname(path), writable=not readonly)
         try:
+            if self.owners.registry_lost(path):
+                raise WarmTierUnavailable(
+                    f"{self.owners.path} was deleted or replaced while processes have the warm tier open: "
+                    f"they are not in this registry, so their claims would look dead and be reaped under "
+                    f"them; stop every process using this tier, then reopen it")
+            self.owners.hold_presence()
             try:
                 if not readonly:
                     # open_db may run a write transaction: bounded like every other write.

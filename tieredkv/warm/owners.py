@@ -46,7 +46,7 @@ OWNERS_NAME = "owners"
 WRITER_BYTE = locks.META_LOCK_BYTE
 PRESENCE_BYTE = locks.META_LOCK_BYTE + 1
 REGISTRY_BASE = locks.REGISTRY_BASE
-#: Registry slots; more processes than this with one tier open cannot write it (they read).
+#: Registry slots: one more process than this opening the tier for writing gets WarmTierUnavailable.
 MAX_OWNERS = 1 << 14
 ENTRY = struct.Struct("<QQQQ")  # token, st_dev, lock.mdb inode, data.mdb inode
 

@@ -69,7 +69,7 @@ def test_from_hf_config_with_a_string_count_names_the_field(field):
         KVSpec.from_hf_config({**cfg, field: 2}, tp_size="1")
 
 
-@pytest.mark.parametrize("bad", [5, "", b"/tmp", None.__class__])
+@pytest.mark.parametrize("bad", [5, "", b"/tmp", object()])
 def test_bad_warm_dir_is_invalid_input_naming_it(bad, seg_name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "" must not mean "here": nothing may appear in the cwd
     with pytest.raises(InvalidInput, match="warm_dir"):

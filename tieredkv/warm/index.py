@@ -436,8 +436,13 @@ class _SharedEnv:
                 if not readonly:
                     # open_db may run a write transaction: bounded like every other write.
                     self.owners.acquire_writer(lock_timeout_s)
+                before = files_identity(path)
                 self._open_env(path, sync, map_size, readonly)
                 self.identity = files_identity(path)
+                if any(b and b != a for b, a in zip(before[1:], self.identity[1:])):
+                    # Replaced while LMDB opened them: we cannot tell which ones it holds.
+                    raise WarmTierUnavailable(f"the warm tier index files in {path} were replaced while "
+                                              f"this process opened them; open the tier again")
                 if not readonly:
                     self.owners.register(self.identity)
                     self._check_peers()

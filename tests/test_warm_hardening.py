@@ -667,3 +667,29 @@ def test_a_forked_child_does_not_keep_a_dead_writer_alive(tmp_path):
                 os.kill(helper, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_slab_deleted_under_a_running_worker_is_not_recreated_beside_it(tmp_path):
+    root = tmp_path / "warm"
+    k = keys(0, 4)
+    t = WarmTier(SPEC, root, capacity_bytes=16 * SLOT, verify="never")
+    try:
+        fill(t, k)
+        (root / SPEC.namespace / "slab-0000.bin").unlink()
+        # A new opener would make a fresh slab-0000.bin: its writes and the running worker's would land
+        # in two different files under one index. Refused while the worker lives.
+        other = subprocess.run([sys.executable, "-c", _OPENER.format(root=str(root)).replace(
+            "WarmTierUnavailable", "TieredKVError")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert other.stdout.startswith("refused:") and "deleted while 1 process" in other.stdout, \
+            other.stdout + other.stderr
+        assert not (root / SPEC.namespace / "slab-0000.bin").exists()
+        assert served(t, k) == 4  # the worker still reads (and writes) the deleted file, consistently
+        assert (fill(t, keys(100, 2)) == PutResult.STORED).all()
+        assert served(t, keys(100, 2)) == 2
+    finally:
+        t.close()
+    with pytest.warns(UserWarning, match="missing"):  # alone now: repaired as before
+        t = WarmTier(SPEC, root)
+    with t:
+        assert t.match(k) == 0 and (fill(t, k) == PutResult.STORED).all() and served(t, k) == 4
+    check_index(str(root / SPEC.namespace))

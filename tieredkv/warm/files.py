@@ -325,13 +325,27 @@ def repair_slabs(index: ix.Index, slabs: Slabs) -> tuple[dict[int, tuple[str, in
     repair once. Blocks in the intact part of a truncated slab are kept. The dropped blocks are added
     to the index's lifetime corrupt counter.
 
+    A missing slab is not recreated while other processes have the tier open: they still read and
+    write the deleted file through their descriptors (so their blocks stay right), and a new file
+    beside it would split the tier in two, each side's records pointing at the other's bytes.
+
     Returns:
         ``(damaged, dropped)``: ``{slab: ("missing" | "truncated", size)}`` as found, and how many
         records were dropped.
+
+    Raises:
+        CorruptState: a slab is missing while other processes have the tier open.
     """
     damaged = slabs.damaged()
     if not damaged:
         return damaged, 0
+    missing = sorted(i for i, (what, _) in damaged.items() if what == "missing")
+    if missing:
+        live = index.owners.others()
+        if live:
+            raise CorruptState(f"slab(s) {missing} of the warm tier {slabs.directory} were deleted while "
+                               f"{len(live)} process(es) have it open (they still use the deleted files); "
+                               f"stop them, then open the tier again to repair it")
     per, block_bytes, slot_bytes = slabs.slots_per_slab, slabs.block_bytes, slabs.slot_bytes
 
     def purge(txn):

@@ -20,8 +20,8 @@ def test_seed_geometry_sizes():
     assert spec.bytes_per_token == 28_672
     assert spec.block_bytes == 28_672 * 64 == 1_835_008
     assert spec.block_shape == (28, 2, 2, 64, 128)
-    # The write-up's sizing table: 4096 tokens ~ 114 MB per request (decimal MB), 8 concurrent ~ 917 MB.
-    assert round(spec.bytes_per_token * 4096 / 1e6) == 117  # 117.4 MB = 112 MiB: the write-up's "~114 MB"
+    # The targets' model (docs/architecture.md): 4096 tokens ~ 112 MiB per request, 8 concurrent ~ 896 MiB.
+    assert round(spec.bytes_per_token * 4096 / 1e6) == 117  # 117.4 MB = 112 MiB
     assert spec.bytes_per_token * 4096 * 8 / 2**20 == pytest.approx(896, rel=0.01)
 
 

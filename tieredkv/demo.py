@@ -513,7 +513,8 @@ def _size(n: float) -> str:
 
 
 def format_table(doc: dict) -> str:
-    """The write-up's table: one row per configuration, then the changes against no_cache and private."""
+    """The results table (as in docs/architecture.md, "Targets"): one row per configuration, then the
+    changes against no_cache and private."""
     head = ("config", "prefix KV held", "PSS (workers)", "TTFT p50", "TTFT p99", "tokens/s", "prefix hit")
     rows = [head]
     for name, c in doc["configs"].items():

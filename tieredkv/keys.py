@@ -137,7 +137,7 @@ def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b
     raw = table.tobytes()
     width = chunk * 4
     # The chain is sequential; keep the loop body to one concat, one hash, one append (a 128k-token
-    # prompt is 2,048 iterations: ~0.6 ms here).
+    # prompt is 2,048 iterations; its cost: docs/benchmarks.md, "Notes behind the code").
     prev = root_key(spec, salt)
     digests = [prev]
     append, h = digests.append, xxhash.xxh3_128_digest

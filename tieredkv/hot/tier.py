@@ -1,6 +1,6 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
-Concurrency (design.md section 6.1), in one paragraph: metadata (slot states, the index, the free stack,
+Concurrency (docs/architecture.md, "Concurrency and crash invariants"), in one paragraph: metadata (slot states, the index, the free stack,
 pins, policy state) changes only inside ``_critical()``, under an OFD lock the kernel releases if its
 holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
 fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
@@ -9,7 +9,7 @@ the generation, so a block recycled or torn meanwhile is a miss, never wrong byt
 pins the blocks it copies (pin count and state checked in one critical section) so they cannot be
 evicted under it; pins are recorded per owner so a dead reader's pins are reclaimed.
 
-Crash recovery (section 6.2): the lock holder marks the header ``dirty`` on entry and clears it on exit.
+Crash recovery (invariant 6 there): the lock holder marks the header ``dirty`` on entry and clears it on exit.
 A holder that finds ``dirty`` set knows the previous holder died inside a critical section and scrubs:
 it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot table.
 A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of space
@@ -477,7 +477,7 @@ class HotTier(Tier):
 
         def copy(first: int, slots: np.ndarray) -> None:
             # Runs of consecutive slots (the common case: a prompt stored in one batch) are one copy.
-            # Not np.take: it is 4x slower than row copies from a shared mapping on our machines.
+            # Not np.take: slower than row copies from a shared mapping (docs/benchmarks.md, notes).
             if not len(slots):
                 return
             breaks = np.flatnonzero(np.diff(slots) != 1) + 1
@@ -529,7 +529,7 @@ class HotTier(Tier):
         slots = found[:n]
         rec = self._slots
         with self._critical():
-            # Re-check under the lock and pin in the same critical section (design.md 6.1 #3).
+            # Re-check under the lock and pin in the same critical section (invariant 3).
             ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
             n = int(np.argmin(ok)) if not ok.all() else n
             slots = slots[:n]

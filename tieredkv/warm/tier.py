@@ -1,6 +1,7 @@
 """WarmTier: blocks in preallocated slab files on SSD, found through an LMDB index that survives restarts.
 
-A put is three steps, each safe to die in (design.md section 7, "data first, index second")::
+A put is three steps, each safe to die in ("data first, index second": docs/architecture.md,
+invariant 7)::
 
     1. claim   write txn: take free slots (free list, high-water mark, or policy victims) and record
                them in ``inflight`` under (pid, process start time)      -> crash: slots reaped as free
@@ -40,7 +41,7 @@ from typing import Any
 import lmdb
 import numpy as np
 import xxhash
-from numpy.random import default_rng  # at import: a lazy numpy.random import costs ~20 ms at open
+from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
 from tieredkv import policies
 from tieredkv.errors import (CorruptState, FormatError, InvalidInput, TieredKVError,

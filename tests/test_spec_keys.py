@@ -35,6 +35,7 @@ def test_fingerprint_changes_with_everything_that_changes_bytes():
     assert KVSpec(**SEED).fingerprint == base.fingerprint
 
 
+@pytest.mark.slow  # imports transformers for its config classes
 def test_from_hf_config_dict_path_folder_and_object(tmp_path):
     cfg = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 2,
            "hidden_size": 2048, "torch_dtype": "bfloat16", "_name_or_path": "Qwen/Qwen2-1.5B"}
@@ -65,6 +66,7 @@ def test_from_hf_config_errors(tmp_path):
         KVSpec.from_hf_config({"vocab_size": 10})
 
 
+@pytest.mark.procs
 def test_keys_deterministic_across_processes():
     spec = KVSpec(**SEED)
     tokens = list(range(1000, 1000 + 64 * 5 + 7))

@@ -1,16 +1,17 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
-Concurrency (docs/architecture.md, "Concurrency and crash invariants"), in one paragraph: metadata (slot states, the index, the free stack,
-pins, policy state) changes only inside ``_critical()``, under an OFD lock the kernel releases if its
-holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
-fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
-the lock to *find* blocks; they read a slot's generation, its key and state, use the data, and re-read
-the generation, so a block recycled or torn meanwhile is a miss, never wrong bytes. ``get_many`` also
-pins the blocks it copies (pin count and state checked in one critical section) so they cannot be
-evicted under it; pins are recorded per owner so a dead reader's pins are reclaimed.
+Concurrency (docs/architecture.md, "Concurrency and crash invariants"), in one paragraph: metadata
+(slot states, the index, the free stack, pins, policy state) changes only inside ``_critical()``, under
+an OFD lock the kernel releases if its holder dies. Data is copied outside the lock: a writer claims a
+slot (state WRITING, generation odd), fills it without the lock, and publishes it (READY, generation
+even) under the lock. Readers never take the lock to *find* blocks; they read a slot's generation, its
+key and state, use the data, and re-read the generation, so a block recycled or torn meanwhile is a
+miss, never wrong bytes. ``get_many`` also pins the blocks it copies (pin count and state checked in
+one critical section) so they cannot be evicted under it; pins are recorded per owner so a dead
+reader's pins are reclaimed.
 
-Crash recovery (invariant 6 there): the lock holder marks the header ``dirty`` on entry and clears it on exit.
-A holder that finds ``dirty`` set knows the previous holder died inside a critical section and scrubs:
+Crash recovery (invariant 6 there): the lock holder marks the header ``dirty`` on entry and clears it
+on exit. A holder that finds ``dirty`` set knows the previous holder died inside a critical section and scrubs:
 it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot table.
 A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of space
 (owner = registry index + token; liveness = the owner's registry lock is held).
@@ -25,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import posix_ipc
@@ -47,7 +48,7 @@ _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 # file descriptions that hold the owners' registry locks: a child that never touches the tier would
 # keep a dead parent looking alive (its WRITING slots and pins never reclaimed). So the child drops
 # its copies at once; a handle it does use reattaches with a descriptor of its own (see _check).
-_HANDLES: "weakref.WeakSet[HotTier]" = weakref.WeakSet()
+_HANDLES: weakref.WeakSet[HotTier] = weakref.WeakSet()
 
 
 def _drop_inherited_descriptors() -> None:
@@ -135,7 +136,8 @@ class HotTier(Tier):
                     spec, int(capacity_bytes), lambda n: policies.StateLayout.for_policy(engine, n).nbytes)
             if int(n_slots) <= 0:
                 raise InvalidInput(f"n_slots must be positive, got {n_slots}")
-            layout = seg.Layout.compute(spec, int(n_slots), policies.StateLayout.for_policy(engine, int(n_slots)).nbytes)
+            state_bytes = policies.StateLayout.for_policy(engine, int(n_slots)).nbytes
+            layout = seg.Layout.compute(spec, int(n_slots), state_bytes)
             if sized_by_bytes and layout.total_bytes > capacity_bytes:
                 raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block "
                                    f"and the segment's metadata ({layout.total_bytes} bytes needed)")
@@ -534,7 +536,7 @@ class HotTier(Tier):
             n = int(np.argmin(ok)) if not ok.all() else n
             slots = slots[:n]
             gens = rec["gen"][slots].copy()
-            rec["pins"][slots] += 1
+            np.add.at(rec["pins"], slots, 1)  # not pins[slots] += 1: a key twice in one batch pins twice
             me = self._owners[self._owner]
             me["pins"][:n] = slots
             me["n_pins"] = n

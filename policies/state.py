@@ -90,7 +90,7 @@ class StateLayout:
         self.nbytes = self.ghost_offset + _round(max(ghost_words, 1) * WORD, 64)
 
     @classmethod
-    def for_policy(cls, policy, n_slots: int) -> "StateLayout":
+    def for_policy(cls, policy, n_slots: int) -> StateLayout:
         """The layout ``policy`` needs for ``n_slots`` slots."""
         return cls(n_slots, tuple(policy.slot_fields), tuple(policy.global_fields),
                    policy.ghost_capacity(n_slots), getattr(policy, "ghost_lists", 1))
@@ -135,7 +135,7 @@ class SlotState:
         self.incoming: np.ndarray | None = None
 
     @classmethod
-    def private(cls, policy, n_slots: int) -> "SlotState":
+    def private(cls, policy, n_slots: int) -> SlotState:
         """A fresh state in private memory (the simulator's home)."""
         layout = StateLayout.for_policy(policy, n_slots)
         state = cls(layout, bytearray(layout.nbytes))
@@ -143,7 +143,7 @@ class SlotState:
         return state
 
     @classmethod
-    def over(cls, policy, n_slots: int, buffer, offset: int) -> "SlotState":
+    def over(cls, policy, n_slots: int, buffer, offset: int) -> SlotState:
         """The state inside a shared buffer (the hot tier's home). Does not reset it."""
         return cls(StateLayout.for_policy(policy, n_slots), buffer, offset)
 

@@ -96,7 +96,8 @@ class TieredCache:
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
-                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
+                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none",
+                 warm_verify: str = "always",
                  numa_node: int | None = None, lock_timeout_s: float = 10.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -441,7 +442,7 @@ class TieredCache:
             if tier is not None:
                 tier.close()
 
-    def __enter__(self) -> "TieredCache":
+    def __enter__(self) -> TieredCache:
         return self
 
     def __exit__(self, *exc) -> None:

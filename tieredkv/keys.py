@@ -11,7 +11,7 @@ hit is confirmed by comparing them, so even a 128-bit collision never hands out 
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -86,7 +86,7 @@ class ChunkKeys:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def __getitem__(self, index: int | slice) -> "bytes | ChunkKeys":
+    def __getitem__(self, index: int | slice) -> bytes | ChunkKeys:
         if isinstance(index, slice):
             begin, _, step = index.indices(len(self))
             if step != 1:
@@ -110,7 +110,7 @@ class ChunkKeys:
         """The low 64 bits of each key (the index's hash; policies' ghost entries)."""
         return self.keys[:, 0]
 
-    def take(self, rows: np.ndarray) -> "ChunkKeys":
+    def take(self, rows: np.ndarray) -> ChunkKeys:
         """The keys at ``rows`` (any order), keeping each one's prompt position."""
         rows = np.asarray(rows, dtype=np.int64)
         return ChunkKeys(self.keys[rows], self.parents[rows], self.tokens[rows], 0, self.positions[rows])

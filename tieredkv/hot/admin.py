@@ -17,7 +17,6 @@ from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 
 
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

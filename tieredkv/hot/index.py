@@ -49,8 +49,9 @@ class HotIndex:
         """Slot indexed under each ``(n, 2)`` uint64 key, or -1. Lock-free; confirm what it returns.
 
         The table matches the key's first word; the slot it names must hold the whole key (as in a
-        slot table read just now). Two keys whose first words collide (rare: a 2**-64 chance per pair of xxh3 keys, or forged keys in tests) are told apart
-        by a scalar scan of the probe run, off the common path.
+        slot table read just now). Two keys whose first words collide (rare: a 2**-64 chance per pair
+        of xxh3 keys, or forged keys in tests) are told apart by a scalar scan of the probe run, off
+        the common path.
         """
         keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)
         lo = keys[:, 0].view(np.int64)

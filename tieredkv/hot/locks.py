@@ -40,7 +40,7 @@ try:
     _SETLK = fcntl.F_OFD_SETLK
     _GETLK = fcntl.F_OFD_GETLK
 except AttributeError:  # pragma: no cover - non-Linux
-    raise ImportError("tieredkv's hot tier needs Linux open-file-description locks (F_OFD_SETLK)")
+    raise ImportError("tieredkv's hot tier needs Linux open-file-description locks (F_OFD_SETLK)") from None
 
 
 def _flock(kind: int, start: int, length: int = 1) -> bytes:

@@ -116,7 +116,7 @@ class Layout:
     total_bytes: int
 
     @classmethod
-    def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
+    def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> Layout:
         slot_bytes = slot_bytes_for(spec)
         index_slots = index_slots_for(n_slots)
         off = HEADER_BYTES
@@ -239,7 +239,8 @@ def _check_owner(fd: int, name: str) -> os.stat_result:
     return st
 
 
-def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> tuple[Mapping, bool]:
+def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int,
+                     init) -> tuple[Mapping, bool]:
     """Attach to segment ``name``, creating it with ``layout`` if it does not exist.
 
     Args:

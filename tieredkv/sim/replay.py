@@ -22,8 +22,8 @@ import math
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 

@@ -279,7 +279,7 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
         try:
             index = files.open_index(path)
             try:
-                row["blocks"] = int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
+                row["blocks"] = int(index.read(lambda txn, index=index: txn.stat(index.blocks)["entries"]))
             finally:
                 index.close()
         except Exception as exc:  # noqa: BLE001 - listing must not fail on one broken tier

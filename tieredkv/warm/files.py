@@ -18,7 +18,8 @@ import contextlib
 import fcntl
 import os
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from tieredkv.errors import InvalidInput, PermissionDenied, WarmTierUnavailable
 from tieredkv.keys import KEY_BYTES

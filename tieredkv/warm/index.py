@@ -30,7 +30,8 @@ import errno
 import os
 import struct
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import lmdb
 import numpy as np

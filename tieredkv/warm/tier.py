@@ -44,8 +44,7 @@ import xxhash
 from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, TieredKVError, WarmTierUnavailable
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
@@ -644,7 +643,7 @@ class WarmTier(Tier):
         st.hits[slots] = recs["hits"]
         st.set_g("tick", max(int(recs["last_access_us"].max()), ix.now_us()))
         # Hits of this process not yet flushed to the records still count.
-        for raw, gens, pslots, ticks in self._pending:
+        for raw, _, pslots, ticks in self._pending:
             key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
             live = (st.resident[pslots] == 1) & (st.key64[pslots] == key64)
             np.maximum.at(st.last_access, pslots[live], ticks[live])

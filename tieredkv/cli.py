@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import runpy
@@ -252,7 +253,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         else:
             if args.watch and sys.stdout.isatty():
                 print("\033[H\033[J", end="")  # clear the screen between refreshes
-            _emit(args, doc, lambda doc=doc: _stats_text(name, doc, doc["interval"]))
+            _emit(args, doc, functools.partial(_stats_text, name, doc, doc["interval"]))
         shown += 1
         if not args.watch or (args.count is not None and shown >= args.count):
             return 0

@@ -33,7 +33,7 @@ def estimate(spec: KVSpec, *, prompt_tokens: int, prefix_tokens: int, concurrenc
     bpt = spec.bytes_per_token
     requests = concurrency * workers
     prefix_bytes = prefix_tokens * bpt
-    doc = {
+    doc: dict[str, float] = {
         "bytes_per_token": bpt,
         "block_bytes": spec.block_bytes,
         "kv_per_request_bytes": prompt_tokens * bpt,

@@ -50,8 +50,8 @@ class ProbeTable:
         self._shift = 64 - (size.bit_length() - 1)
         # The same words as memoryviews: the scalar paths index them with Python ints, several times
         # cheaper than numpy scalar indexing (a probe is a few word reads).
-        self._k = memoryview(keys).cast("B").cast("q")
-        self._r = memoryview(refs).cast("B").cast("q")
+        self._k = keys.data.cast("B").cast("q")
+        self._r = refs.data.cast("B").cast("q")
 
     def home(self, key: int) -> int:
         """The entry where ``key``'s probe run starts."""

@@ -12,6 +12,7 @@ hit is confirmed by comparing them, so even a 128-bit collision never hands out 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 import xxhash
@@ -85,6 +86,12 @@ class ChunkKeys:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> ChunkKeys: ...
 
     def __getitem__(self, index: int | slice) -> bytes | ChunkKeys:
         if isinstance(index, slice):

@@ -59,7 +59,6 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     if warm_dir is None:
         return []
     from tieredkv.warm import files
-    from tieredkv.warm import index as ix
     from tieredkv.warm.admin import list_warm_tiers
 
     rows = list_warm_tiers(warm_dir)
@@ -68,7 +67,7 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
         try:
             index = files.open_index(row["path"])
             try:
-                row["corrupt_total"] = index.read(lambda txn, index=index: ix.get_u64(txn, index.info, ix.INFO_CORRUPT))
+                row["corrupt_total"] = files.corrupt_total(index)
             finally:
                 index.close()
         except Exception:  # noqa: BLE001 - one unreadable tier must not fail the whole scrape

@@ -90,7 +90,7 @@ def _round(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
-def slot_bytes_for(spec: KVSpec) -> int:
+def slot_bytes_for(spec: KVSpec | _Geometry) -> int:
     """Slot size: 4 KiB-aligned (memcpy speed, O_DIRECT friendly); blocks under 4 KiB (test specs)
     get 64-byte alignment instead of wasting most of a page each."""
     return _round(spec.block_bytes, PAGE if spec.block_bytes >= PAGE else 64)
@@ -116,7 +116,7 @@ class Layout:
     total_bytes: int
 
     @classmethod
-    def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> Layout:
+    def compute(cls, spec: KVSpec | _Geometry, n_slots: int, policy_bytes: int) -> Layout:
         slot_bytes = slot_bytes_for(spec)
         index_slots = index_slots_for(n_slots)
         off = HEADER_BYTES
@@ -294,7 +294,7 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
             os.posix_fallocate(fd, 0, layout.total_bytes)
         except OSError as e:
             raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIR} for "
-                                f"segment {name}: {os.strerror(e.errno)}") from None
+                                f"segment {name}: {e.strerror or e}") from None
     except BaseException:
         os.close(fd)
         posix_ipc.unlink_shared_memory(tmp)

@@ -221,9 +221,10 @@ class HotTier(Tier):
 
     def _drop_mapping(self) -> None:
         self._closed = True
-        # Drop every view before closing the mmap: a view over a closed mapping would segfault.
-        self._owners = self._slots = self._tokens = self._index = self._free = self._data = None
-        self._state = self._h = self._stats = self.counters = None
+        # Drop every view before closing the mmap: a view over a closed mapping would segfault. The
+        # attributes are typed for an open handle; a closed one refuses every call (_check) first.
+        self._owners = self._slots = self._tokens = self._free = self._data = None
+        self._index = self._state = self._h = self._stats = self.counters = None  # type: ignore[assignment]
         self._map.close()
 
     def __del__(self):
@@ -619,7 +620,7 @@ class HotTier(Tier):
             self._index.insert(use, keys.keys[stored])
         evicted = None
         try:
-            if len(victims):
+            if len(victims) and old is not None:
                 # The victims are WRITING by us: nobody else touches their bytes until we publish.
                 payload = self._data[victims].copy() if self.on_evict is not None else None
                 evicted = Evicted(old.keys, payload, old.hits)

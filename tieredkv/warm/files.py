@@ -118,6 +118,16 @@ def open_index(path: str, *, write: bool = False) -> ix.Index:
                     map_size=1 << 20, map_max=1 << 40, readonly=not write)
 
 
+def block_count(index: ix.Index) -> int:
+    """Blocks stored in the tier now (one read transaction)."""
+    return int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
+
+
+def corrupt_total(index: ix.Index) -> int:
+    """Blocks found corrupt and dropped over the tier's life (the index's counter)."""
+    return int(index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT)))
+
+
 def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
            map_size: int | None = None, map_max: int | None = None) -> dict[str, Any]:
     """Create a tier in the (existing, locked) directory ``path``: slabs, index, then ``meta.json``.

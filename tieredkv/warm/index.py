@@ -31,7 +31,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
@@ -286,7 +286,7 @@ class _SharedEnv:
         self.refs = 0
         self.pid = os.getpid()
         self.closed = False
-        kwargs = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
+        kwargs: dict[str, Any] = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
                       meminit=False, max_readers=510, sync=sync != "none", metasync=sync == "full",
                       readonly=readonly, create=not readonly)
         try:

@@ -606,14 +606,16 @@ class WarmTier(Tier):
         # Ticks are wall-clock microseconds (never going back), so last_access values written by
         # different processes into the records compare meaningfully.
         st = self._view
-        st.set_g("tick", max(st.g("tick"), ix.now_us()))
+        if st is not None:
+            st.set_g("tick", max(st.g("tick"), ix.now_us()))
 
     def _view_forget(self, slots: np.ndarray) -> None:
         if self._view is not None and len(slots):
             policies.remove(self.policy, self._view, slots)
 
-    def _build_view(self, txn) -> None:
-        """Rebuild the policy state from the records (index only, no data): insert order, fields."""
+    def _build_view(self, txn) -> policies.SlotState:
+        """Rebuild the policy state from the records (index only, no data): insert order, fields.
+        Returns it (it is also ``self._view``)."""
         keys, vals = [], []
         for k, v in txn.cursor(db=self._index.blocks):
             if len(v) == self._rec.itemsize:
@@ -623,7 +625,7 @@ class WarmTier(Tier):
         self._view = st
         self._view_gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
         if not keys:
-            return
+            return st
         recs = np.frombuffer(b"".join(vals), dtype=self._rec)
         karr = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
         order = np.argsort(recs["insert_us"], kind="stable")
@@ -648,6 +650,7 @@ class WarmTier(Tier):
             live = (st.resident[pslots] == 1) & (st.key64[pslots] == key64)
             np.maximum.at(st.last_access, pslots[live], ticks[live])
             np.add.at(st.hits, pslots[live], 1)
+        return st
 
     def _choose_victims(self, txn, need: int) -> list[tuple[int, bytes, np.ndarray]]:
         """Evict up to ``need`` blocks chosen by the policy; return ``(slot, key, record)`` of each.
@@ -662,16 +665,16 @@ class WarmTier(Tier):
             gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
             if gen - self._view_gen > max(16, self.n_slots // 4):
                 self._view = None
-        if self._view is None:
-            self._build_view(txn)
+        st = self._view
+        if st is None:
+            st = self._build_view(txn)
             rebuilt = True
         while len(out) < need:
-            st = self._view
             victims = policies.evict(self.policy, st, need - len(out))
             if not len(victims):
                 if rebuilt:
                     break
-                self._build_view(txn)
+                st = self._build_view(txn)
                 rebuilt = True
                 continue
             for s in victims.tolist():

@@ -56,9 +56,11 @@ class HotIndex:
         keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)
         lo = keys[:, 0].view(np.int64)
         slots = self.table.lookup(lo)
-        at = self.slot_keys[np.maximum(slots, 0)]
-        other = np.flatnonzero((slots >= 0) & ((at[:, 0] != keys[:, 0]) | (at[:, 1] != keys[:, 1])))
-        for i in other.tolist():
+        differ = self.slot_keys[slots] != keys  # slot -1 reads the last row: masked out below
+        differ = (differ[:, 0] | differ[:, 1]) & (slots >= 0)
+        if not differ.any():
+            return slots
+        for i in np.flatnonzero(differ).tolist():
             want = keys[i]
             slots[i] = next((s for s in self.table.values_of(int(lo[i]))
                              if (self.slot_keys[s] == want).all()), -1)

@@ -26,9 +26,18 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
-                             PermissionDenied, TieredKVError, WarmTierUnavailable, require_positive_int,
-                             require_positive_seconds)
+from tieredkv.errors import (
+    CorruptState,
+    FormatError,
+    InvalidInput,
+    InvalidPayload,
+    LockTimeout,
+    PermissionDenied,
+    TieredKVError,
+    WarmTierUnavailable,
+    require_positive_int,
+    require_positive_seconds,
+)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import copy_into, overlaps_itself
@@ -107,7 +116,8 @@ class TieredCache:
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
-                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
+                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none",
+                 warm_verify: str = "always",
                  numa_node: int | None = None, lock_timeout_s: float = 10.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -137,7 +147,7 @@ class TieredCache:
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._private_counters = counters.private()
         self.warm: Tier | None = None
-        self.hot: Tier | None = None
+        self.hot: Tier  # set below; close() copes with a constructor that failed before it
         warm_failed = False
         try:
             if warm_dir is not None:
@@ -182,7 +192,8 @@ class TieredCache:
             if len(missing) and self.warm is not None:
                 # The run ends at the first block in neither tier: ask warm for the leading run of
                 # hot misses only (match stops at its first miss; no lookups past it).
-                n = self._warm_call(lambda: self.warm.match(keys.take(missing)), default=0)
+                warm = self.warm
+                n = self._warm_call(lambda: warm.match(keys.take(missing)), default=0)
                 where[missing[:n]] = WARM
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
@@ -256,9 +267,10 @@ class TieredCache:
                    promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
-        corrupt_before = self.warm.corrupt_seen
-        got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
-        self._count(corrupt_blocks=self.warm.corrupt_seen - corrupt_before)
+        warm = self._warm_tier()
+        corrupt_before = warm.corrupt_seen
+        got = self._warm_call(lambda: warm.get_many(keys, staging), default=0)
+        self._count(corrupt_blocks=warm.corrupt_seen - corrupt_before)
         for i in range(got):
             at = (first + i) * C
             copy_into(target[:, :, :, at:at + C, :], staging[i])
@@ -299,8 +311,9 @@ class TieredCache:
         if not len(keys):
             return 0
         todo = np.flatnonzero(~self.hot.contains_many(keys))
-        if len(todo) and self.warm is not None and not self.demotion.at_store:
-            in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(todo)),
+        warm = self.warm
+        if len(todo) and warm is not None and not self.demotion.at_store:
+            in_warm = self._warm_call(lambda: warm.contains_many(keys.take(todo)),
                                       default=np.zeros(len(todo), dtype=bool))
             todo = todo[~in_warm]
         if not len(todo):
@@ -320,7 +333,7 @@ class TieredCache:
                 to_warm = np.flatnonzero(codes == PutResult.NO_SPACE)
         if to_warm is not None:
             wkeys, wpayloads = (new, payloads) if len(to_warm) == len(new) else (new.take(to_warm), payloads[to_warm])
-            wcodes = self._warm_call(lambda: self.warm.put_many(wkeys, wpayloads), default=None)
+            wcodes = self._warm_call(lambda: self._warm_tier().put_many(wkeys, wpayloads), default=None)
             if wcodes is not None:
                 n = int(np.count_nonzero(wcodes == PutResult.STORED))
                 self._count(warm_bytes_written=n * self.spec.block_bytes)
@@ -334,11 +347,18 @@ class TieredCache:
         chosen = np.flatnonzero(self.demotion.should_demote(evicted.hits))
         if not len(chosen):
             return
-        codes = self._warm_call(lambda: self.warm.put_many(evicted.keys.take(chosen), evicted.payloads[chosen]),
+        payloads = evicted.payloads
+        codes = self._warm_call(lambda: self._warm_tier().put_many(evicted.keys.take(chosen), payloads[chosen]),
                                 default=None)
         if codes is not None:
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(demotions=n, warm_bytes_written=n * self.spec.block_bytes)
+
+    def _warm_tier(self) -> Tier:
+        """The warm tier, on paths that run only when there is one."""
+        if self.warm is None:
+            raise InvalidInput("this TieredCache has no warm tier (open it with warm_dir=...)")
+        return self.warm
 
     def _warm_call(self, fn, default):
         """Run a warm-tier call; a warm failure degrades to a miss (counted, warned once), never an
@@ -471,11 +491,11 @@ class TieredCache:
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
         prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
-        if self.hot is None:
+        if getattr(self, "hot", None) is None:
             raise InvalidInput("this TieredCache is closed")
         doc = self._counters().totals()
         doc["prefix_hit_rate"] = counters.prefix_hit_rate(doc)
-        doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
+        doc["hot"] = self.hot.stats().to_dict()
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
         return doc
 
@@ -485,17 +505,18 @@ class TieredCache:
         Processes that still map the segment keep using it until they close; the next TieredCache
         creates a fresh, empty segment. The warm tier is untouched.
         """
-        if isinstance(self.hot, HotTier):
-            self.hot.unlink()
+        hot = getattr(self, "hot", None)
+        if isinstance(hot, HotTier):
+            hot.unlink()
         self.close()
 
     def close(self) -> None:
         """Close both tiers (idempotent). Shared state stays for other processes and restarts."""
-        for tier in (self.hot, self.warm):
+        for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()
 
-    def __enter__(self) -> "TieredCache":
+    def __enter__(self) -> TieredCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -503,7 +524,7 @@ class TieredCache:
 
     def __repr__(self) -> str:
         warm = "" if self.warm is None else f", warm={self.warm!r}"
-        return f"TieredCache({self.spec.namespace}, hot={self.hot!r}{warm})"
+        return f"TieredCache({self.spec.namespace}, hot={getattr(self, 'hot', None)!r}{warm})"
 
 
 def _torch_or_none(obj: Any):

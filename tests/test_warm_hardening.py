@@ -525,7 +525,7 @@ except TieredKVError as e:
 
 @pytest.mark.procs
 @needs_root
-def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
+def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path, seg_name):
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]).returncode:
@@ -549,6 +549,11 @@ def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
                 left = sorted(p.name for p in tier.iterdir()) if tier.exists() else []
                 assert not [n for n in left if n.startswith("slab-") or n in ("index.lmdb", "meta.json")], left
                 assert used() < 64 << 10, used()
+        # A worker's TieredCache on that disk still starts, hot-only, and says so.
+        with pytest.warns(RuntimeWarning, match="hot-only"):
+            cache = TieredCache(SPEC, hot_bytes=MiB, hot_name=seg_name, warm_dir=mnt / "warm", warm_bytes=16 * MiB)
+        assert cache.warm is None
+        cache.close()
         assert create(2 * MiB) == "created"
         with WarmTier(SPEC, mnt / "warm") as t:
             assert (fill(t, keys(0, 4)) == PutResult.STORED).all()

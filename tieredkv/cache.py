@@ -27,6 +27,7 @@ import numpy as np
 
 from tieredkv import counters, policies
 from tieredkv.errors import (
+    CapacityError,
     CorruptState,
     FormatError,
     InvalidInput,
@@ -48,9 +49,9 @@ from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM = 0, 1
 
-#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
-#: TieredCache starts hot-only instead of not at all.
-_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer, a disk too full to
+#: create it) after which a TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, CapacityError, OSError)
 
 
 @dataclasses.dataclass(frozen=True)

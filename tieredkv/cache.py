@@ -112,7 +112,10 @@ class TieredCache:
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
-        TieredKVError: a tier could not be opened (see ``HotTier`` and ``WarmTier``).
+        TieredKVError: a tier could not be opened (see ``HotTier`` and ``WarmTier``). A warm tier
+            whose files are damaged, unreachable or locked by a stopped writer, or that a full disk
+            cannot hold, does not raise: the cache starts hot-only with a ``RuntimeWarning`` (and
+            ``warm_errors`` counted). Another user's warm files raise ``PermissionDenied``.
     """
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,

@@ -5,8 +5,8 @@ users hold (``TieredCache``) and the ``TieredKVError`` family.
 """
 
 from tieredkv.errors import (CapacityError, CorruptState, FormatError, InvalidInput, InvalidName,
-                             InvalidPayload, LockTimeout, PermissionDenied, SpecMismatch, TieredKVError,
-                             WarmTierUnavailable)
+                             InvalidPayload, LockTimeout, PermissionDenied, RemoteUnavailable, SpecMismatch,
+                             TieredKVError, WarmTierUnavailable)
 from tieredkv.keys import ChunkKeys, chunk_keys
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "HotTier": "tieredkv.hot",
     "WarmTier": "tieredkv.warm",
+    "RemoteTier": "tieredkv.remote",
     "TieredCache": "tieredkv.cache",
     "PrefixHit": "tieredkv.cache",
 }
@@ -33,5 +34,5 @@ def __getattr__(name: str):
 
 __all__ = ["CapacityError", "ChunkKeys", "CorruptState", "Evicted", "FormatError", "HotTier", "InvalidInput",
            "InvalidName", "InvalidPayload", "KVSpec", "LockTimeout", "PermissionDenied", "PrefixHit",
-           "PutResult", "SpecMismatch", "Tier", "TierStats", "TieredCache", "TieredKVError", "WarmTier",
+           "PutResult", "RemoteTier", "RemoteUnavailable", "SpecMismatch", "Tier", "TierStats", "TieredCache", "TieredKVError", "WarmTier",
            "WarmTierUnavailable", "chunk_keys"]

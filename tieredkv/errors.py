@@ -47,3 +47,8 @@ class PermissionDenied(TieredKVError, PermissionError):
 
 class WarmTierUnavailable(TieredKVError):
     """The warm tier cannot be written (read-only directory, disk full, I/O error)."""
+
+
+class RemoteUnavailable(TieredKVError):
+    """The remote store did not answer (refused, reset, or past the deadline). The remote tier turns
+    this into a counted miss on the serving path; only administrative calls let it through."""

@@ -1,0 +1,304 @@
+"""RemoteTier: blocks in a store shared by many hosts, behind the same ``Tier`` contract as hot and warm.
+
+```
+request path: match / contains_many / get_many ──► caller threads ──► Store      (deadline: a late or
+                                                    (bounded)                      failed call is a miss)
+off the path:  put_many (TieredCache's background writer) ──────────► Store
+```
+
+It never slows a request down beyond its deadline and never raises on the request path: a store that
+is slow, dead or restarting is a miss, counted as an error; after an error the store is left alone for
+``retry_s`` (calls in that window are misses at once, counted as skipped), then tried again, so a
+restarted server is picked up without restarting the worker.
+
+Every value is checked against the block asked for (``tieredkv.remote.value``): a value that fails any
+check is a miss and a counted corruption, and is deleted from the store so the next writer replaces it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from tieredkv.errors import InvalidInput, RemoteUnavailable
+from tieredkv.keys import ChunkKeys
+from tieredkv.layout import as_block_bytes
+from tieredkv.remote.store import Store, float_option, open_store, parse_url
+from tieredkv.remote.value import FORMAT_VERSION, Codec
+from tieredkv.spec import KVSpec
+from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+
+#: URL options the tier itself reads (the rest go to the store).
+TIER_OPTIONS = ("deadline_ms", "retry_s", "compress", "min_mb_per_s")
+
+
+def name_prefix(fingerprint: str) -> str:
+    """Prefix of every name of one namespace in the store (``ls`` counts by it)."""
+    return f"tkv{FORMAT_VERSION}:{fingerprint}:"
+
+
+class RemoteTier(Tier):
+    """A remote store of blocks for one spec.
+
+    Args:
+        spec: the namespace; its fingerprint prefixes every name, its digest is checked in every value.
+        store: a ``Store``, or a URL: ``valkey://host:port`` or ``mooncake://host:port`` (the master's
+            RPC address), with tier options and store options in the query string, e.g.
+            ``valkey://10.0.0.5:6379?deadline_ms=20&compress=1``.
+        deadline_ms: bound on a probe (``match``/``contains_many``); a read gets this plus the time
+            its bytes take at ``min_mb_per_s``.
+        retry_s: after an error, leave the store alone this long.
+        compress: byte-plane split + zlib on write (reads accept both). See docs/fleet.md for when it pays.
+        min_mb_per_s: the slowest transfer rate a read may have before it counts as late.
+        workers: request-path calls that may be in flight at once; when all are stuck on a store that
+            does not answer, further calls are misses at once.
+
+    Raises:
+        InvalidInput: a bad URL or option (the message names it).
+    """
+
+    def __init__(self, spec: KVSpec, store: Store | str, *, deadline_ms: float | None = None,
+                 retry_s: float | None = None, compress: bool | None = None, min_mb_per_s: float | None = None,
+                 workers: int = 4):
+        if not isinstance(spec, KVSpec):
+            raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
+        options: dict[str, str] = {}
+        if isinstance(store, str):
+            scheme, host, port, options = parse_url(store)
+            tier_opts = {k: options.pop(k) for k in TIER_OPTIONS if k in options}
+            store = open_store(scheme, host, port, options)
+            options = tier_opts
+        elif not isinstance(store, Store):
+            raise InvalidInput(f"store must be a URL or a Store, got {type(store).__name__}")
+        self.spec = spec
+        self.store = store
+        self.deadline_s = (deadline_ms if deadline_ms is not None
+                           else float_option(options, "deadline_ms", 50.0, minimum=0.001)) / 1000
+        self.retry_s = retry_s if retry_s is not None else float_option(options, "retry_s", 1.0)
+        if compress is None:
+            flag = options.get("compress", "0")
+            if flag not in ("0", "1", "true", "false"):
+                raise InvalidInput(f"URL option compress={flag!r} must be 0 or 1")
+            compress = flag in ("1", "true")
+        mb = min_mb_per_s if min_mb_per_s is not None else float_option(options, "min_mb_per_s", 100.0, 0.001)
+        self.min_bytes_per_s = mb * 1e6
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise InvalidInput(f"workers must be a positive int, got {workers!r}")
+        self.codec = Codec(spec, compress=compress)
+        self.prefix = name_prefix(spec.fingerprint)
+        self._workers = workers
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self._in_flight = 0
+        self._down_until = 0.0
+        self._closed = False
+        self._counts = dict(hits=0, misses=0, bytes_in=0, bytes_out=0, puts=0, corrupt=0, errors=0,
+                            skipped=0, refused=0)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    @property
+    def compress(self) -> bool:
+        return self.codec.compress
+
+    def names(self, keys: ChunkKeys) -> list[str]:
+        """The store names of ``keys``: namespace prefix + the key's hex (the salt is inside the key)."""
+        raw = np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
+        return [self.prefix + raw[i:i + 16].hex() for i in range(0, len(raw), 16)]
+
+    # ---- calls with a deadline ----------------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counts[k] += v
+
+    def _call(self, fn, timeout_s: float):
+        """Run ``fn`` on a caller thread and wait at most ``timeout_s``; raise ``RemoteUnavailable`` if
+        the store is marked down, every caller is stuck, ``fn`` failed, or the deadline passed.
+
+        A late call keeps running on its thread and its result is dropped: that is why ``fn`` writes
+        only into buffers it owns, never into the caller's.
+        """
+        with self._lock:
+            if self._closed:
+                raise InvalidInput("this RemoteTier is closed")
+            if self._pid != os.getpid():  # threads do not survive fork
+                self._pool, self._pid, self._in_flight = None, os.getpid(), 0
+            if time.monotonic() < self._down_until:
+                self._counts["skipped"] += 1
+                raise RemoteUnavailable(f"{self.url} is marked down after an error; retrying in "
+                                        f"{self._down_until - time.monotonic():.1f} s")
+            if self._in_flight >= self._workers:
+                self._counts["errors"] += 1
+                raise RemoteUnavailable(f"{self.url}: {self._workers} calls are still waiting for the store")
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._workers, "tieredkv-remote")
+            self._in_flight += 1
+            future = self._pool.submit(fn)
+        future.add_done_callback(self._done)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._failed()
+            raise RemoteUnavailable(f"{self.url}: no answer within {timeout_s * 1000:.0f} ms") from None
+        except RemoteUnavailable:
+            self._failed()
+            raise
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _failed(self) -> None:
+        with self._lock:
+            self._counts["errors"] += 1
+            self._down_until = time.monotonic() + self.retry_s
+
+    def _read_deadline(self, n: int) -> float:
+        return self.deadline_s + n * self.codec.max_bytes / self.min_bytes_per_s
+
+    # ---- Tier ---------------------------------------------------------------------------------------
+    def contains_many(self, keys: ChunkKeys) -> np.ndarray:
+        """Residency per key; all False when the store does not answer within the deadline."""
+        if not len(keys):
+            return np.zeros(0, dtype=bool)
+        names = self.names(keys)
+        try:
+            found = self._call(lambda: self.store.exists_many(names), self.deadline_s)
+        except RemoteUnavailable:
+            return np.zeros(len(keys), dtype=bool)
+        if len(found) != len(keys):  # a confused answer is an error, and a miss
+            self._failed()
+            return np.zeros(len(keys), dtype=bool)
+        return found
+
+    def match(self, keys: ChunkKeys) -> int:
+        found = self.contains_many(keys)
+        return int(np.argmin(found)) if not found.all() else len(found)
+
+    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+        """Copy the leading blocks the store holds into ``out`` (row per key); return how many.
+
+        The run ends at the first block that is absent, fails a check (counted as corrupt, deleted
+        from the store) or when the store does not answer in time (counted as an error).
+        """
+        n = len(keys)
+        if isinstance(out, np.ndarray) and out.ndim and out.shape[0] > n:
+            out = out[:n]
+        rows = as_block_bytes(self.spec, out, n, what="out", writable=True)
+        if n == 0:
+            return 0
+        names = self.names(keys)
+        try:
+            staging, run, bad = self._call(lambda: self._fetch(keys, names), self._read_deadline(n))
+        except RemoteUnavailable:
+            run, bad = 0, False
+            staging = None
+        if run:
+            rows[:run] = staging[:run]
+        self._count(hits=run, misses=n - run, bytes_out=run * self.spec.block_bytes, corrupt=int(bad))
+        return run
+
+    def _fetch(self, keys: ChunkKeys, names: list[str]) -> tuple[np.ndarray, int, bool]:
+        """On a caller thread: read into a private staging array, check each value, stop at the first
+        absent or bad one. Returns ``(staging, run, bad)``."""
+        n = len(keys)
+        staging = np.empty((n, self.spec.block_bytes), dtype=np.uint8)
+        state = {"run": 0, "stop": False, "bad": False}
+
+        def sink(i: int, value) -> None:
+            if state["stop"] or i != state["run"]:
+                return
+            if value is None:
+                state["stop"] = True
+            elif self.codec.decode_into(value, keys, i, staging[i]):
+                state["run"] += 1
+            else:
+                state["stop"] = state["bad"] = True
+
+        self.store.get_many(names, self.codec.max_bytes, sink)
+        if state["bad"]:
+            # A damaged or foreign value: remove it so the next writer of this block replaces it.
+            self.store.delete_many([names[state["run"]]])
+        return staging, state["run"], state["bad"]
+
+    def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
+        """Encode and store blocks; ``STORED`` per block the store took, ``NO_SPACE`` per block it
+        refused or could not take (down, full). Blocks until the store answers (its own timeout bounds
+        it): TieredCache calls this from its background writer, never from a request."""
+        n = len(keys)
+        rows = as_block_bytes(self.spec, payloads, n)
+        codes = np.full(n, PutResult.NO_SPACE, dtype=np.int8)
+        if n == 0:
+            return codes
+        with self._lock:
+            if self._closed:
+                raise InvalidInput("this RemoteTier is closed")
+            down = time.monotonic() < self._down_until
+            if down:
+                self._counts["skipped"] += 1
+        if down:
+            return codes
+        values = [self.codec.encode(keys, rows, i) for i in range(n)]
+        try:
+            ok = self.store.put_many(self.names(keys), values)
+        except RemoteUnavailable:
+            self._failed()
+            return codes
+        codes[ok] = PutResult.STORED
+        stored = int(ok.sum())
+        self._count(puts=stored, refused=n - stored,
+                    bytes_in=sum(len(v) for v, good in zip(values, ok) if good))
+        return codes
+
+    def remove(self, keys: ChunkKeys) -> int:
+        """Delete blocks from the store (an administrative call: it raises ``RemoteUnavailable``)."""
+        return self.store.delete_many(self.names(keys)) if len(keys) else 0
+
+    def evict(self, n: int) -> Evicted:
+        """The store evicts by itself (Valkey's maxmemory policy, Mooncake's watermarks): nothing here
+        chooses victims, so this evicts nothing and hands back no blocks."""
+        empty = np.zeros((0, 2), dtype=np.uint64)
+        return Evicted(keys=ChunkKeys(empty, empty.copy(), np.zeros((0, self.spec.chunk_tokens), np.uint32)),
+                       payloads=None)
+
+    def stats(self) -> TierStats:
+        """This process's counters; the store's own numbers under ``extra["server"]`` when it answers."""
+        try:
+            server: Any = self._call(self.store.info, max(self.deadline_s, 1.0))
+        except RemoteUnavailable as e:
+            server = {"error": str(e)}
+        with self._lock:
+            counts = dict(self._counts)
+        extra = {"url": self.url, "compress": self.compress, "errors": counts.pop("errors"),
+                 "skipped": counts.pop("skipped"), "refused": counts.pop("refused"), "server": server}
+        return TierStats(name="remote", capacity_blocks=0, used_blocks=int(server.get("names", 0)),
+                         extra=extra, **counts)
+
+    @property
+    def counts(self) -> dict:
+        """A copy of this process's counters (hits, misses, corrupt, errors, skipped, ...)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def close(self) -> None:
+        """Stop the caller threads (without waiting for a stuck call) and close the connection."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None and self._pid == os.getpid():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url}, {self.spec.namespace})"

@@ -5,6 +5,8 @@ lookup(tokens) --keys--> hot.contains_many --(misses)--> warm.contains_many --> 
 load(hit, out)  : hot blocks copied straight from shared memory into ``out`` (one copy, pinned);
                   warm blocks read into a staging buffer, scattered into ``out``, promoted from there
 store(tokens,kv): new full chunks -> hot (evictions demoted to warm) [+ warm if write-through]
+remote (optional): lookup asks it for the run after the local hit (one call, with a deadline); load
+                  promotes its blocks into hot; store queues blocks for it on a background writer
 ```
 
 A block may be hot while its parent is warm: the hit is the longest run of leading blocks each found
@@ -34,7 +36,7 @@ from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult
 
-HOT, WARM = 0, 1
+HOT, WARM, REMOTE = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class PrefixHit:
         tokens: cached prefix length in tokens (a multiple of ``chunk_tokens``, always < the prompt).
         prompt_tokens: the prompt's length.
         keys: the keys of the hit blocks.
-        where: per hit block, ``HOT`` (0) or ``WARM`` (1).
+        where: per hit block, ``HOT`` (0), ``WARM`` (1) or ``REMOTE`` (2).
     """
 
     tokens: int
@@ -64,6 +66,10 @@ class PrefixHit:
     @property
     def warm_blocks(self) -> int:
         return int(np.count_nonzero(self.where == WARM))
+
+    @property
+    def remote_blocks(self) -> int:
+        return int(np.count_nonzero(self.where == REMOTE))
 
     @property
     def prefill_tokens(self) -> int:
@@ -88,6 +94,14 @@ class TieredCache:
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
         warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
+        remote: a store shared by the fleet: a URL (``"valkey://host:port"``, ``"mooncake://host:port"``,
+            options in the query string, see ``RemoteTier``) or a ``RemoteTier``. The cache closes it.
+        remote_write: which blocks go to the remote tier: ``"write_through"`` (every stored block),
+            ``"on_evict"`` (blocks evicted from the hot tier) or ``"on_nth_hit:N"`` (evicted blocks hit
+            at least N times while hot); see docs/fleet.md.
+        remote_queue_blocks: bound on blocks waiting to be written to the remote tier; beyond it writes
+            are dropped and counted (``remote_drops``).
+        remote_flush_s: how long ``close()`` waits for queued remote writes.
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
@@ -97,7 +111,8 @@ class TieredCache:
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
                  hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
-                 numa_node: int | None = None, lock_timeout_s: float = 10.0):
+                 numa_node: int | None = None, lock_timeout_s: float = 10.0, remote=None,
+                 remote_write: str = "write_through", remote_queue_blocks: int = 256, remote_flush_s: float = 5.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -105,6 +120,7 @@ class TieredCache:
             policies.make(eviction)
             self.promotion = promotion_rules.make(promotion)
             self.demotion = demotion_rules.make(demotion)
+            self.remote_write = demotion_rules.make(remote_write)
         except (KeyError, ValueError, TypeError) as e:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
         if warm_dir is not None and not warm_bytes:
@@ -116,7 +132,11 @@ class TieredCache:
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self.warm = None
         self.hot = None
+        self.remote = None
+        self._remote_writer = None
         try:
+            if remote is not None:
+                self._open_remote(remote, remote_queue_blocks, remote_flush_s)
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
 
@@ -124,7 +144,7 @@ class TieredCache:
                                      policy=eviction)
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
-                               on_evict=self._demote if self.warm is not None else None)
+                               on_evict=self._demote if self.warm is not None or self._remote_on_evict else None)
         except BaseException:
             self.close()
             raise
@@ -149,11 +169,14 @@ class TieredCache:
                 n = self._warm_call(lambda: self.warm.match(keys.take(missing)), default=0)
                 where[missing[:n]] = WARM
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
+        if self.remote is not None and run < len(where):
+            run = self._remote_lookup(keys, where, run)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
                         where=where[:run].copy())
         C = self.spec.chunk_tokens
         self._count(lookups=1, prompt_tokens=len(ids), hit_tokens=hit.tokens, hot_hit_tokens=hit.hot_blocks * C,
-                    warm_hit_tokens=hit.warm_blocks * C, prefill_tokens=hit.prefill_tokens)
+                    warm_hit_tokens=hit.warm_blocks * C, remote_hit_tokens=hit.remote_blocks * C,
+                    prefill_tokens=hit.prefill_tokens)
         self._observe("lookup", time.perf_counter() - started)
         return hit
 
@@ -180,7 +203,7 @@ class TieredCache:
         target, finish = self._host_view(out, hit.tokens)
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
-        promote: list[tuple[ChunkKeys, np.ndarray]] = []
+        promote: list[tuple[ChunkKeys, np.ndarray, int]] = []
         i = 0
         while i < hit.blocks:
             j = i
@@ -190,8 +213,10 @@ class TieredCache:
             run = hit.keys[i:j]
             if tier == HOT:
                 got = self._load_hot(run, target, i)
-            else:
+            elif tier == WARM:
                 got = self._load_warm(run, target, i, promote)
+            else:
+                got = self._load_remote(run, target, i, promote)
             loaded += got
             if got < j - i:
                 break
@@ -199,8 +224,11 @@ class TieredCache:
         finish(loaded * C)
         # Promote only now: promoting mid-load could evict this very hit's hot blocks before they
         # were read (a full hot tier), cutting the restore short.
-        for keys, payloads in promote:
-            self._promote(keys, payloads)
+        for keys, payloads, src in promote:
+            if src == WARM:
+                self._promote(keys, payloads)
+            else:
+                self._promote_remote(keys, payloads)
         self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
         return loaded * C
 
@@ -217,7 +245,7 @@ class TieredCache:
         return got
 
     def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int,
-                   promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
+                   promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         corrupt_before = self.warm.corrupt_seen
@@ -228,7 +256,7 @@ class TieredCache:
             copy_into(target[:, :, :, at:at + C, :], staging[i])
         self._count(warm_bytes_read=got * self.spec.block_bytes)
         if got:
-            promote.append((keys[:got], staging[:got]))
+            promote.append((keys[:got], staging[:got], WARM))
         return got
 
     def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
@@ -288,6 +316,8 @@ class TieredCache:
             if wcodes is not None:
                 n = int(np.count_nonzero(wcodes == PutResult.STORED))
                 self._count(warm_bytes_written=n * self.spec.block_bytes)
+        if self.remote is not None and self.remote_write.at_store:
+            self._remote_send(new, payloads)
         self._count(stored_blocks=stored, hot_bytes_written=stored * self.spec.block_bytes)
         return stored
 
@@ -296,6 +326,10 @@ class TieredCache:
         if evicted.payloads is None or not len(evicted.keys):
             return
         hits = evicted.hits if evicted.hits is not None else np.zeros(len(evicted.keys), dtype=np.int64)
+        if self._remote_on_evict:
+            self._remote_evicted(evicted, hits)
+        if self.warm is None:
+            return
         chosen = np.flatnonzero(self.demotion.should_demote(hits))
         if not len(chosen):
             return
@@ -318,6 +352,127 @@ class TieredCache:
                 warnings.warn(f"tieredkv: warm tier failed ({e}); serving from the hot tier",
                               RuntimeWarning, stacklevel=3)
             return default
+
+    # ---- remote tier ------------------------------------------------------------------------------
+    # Everything the remote tier adds lives here; lookup/load/store/_demote/close each call one helper.
+    def _open_remote(self, remote: Any, queue_blocks: int, flush_s: float) -> None:
+        from tieredkv.background import BackgroundWriter
+        from tieredkv.remote import RemoteTier
+        from tieredkv.tier import Tier
+
+        if isinstance(remote, str):
+            remote = RemoteTier(self.spec, remote)
+        elif not isinstance(remote, Tier):
+            raise InvalidInput(f"remote must be a URL such as 'valkey://host:6379' or a Tier, got "
+                               f"{type(remote).__name__}")
+        if getattr(remote, "spec", self.spec) != self.spec:
+            raise InvalidInput("remote tier was opened for another spec; open it with this cache's spec")
+        if not isinstance(flush_s, (int, float)) or flush_s < 0:
+            raise InvalidInput(f"remote_flush_s must be a number >= 0, got {flush_s!r}")
+        self._remote_writer = BackgroundWriter("tieredkv-remote-writer", queue_blocks,
+                                               on_error=lambda e: self._count(remote_errors=1))
+        self._remote_flush_s = float(flush_s)
+        self.remote = remote
+        if isinstance(remote, RemoteTier):
+            remote.observer = self._remote_event
+
+    @property
+    def _remote_on_evict(self) -> bool:
+        return self.remote is not None and not self.remote_write.at_store
+
+    def _remote_event(self, deltas: dict) -> None:
+        """RemoteTier's counter hook: its failed/skipped calls and refused values, per host."""
+        errors = deltas.get("errors", 0) + deltas.get("skipped", 0)
+        self._count(remote_errors=errors, remote_corrupt=deltas.get("corrupt", 0))
+
+    def _remote_call(self, fn, default):
+        """A call to the remote tier that must not fail a request (RemoteTier never raises on a dead
+        store; a Tier of the user's might)."""
+        try:
+            return fn()
+        except (TieredKVError, OSError):
+            self._count(remote_errors=1)
+            return default
+
+    def _remote_lookup(self, keys: ChunkKeys, where: np.ndarray, run: int) -> int:
+        """Ask the remote tier, in one call, for the blocks after the local run that no local tier
+        holds; mark the ones it has and return the new run."""
+        rest = np.flatnonzero(where[run:] < 0) + run
+        found = self._remote_call(lambda: self.remote.contains_many(keys.take(rest)),
+                                  default=np.zeros(len(rest), dtype=bool))
+        where[rest[np.asarray(found, dtype=bool)]] = REMOTE
+        new_run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
+        if new_run < len(where):
+            self._count(remote_misses=1)
+        return new_run
+
+    def _load_remote(self, keys: ChunkKeys, target: np.ndarray, first: int,
+                     promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
+        C = self.spec.chunk_tokens
+        staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        got = self._remote_call(lambda: self.remote.get_many(keys, staging), default=0)
+        for i in range(got):
+            at = (first + i) * C
+            copy_into(target[:, :, :, at:at + C, :], staging[i])
+        self._count(remote_bytes_read=got * self.spec.block_bytes)
+        if got:
+            promote.append((keys[:got], staging[:got], REMOTE))
+        return got
+
+    def _promote_remote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Remote hits go into hot, so this host's other workers find them locally, and into warm
+        when the demotion rule writes through (otherwise they reach warm when hot evicts them)."""
+        codes = self.hot.put_many(keys, payloads)
+        self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
+        if self.warm is None:
+            return
+        rows = np.arange(len(keys)) if self.demotion.at_store else np.flatnonzero(codes == PutResult.NO_SPACE)
+        if len(rows):
+            wcodes = self._warm_call(lambda: self.warm.put_many(keys.take(rows), payloads[rows]), default=None)
+            if wcodes is not None:
+                self._count(warm_bytes_written=int(np.count_nonzero(wcodes == PutResult.STORED))
+                            * self.spec.block_bytes)
+
+    def _remote_send(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Queue blocks for the remote tier. ``payloads`` must be owned by this call (not reused)."""
+        n = len(keys)
+        if n and not self._remote_writer.submit(lambda: self._remote_put(keys, payloads), n):
+            self._count(remote_drops=n)  # backpressure: the store is behind, never an unbounded queue
+
+    def _remote_put(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """On the writer thread."""
+        codes = self.remote.put_many(keys, payloads)
+        self._count(remote_bytes_written=int(np.count_nonzero(codes == PutResult.STORED)) * self.spec.block_bytes)
+
+    def _remote_evicted(self, evicted: Evicted, hits: np.ndarray) -> None:
+        """Blocks leaving the hot tier, for the ``on_evict`` / ``on_nth_hit`` remote rules."""
+        chosen = np.flatnonzero(self.remote_write.should_demote(hits))
+        if len(chosen):
+            self._remote_send(evicted.keys.take(chosen), evicted.payloads[chosen])
+
+    def flush_remote(self, timeout_s: float = 10.0) -> bool:
+        """Wait until queued remote writes are done (at most ``timeout_s``); True when none is left."""
+        return self._remote_writer.flush(timeout_s) if self._remote_writer is not None else True
+
+    def _remote_stats(self) -> dict | None:
+        if self.remote is None:
+            return None
+        doc = self.remote.stats().to_dict()
+        w = self._remote_writer
+        doc["queue"] = {"pending_blocks": w.pending_blocks, "max_blocks": w.max_blocks, "jobs": w.submitted,
+                        "dropped_blocks": w.dropped_blocks, "failed_jobs": w.failed}
+        return doc
+
+    def _close_remote(self) -> None:
+        writer, self._remote_writer = self._remote_writer, None
+        if writer is not None:
+            before = writer.dropped_blocks
+            writer.close(self._remote_flush_s)
+            if writer.dropped_blocks > before and self.hot is not None:
+                self._count(remote_drops=writer.dropped_blocks - before)
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.close()
 
     # ---- tensors ----------------------------------------------------------------------------------
     def _expected_shape(self, n_tokens: int) -> tuple[int, ...]:
@@ -412,6 +567,7 @@ class TieredCache:
         doc["prefix_hit_rate"] = doc["hit_tokens"] / doc["prompt_tokens"] if doc["prompt_tokens"] else 0.0
         doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
+        doc["remote"] = self._remote_stats()
         return doc
 
     def unlink_hot(self) -> None:
@@ -425,7 +581,11 @@ class TieredCache:
         self.close()
 
     def close(self) -> None:
-        """Close both tiers (idempotent). Shared state stays for other processes and restarts."""
+        """Close every tier (idempotent). Shared state stays for other processes and restarts.
+
+        Remote writes still queued are flushed first, for at most ``remote_flush_s``; what is left
+        then is dropped and counted."""
+        self._close_remote()
         for tier in (self.hot, self.warm):
             if tier is not None:
                 tier.close()

@@ -7,7 +7,6 @@ restart tests). Nothing here is used by the library itself.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -79,7 +78,7 @@ class ValkeyServer:
     def url(self) -> str:
         return f"valkey://{LOOPBACK}:{self.port}"
 
-    def start(self) -> "ValkeyServer":
+    def start(self) -> ValkeyServer:
         log = self.dir / "valkey.log"
         self.proc = subprocess.Popen(
             [valkey_binary(), "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
@@ -134,25 +133,27 @@ class MooncakeServer:
     def url(self) -> str:
         return f"mooncake://{LOOPBACK}:{self.port}"
 
-    def start(self) -> "MooncakeServer":
+    def start(self) -> MooncakeServer:
         self.start_master()
         log = self.dir / "holder.log"
-        self.holder = subprocess.Popen(
-            [_mooncake_binary("mooncake_client"), f"--master_server_address={LOOPBACK}:{self.port}",
-             "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={self.segment_mb}MB",
-             f"--host={LOOPBACK}", f"--port={self.holder_port}", "--protocol=tcp"],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+            self.holder = subprocess.Popen(
+                [_mooncake_binary("mooncake_client"), f"--master_server_address={LOOPBACK}:{self.port}",
+                 "--metadata_server=P2PHANDSHAKE", f"--global_segment_size={self.segment_mb}MB",
+                 f"--host={LOOPBACK}", f"--port={self.holder_port}", "--protocol=tcp"],
+                stdout=out, stderr=subprocess.STDOUT)
         _wait_port(self.holder_port, self.holder, 30, log)
         self.wait_ready()
         return self
 
     def start_master(self) -> None:
         log = self.dir / "master.log"
-        self.master = subprocess.Popen(
-            [_mooncake_binary("mooncake_master"), f"--rpc_address={LOOPBACK}", f"--rpc_port={self.port}",
-             f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
-             "--enable_http_metadata_server=false"],
-            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        with open(log, "ab") as out:
+            self.master = subprocess.Popen(
+                [_mooncake_binary("mooncake_master"), f"--rpc_address={LOOPBACK}", f"--rpc_port={self.port}",
+                 f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
+                 "--enable_http_metadata_server=false"],
+                stdout=out, stderr=subprocess.STDOUT)
         _wait_port(self.port, self.master, 30, log)
 
     def wait_ready(self, timeout_s: float = 30) -> None:
@@ -163,7 +164,8 @@ class MooncakeServer:
                 "sys.exit(1 if rc or s.put('tieredkv-probe', b'x') else 0)\n")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0:
+            if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
+                              check=False).returncode == 0:
                 return
             time.sleep(0.5)
         raise RuntimeError(f"the mooncake holder did not mount within {timeout_s} s")
@@ -182,8 +184,3 @@ class MooncakeServer:
 
     def __exit__(self, *exc):
         self.stop()
-
-
-def env_without_proxies() -> dict:
-    """The environment for child processes that talk to loopback servers (no HTTP proxy detours)."""
-    return {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")}

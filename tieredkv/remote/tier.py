@@ -21,6 +21,7 @@ import concurrent.futures
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -98,8 +99,10 @@ class RemoteTier(Tier):
         self._in_flight = 0
         self._down_until = 0.0
         self._closed = False
-        self._counts = dict(hits=0, misses=0, bytes_in=0, bytes_out=0, puts=0, corrupt=0, errors=0,
-                            skipped=0, refused=0)
+        self._counts = {name: 0 for name in ("hits", "misses", "bytes_in", "bytes_out", "puts", "corrupt",
+                                             "errors", "skipped", "refused")}
+        #: Called with each change of the error/skipped/corrupt counters (TieredCache keeps per-host sums).
+        self.observer: Callable[[dict], None] | None = None
 
     @property
     def url(self) -> str:
@@ -119,6 +122,12 @@ class RemoteTier(Tier):
         with self._lock:
             for k, v in deltas.items():
                 self._counts[k] += v
+        self._notify(deltas)
+
+    def _notify(self, deltas: dict) -> None:
+        observer = self.observer
+        if observer is not None and any(deltas.get(k) for k in ("errors", "skipped", "corrupt")):
+            observer(deltas)
 
     def _call(self, fn, timeout_s: float):
         """Run ``fn`` on a caller thread and wait at most ``timeout_s``; raise ``RemoteUnavailable`` if
@@ -132,13 +141,15 @@ class RemoteTier(Tier):
                 raise InvalidInput("this RemoteTier is closed")
             if self._pid != os.getpid():  # threads do not survive fork
                 self._pool, self._pid, self._in_flight = None, os.getpid(), 0
-            if time.monotonic() < self._down_until:
-                self._counts["skipped"] += 1
-                raise RemoteUnavailable(f"{self.url} is marked down after an error; retrying in "
-                                        f"{self._down_until - time.monotonic():.1f} s")
-            if self._in_flight >= self._workers:
-                self._counts["errors"] += 1
-                raise RemoteUnavailable(f"{self.url}: {self._workers} calls are still waiting for the store")
+            down = time.monotonic() < self._down_until
+            stuck = not down and self._in_flight >= self._workers
+        if down:
+            self._count(skipped=1)
+            raise RemoteUnavailable(f"{self.url} is marked down after an error; retrying soon")
+        if stuck:
+            self._count(errors=1)
+            raise RemoteUnavailable(f"{self.url}: {self._workers} calls are still waiting for the store")
+        with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(self._workers, "tieredkv-remote")
             self._in_flight += 1
@@ -159,8 +170,8 @@ class RemoteTier(Tier):
 
     def _failed(self) -> None:
         with self._lock:
-            self._counts["errors"] += 1
             self._down_until = time.monotonic() + self.retry_s
+        self._count(errors=1)
 
     def _read_deadline(self, n: int) -> float:
         return self.deadline_s + n * self.codec.max_bytes / self.min_bytes_per_s
@@ -243,9 +254,8 @@ class RemoteTier(Tier):
             if self._closed:
                 raise InvalidInput("this RemoteTier is closed")
             down = time.monotonic() < self._down_until
-            if down:
-                self._counts["skipped"] += 1
         if down:
+            self._count(skipped=1)
             return codes
         values = [self.codec.encode(keys, rows, i) for i in range(n)]
         try:

@@ -396,3 +396,60 @@ def test_stats_show_the_remote_tier(spec, valkey_server, host):
     assert doc["queue"]["max_blocks"] == 256
     assert doc["extra"]["server"]["names"] >= 0
     assert WARM == 1
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+def _cli(capsys, *argv):
+    from tieredkv.cli import main
+
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_ls_stats_verify_remote(spec, capsys, host):
+    import json
+
+    with servers.ValkeyServer() as server:
+        cache = host(server.url)
+        tokens = prompt(17, seed=81)
+        cache.store(tokens, kv_for(spec, tokens))
+        assert cache.flush_remote(10)
+        status, out, _ = _cli(capsys, "ls", "--remote", server.url, "--json", "-")
+        doc = json.loads(out)["remote"]
+        assert status == 0 and doc["namespaces"] == [{"fingerprint": spec.fingerprint, "blocks": 4}]
+        status, out, _ = _cli(capsys, "stats", "--remote", server.url)
+        assert status == 0 and spec.fingerprint in out and "names 4" in out
+        status, out, _ = _cli(capsys, "verify", "--remote", server.url)
+        assert status == 0 and "4 values checked, 0 bad" in out
+        # Damage one value and plant a foreign one: verify finds both, --repair deletes them.
+        client = valkey.Valkey(host=servers.LOOPBACK, port=server.port)
+        names = cache.remote.names(chunk_keys(spec, tokens[:16]))
+        damaged = bytearray(client.get(names[1]))
+        damaged[-1] ^= 1
+        client.set(names[1], bytes(damaged))
+        client.set(names[2], client.get(names[3]))
+        status, out, _ = _cli(capsys, "verify", "--remote", server.url, "--json", "-")
+        report = json.loads(out)
+        assert status == 2 and {b["name"] for b in report["bad"]} == {names[1], names[2]}
+        status, out, _ = _cli(capsys, "verify", "--remote", server.url, "--repair")
+        assert status == 2 and "2 removed" in out
+        assert client.exists(names[1], names[2]) == 0 and client.exists(names[0], names[3]) == 2
+        status, out, _ = _cli(capsys, "verify", "--remote", server.url)
+        assert status == 0 and "2 values checked, 0 bad" in out
+        # The segment's stats show the per-host remote counters.
+        status, out, _ = _cli(capsys, "stats", cache.hot.name)
+        assert status == 0 and "remote: hit tokens 0" in out
+        client.close()
+        cache.close()
+    status, _, err = _cli(capsys, "verify")
+    assert status == 2 and "DIRECTORY or --remote" in err
+    status, _, err = _cli(capsys, "ls", "--remote", "ftp://x:1")
+    assert status == 2 and "unknown scheme" in err
+
+
+def test_cli_on_a_mooncake_store(capsys, mooncake_server):
+    status, out, _ = _cli(capsys, "ls", "--remote", mooncake_server.url)
+    assert status == 0 and "cannot list its names" in out
+    status, _, err = _cli(capsys, "verify", "--remote", mooncake_server.url)
+    assert status == 2 and "cannot list its names" in err

@@ -122,32 +122,65 @@ class Codec:
         ``block_bytes``). Returns False, leaving ``out`` undefined, if any check fails."""
         spec = self.spec
         mv = memoryview(value).cast("B")
+        head = _parse(mv)
+        if (head is None or head["digest"] != self.digest or head["chunk_tokens"] != spec.chunk_tokens
+                or head["raw_len"] != spec.block_bytes or head["key"] != keys.keys[i].tobytes()
+                or head["parent"] != keys.parents[i].tobytes()):
+            return False
         tok_end = HEADER_BYTES + 4 * spec.chunk_tokens
-        if len(mv) < tok_end:
-            return False
-        magic, version, flags, digest, key, parent, chunk, zero, n_body, n_raw, checksum = HEADER.unpack_from(mv)
-        if (magic != MAGIC or version != FORMAT_VERSION or flags & ~FLAG_PLANES_ZLIB or digest != self.digest
-                or chunk != spec.chunk_tokens or zero != 0 or n_raw != spec.block_bytes
-                or len(mv) != tok_end + n_body or key != keys.keys[i].tobytes()
-                or parent != keys.parents[i].tobytes()):
-            return False
-        if not flags and n_body != n_raw:
-            return False
-        h = xxhash.xxh3_64(mv[:_CHECKED])
-        h.update(mv[HEADER_BYTES:])
-        if h.intdigest() != checksum:
-            return False
         if mv[HEADER_BYTES:tok_end] != memoryview(np.ascontiguousarray(keys.tokens[i], dtype="<u4")).cast("B"):
             return False
-        body = mv[tok_end:]
-        if flags & FLAG_PLANES_ZLIB:
-            try:
-                planes = zlib.decompress(body)
-            except zlib.error:
-                return False
-            if len(planes) != n_raw:
-                return False
-            join_planes(planes, self.width, out)
-        else:
-            out[:] = np.frombuffer(body, dtype=np.uint8)
-        return True
+        return _unpack_body(mv[tok_end:], head, self.width, out)
+
+
+def _parse(mv: memoryview) -> dict | None:
+    """The header of a value whose framing and checksum hold, or None."""
+    if len(mv) < HEADER_BYTES:
+        return None
+    magic, version, flags, digest, key, parent, chunk, zero, n_body, n_raw, checksum = HEADER.unpack_from(mv)
+    if magic != MAGIC or version != FORMAT_VERSION or flags & ~FLAG_PLANES_ZLIB or zero != 0:
+        return None
+    if len(mv) != HEADER_BYTES + 4 * chunk + n_body or (not flags and n_body != n_raw):
+        return None
+    h = xxhash.xxh3_64(mv[:_CHECKED])
+    h.update(mv[HEADER_BYTES:])
+    if h.intdigest() != checksum:
+        return None
+    return {"flags": flags, "digest": digest, "key": key, "parent": parent, "chunk_tokens": chunk,
+            "stored_len": n_body, "raw_len": n_raw}
+
+
+def _unpack_body(body: memoryview, head: dict, width: int, out: np.ndarray) -> bool:
+    if head["flags"] & FLAG_PLANES_ZLIB:
+        try:
+            planes = zlib.decompress(body)
+        except zlib.error:
+            return False
+        if len(planes) != head["raw_len"]:
+            return False
+        join_planes(planes, width, out)
+    else:
+        out[:] = np.frombuffer(body, dtype=np.uint8)
+    return True
+
+
+def check_value(value, fingerprint: str, key_hex: str) -> str | None:
+    """Check a value on its own, without the prompt that made it (``tieredkv verify --remote``).
+
+    ``fingerprint`` and ``key_hex`` come from the value's name. Returns None when the value is sound,
+    else the reason. The tokens cannot be checked without the prompt; every read checks them.
+    """
+    mv = memoryview(value).cast("B")
+    head = _parse(mv)
+    if head is None:
+        return "bad framing or checksum (not a tieredkv value, or damaged)"
+    if f"{head['digest']:016x}" != fingerprint:
+        return "namespace digest differs from the name's"
+    if head["key"].hex() != key_hex:
+        return "key differs from the name's"
+    if head["flags"] & FLAG_PLANES_ZLIB:
+        out = np.empty(head["raw_len"], dtype=np.uint8)
+        # Plane order does not matter for this check: only that the bytes decompress to their length.
+        if not _unpack_body(mv[HEADER_BYTES + 4 * head["chunk_tokens"]:], head, 1, out):
+            return "compressed payload does not decompress to its length"
+    return None

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from tieredkv.errors import InvalidInput, RemoteUnavailable
-from tieredkv.remote.store import Sink, Store, int_option
+from tieredkv.remote.store import Encoder, Sink, Store, int_option
 
 #: Mooncake's "object not found" error code (OBJECT_NOT_FOUND): a clean miss, not a failure.
 _NOT_FOUND = -704
@@ -113,21 +113,18 @@ class MooncakeStore(Store):
                     else:
                         sink(j, memoryview(self._get_buf[off:off + size]).toreadonly())
 
-    def put_many(self, names: list[str], values: list[memoryview]) -> np.ndarray:
+    def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
         ok = np.zeros(len(names), dtype=bool)
         if not names:
             return ok
         store = self._client()
-        slot = max(len(v) for v in values)
         with self._put_lock:
             base = self._put_buf.ctypes.data
-            for batch in self._batches(len(names), slot):
-                offsets = [(j - batch.start) * slot for j in batch]
-                for j, off in zip(batch, offsets):
-                    n = len(values[j])
-                    self._put_buf[off:off + n] = np.frombuffer(values[j], dtype=np.uint8)
-                codes = store.batch_put_from([names[j] for j in batch], [base + o for o in offsets],
-                                             [len(values[j]) for j in batch])
+            for batch in self._batches(len(names), max_bytes):
+                offsets = [(j - batch.start) * max_bytes for j in batch]
+                # Values are built straight in registered memory: the engine sends from there.
+                sizes = [len(encode(j, self._put_buf[off:off + max_bytes])) for j, off in zip(batch, offsets)]
+                codes = store.batch_put_from([names[j] for j in batch], [base + o for o in offsets], sizes)
                 if codes and all(c < 0 for c in codes):
                     # Nothing of the batch went in: the master is gone or no holder has room. A single
                     # refusal among successes is the store declining that value (False, not raised).

@@ -22,6 +22,8 @@ import numpy as np
 
 from tieredkv.errors import InvalidInput
 
+#: ``encode(i, into)``: value ``i``'s bytes, built in ``into`` (a uint8 array) when given.
+Encoder = Callable[[int, "np.ndarray | None"], memoryview]
 #: ``sink(i, value)``: called by ``get_many`` for each name in order; ``value`` is a read-only view of
 #: the value's bytes, valid only during the call, or ``None`` when the store does not hold that name.
 Sink = Callable[[int, "memoryview | None"], None]
@@ -61,8 +63,11 @@ class Store(abc.ABC):
         each to ``sink`` in order."""
 
     @abc.abstractmethod
-    def put_many(self, names: list[str], values: list[memoryview]) -> np.ndarray:
-        """Store values; bool per name: stored (False: the store refused it, e.g. out of memory)."""
+    def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
+        """Store one value per name; bool per name: stored (False: the store refused it, e.g. full).
+
+        ``encode(i, into)`` builds value ``i`` (at most ``max_bytes``) and returns a view of it; ``into``
+        is a uint8 buffer the store will send from (registered memory: no copy), or None."""
 
     @abc.abstractmethod
     def delete_many(self, names: list[str]) -> int:

@@ -43,6 +43,18 @@ def name_prefix(fingerprint: str) -> str:
     return f"tkv{FORMAT_VERSION}:{fingerprint}:"
 
 
+class _Guard:
+    """Lets a request give up on a read: after ``cancel()`` the read writes nothing more."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+
+
 class RemoteTier(Tier):
     """A remote store of blocks for one spec.
 
@@ -133,8 +145,8 @@ class RemoteTier(Tier):
         """Run ``fn`` on a caller thread and wait at most ``timeout_s``; raise ``RemoteUnavailable`` if
         the store is marked down, every caller is stuck, ``fn`` failed, or the deadline passed.
 
-        A late call keeps running on its thread and its result is dropped: that is why ``fn`` writes
-        only into buffers it owns, never into the caller's.
+        A late call keeps running on its thread and its result is dropped: a ``fn`` that writes into
+        the caller's memory must stop when told (see ``_Guard``).
         """
         with self._lock:
             if self._closed:
@@ -208,21 +220,18 @@ class RemoteTier(Tier):
         if n == 0:
             return 0
         names = self.names(keys)
+        guard = _Guard()
         try:
-            staging, run, bad = self._call(lambda: self._fetch(keys, names), self._read_deadline(n))
+            run, bad = self._call(lambda: self._fetch(keys, names, rows, guard), self._read_deadline(n))
         except RemoteUnavailable:
+            guard.cancel()  # a late call must not write into the caller's rows any more
             run, bad = 0, False
-            staging = None
-        if run:
-            rows[:run] = staging[:run]
         self._count(hits=run, misses=n - run, bytes_out=run * self.spec.block_bytes, corrupt=int(bad))
         return run
 
-    def _fetch(self, keys: ChunkKeys, names: list[str]) -> tuple[np.ndarray, int, bool]:
-        """On a caller thread: read into a private staging array, check each value, stop at the first
-        absent or bad one. Returns ``(staging, run, bad)``."""
-        n = len(keys)
-        staging = np.empty((n, self.spec.block_bytes), dtype=np.uint8)
+    def _fetch(self, keys: ChunkKeys, names: list[str], rows: np.ndarray, guard: _Guard) -> tuple[int, bool]:
+        """On a caller thread: check each value and write its payload into ``rows``, stopping at the first
+        absent or bad one, or when the caller gave up (``guard``). Returns ``(run, bad)``."""
         state = {"run": 0, "stop": False, "bad": False}
 
         def sink(i: int, value) -> None:
@@ -230,7 +239,13 @@ class RemoteTier(Tier):
                 return
             if value is None:
                 state["stop"] = True
-            elif self.codec.decode_into(value, keys, i, staging[i]):
+                return
+            with guard.lock:  # the caller cancels under this lock: no write lands after it returned
+                if guard.cancelled:
+                    state["stop"] = True
+                    return
+                good = self.codec.decode_into(value, keys, i, rows[i])
+            if good:
                 state["run"] += 1
             else:
                 state["stop"] = state["bad"] = True
@@ -239,7 +254,7 @@ class RemoteTier(Tier):
         if state["bad"]:
             # A damaged or foreign value: remove it so the next writer of this block replaces it.
             self.store.delete_many([names[state["run"]]])
-        return staging, state["run"], state["bad"]
+        return state["run"], state["bad"]
 
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
         """Encode and store blocks; ``STORED`` per block the store took, ``NO_SPACE`` per block it
@@ -257,16 +272,21 @@ class RemoteTier(Tier):
         if down:
             self._count(skipped=1)
             return codes
-        values = [self.codec.encode(keys, rows, i) for i in range(n)]
+        sizes = np.zeros(n, dtype=np.int64)
+
+        def encode(i: int, into):
+            value = self.codec.encode(keys, rows, i, into)
+            sizes[i] = len(value)
+            return value
+
         try:
-            ok = self.store.put_many(self.names(keys), values)
+            ok = self.store.put_many(self.names(keys), self.codec.max_bytes, encode)
         except RemoteUnavailable:
             self._failed()
             return codes
         codes[ok] = PutResult.STORED
         stored = int(ok.sum())
-        self._count(puts=stored, refused=n - stored,
-                    bytes_in=sum(len(v) for v, good in zip(values, ok) if good))
+        self._count(puts=stored, refused=n - stored, bytes_in=int(sizes[ok].sum()))
         return codes
 
     def remove(self, keys: ChunkKeys) -> int:

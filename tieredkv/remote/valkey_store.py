@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from tieredkv.errors import InvalidInput, RemoteUnavailable
-from tieredkv.remote.store import Sink, Store, float_option, int_option
+from tieredkv.remote.store import Encoder, Sink, Store, float_option, int_option
 
 
 class ValkeyStore(Store):
@@ -64,9 +64,10 @@ class ValkeyStore(Store):
         for i, value in enumerate(values):
             sink(i, None if value is None or len(value) > max_bytes else memoryview(value))
 
-    def put_many(self, names: list[str], values: list[memoryview]) -> np.ndarray:
+    def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
         if not names:
             return np.zeros(0, dtype=bool)
+        values = [encode(i, None) for i in range(len(names))]
 
         def put():
             pipe = self._client.pipeline(transaction=False)

@@ -453,3 +453,22 @@ def test_cli_on_a_mooncake_store(capsys, mooncake_server):
     assert status == 0 and "cannot list its names" in out
     status, _, err = _cli(capsys, "verify", "--remote", mooncake_server.url)
     assert status == 2 and "cannot list its names" in err
+
+
+def test_prometheus_exposes_the_remote_counters(spec, valkey_server, host):
+    pytest.importorskip("prometheus_client", reason="the metrics extra is not installed")
+    from tieredkv import metrics
+
+    tokens = prompt(17, seed=91)
+    a = host(valkey_server.url)
+    a.store(tokens, kv_for(spec, tokens))
+    assert a.flush_remote(10)
+    b = host(valkey_server.url)
+    _load(b, tokens)
+    b.lookup(prompt(17, seed=92))  # nobody has it: the run ends in the remote tier
+    text = metrics.render([b.hot.name])
+    hit_line = next(x for x in text.splitlines() if x.startswith("tieredkv_hit_tokens_total") and 'tier="remote"' in x)
+    assert hit_line.endswith(" 16.0")
+    assert "tieredkv_remote_misses_total" in text and "tieredkv_remote_errors_total" in text
+    line = next(x for x in text.splitlines() if x.startswith("tieredkv_remote_misses_total"))
+    assert line.endswith(" 1.0")

@@ -348,7 +348,7 @@ def test_mooncake_master_killed_mid_run_then_restarted(spec, host):
 def test_a_stalled_store_costs_a_deadline_and_drops_writes(spec, host):
     server = servers.ValkeyServer().start()
     try:
-        cache = host(f"{server.url}?deadline_ms=50&retry_s=30&timeout_s=1", remote_queue_blocks=8)
+        cache = host(f"{server.url}?deadline_ms=50&retry_s=0&timeout_s=1", remote_queue_blocks=8)
         os.kill(server.proc.pid, signal.SIGSTOP)  # alive but silent
         try:
             tokens = prompt(33, seed=41)

@@ -25,11 +25,13 @@ def connect(url: str) -> Store:
     return open_store(scheme, host, port, {k: v for k, v in options.items() if k not in TIER_OPTIONS})
 
 
-def _split(name: str) -> tuple[str, str] | None:
+def _split(name: str) -> tuple[str, str, str] | None:
+    """``(fingerprint, key hex, confirm hex)`` of a block's name, or None."""
     parts = name.split(":")
-    if len(parts) != 3 or parts[0] != f"tkv{FORMAT_VERSION}" or len(parts[1]) != 16 or len(parts[2]) != 32:
+    if (len(parts) != 4 or parts[0] != f"tkv{FORMAT_VERSION}" or len(parts[1]) != 16 or len(parts[2]) != 32
+            or len(parts[3]) != 16):
         return None
-    return parts[1], parts[2]
+    return parts[1], parts[2], parts[3]
 
 
 def namespaces(url: str) -> dict:

@@ -19,6 +19,7 @@ import numpy as np
 
 from tieredkv.errors import InvalidInput, RemoteUnavailable
 from tieredkv.remote.store import Encoder, Sink, Store, int_option
+from tieredkv.tier import PutResult
 
 #: Mooncake's "object not found" error code (OBJECT_NOT_FOUND): a clean miss, not a failure.
 _NOT_FOUND = -704
@@ -114,9 +115,9 @@ class MooncakeStore(Store):
                         sink(j, memoryview(self._get_buf[off:off + size]).toreadonly())
 
     def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
-        ok = np.zeros(len(names), dtype=bool)
+        codes = np.full(len(names), PutResult.NO_SPACE, dtype=np.int8)
         if not names:
-            return ok
+            return codes
         store = self._client()
         with self._put_lock:
             base = self._put_buf.ctypes.data
@@ -124,13 +125,14 @@ class MooncakeStore(Store):
                 offsets = [(j - batch.start) * max_bytes for j in batch]
                 # Values are built straight in registered memory: the engine sends from there.
                 sizes = [len(encode(j, self._put_buf[off:off + max_bytes])) for j, off in zip(batch, offsets)]
-                codes = store.batch_put_from([names[j] for j in batch], [base + o for o in offsets], sizes)
-                if codes and all(c < 0 for c in codes):
+                rcs = store.batch_put_from([names[j] for j in batch], [base + o for o in offsets], sizes)
+                if rcs and all(c < 0 for c in rcs):
                     # Nothing of the batch went in: the master is gone or no holder has room. A single
                     # refusal among successes is the store declining that value (False, not raised).
-                    raise RemoteUnavailable(f"{self.url}: batch_put_from failed (codes {sorted(set(codes))})")
-                ok[batch.start:batch.stop] = np.asarray(codes, dtype=np.int64) == 0
-        return ok
+                    raise RemoteUnavailable(f"{self.url}: batch_put_from failed (codes {sorted(set(rcs))})")
+                # Mooncake answers 0 for a name it already holds too: both are "the store has it".
+                codes[batch.start:batch.stop][np.asarray(rcs, dtype=np.int64) == 0] = PutResult.STORED
+        return codes
 
     def delete_many(self, names: list[str]) -> int:
         store = self._client()

@@ -64,7 +64,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
-        """Store one value per name; bool per name: stored (False: the store refused it, e.g. full).
+        """Store one value per name; a ``PutResult`` code (int8) per name: ``STORED``, ``EXISTS`` (the
+        store already holds that name) or ``NO_SPACE`` (the store refused it, e.g. full).
 
         ``encode(i, into)`` builds value ``i`` (at most ``max_bytes``) and returns a view of it; ``into``
         is a uint8 buffer the store will send from (registered memory: no copy), or None."""

@@ -29,10 +29,19 @@ import numpy as np
 from tieredkv.errors import InvalidInput, RemoteUnavailable
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes
+from tieredkv.remote import value as fmt
 from tieredkv.remote.store import Store, float_option, open_store, parse_url
 from tieredkv.remote.value import FORMAT_VERSION, Codec
 from tieredkv.spec import KVSpec
-from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+from tieredkv.tier import (
+    Evicted,
+    PutResult,
+    Tier,
+    TierStats,
+    check_count,
+    check_keys,
+    out_rows,
+)
 
 #: URL options the tier itself reads (the rest go to the store).
 TIER_OPTIONS = ("deadline_ms", "retry_s", "compress", "min_mb_per_s")
@@ -41,6 +50,14 @@ TIER_OPTIONS = ("deadline_ms", "retry_s", "compress", "min_mb_per_s")
 def name_prefix(fingerprint: str) -> str:
     """Prefix of every name of one namespace in the store (``ls`` counts by it)."""
     return f"tkv{FORMAT_VERSION}:{fingerprint}:"
+
+
+def block_names(prefix: str, keys: ChunkKeys) -> list[str]:
+    """``<prefix><key hex>:<confirm hex>`` per block; ``confirm`` covers the parent key and the chunk's
+    tokens (``value.confirm_digest``), so a probe by name confirms a hit the way the local tiers do."""
+    raw = np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
+    return [f"{prefix}{raw[16 * i:16 * i + 16].hex()}:{fmt.confirm_digest(keys.parents[i], keys.tokens[i]):016x}"
+            for i in range(len(keys))]
 
 
 class _Guard:
@@ -70,6 +87,8 @@ class RemoteTier(Tier):
         min_mb_per_s: the slowest transfer rate a read may have before it counts as late.
         workers: request-path calls that may be in flight at once; when all are stuck on a store that
             does not answer, further calls are misses at once.
+        capacity_blocks: the store's size in blocks as the operator sized it, for ``stats`` (0: derive it
+            from the server's ``maxmemory`` when it reports one).
 
     Raises:
         InvalidInput: a bad URL or option (the message names it).
@@ -77,7 +96,7 @@ class RemoteTier(Tier):
 
     def __init__(self, spec: KVSpec, store: Store | str, *, deadline_ms: float | None = None,
                  retry_s: float | None = None, compress: bool | None = None, min_mb_per_s: float | None = None,
-                 workers: int = 4):
+                 workers: int = 4, capacity_blocks: int = 0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         options: dict[str, str] = {}
@@ -102,6 +121,7 @@ class RemoteTier(Tier):
         self.min_bytes_per_s = mb * 1e6
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidInput(f"workers must be a positive int, got {workers!r}")
+        self.capacity_blocks = check_count(capacity_blocks, "capacity_blocks")
         self.codec = Codec(spec, compress=compress)
         self.prefix = name_prefix(spec.fingerprint)
         self._workers = workers
@@ -112,7 +132,7 @@ class RemoteTier(Tier):
         self._down_until = 0.0
         self._closed = False
         self._counts = {name: 0 for name in ("hits", "misses", "bytes_in", "bytes_out", "puts", "corrupt",
-                                             "errors", "skipped", "refused")}
+                                             "errors", "skipped", "refused", "wire_bytes_in")}
         #: Called with each change of the error/skipped/corrupt counters (TieredCache keeps per-host sums).
         self.observer: Callable[[dict], None] | None = None
 
@@ -125,9 +145,12 @@ class RemoteTier(Tier):
         return self.codec.compress
 
     def names(self, keys: ChunkKeys) -> list[str]:
-        """The store names of ``keys``: namespace prefix + the key's hex (the salt is inside the key)."""
-        raw = np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
-        return [self.prefix + raw[i:i + 16].hex() for i in range(0, len(raw), 16)]
+        """The store names of ``keys`` (see ``block_names``; the salt is inside the key)."""
+        return block_names(self.prefix, keys)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInput("this RemoteTier is closed")
 
     # ---- calls with a deadline ----------------------------------------------------------------------
     def _count(self, **deltas: int) -> None:
@@ -191,6 +214,8 @@ class RemoteTier(Tier):
     # ---- Tier ---------------------------------------------------------------------------------------
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         """Residency per key; all False when the store does not answer within the deadline."""
+        keys = check_keys(self.spec, keys)
+        self._check_open()
         if not len(keys):
             return np.zeros(0, dtype=bool)
         names = self.names(keys)
@@ -213,10 +238,10 @@ class RemoteTier(Tier):
         The run ends at the first block that is absent, fails a check (counted as corrupt, deleted
         from the store) or when the store does not answer in time (counted as an error).
         """
+        keys = check_keys(self.spec, keys)
         n = len(keys)
-        if isinstance(out, np.ndarray) and out.ndim and out.shape[0] > n:
-            out = out[:n]
-        rows = as_block_bytes(self.spec, out, n, what="out", writable=True)
+        rows = out_rows(self.spec, out, n)
+        self._check_open()
         if n == 0:
             return 0
         names = self.names(keys)
@@ -257,51 +282,75 @@ class RemoteTier(Tier):
         return state["run"], state["bad"]
 
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
-        """Encode and store blocks; ``STORED`` per block the store took, ``NO_SPACE`` per block it
-        refused or could not take (down, full). Blocks until the store answers (its own timeout bounds
-        it): TieredCache calls this from its background writer, never from a request."""
+        """Encode and store blocks the store does not hold yet; one ``PutResult`` per block: ``STORED``,
+        ``EXISTS`` (the store has it, or it came earlier in this batch) or ``NO_SPACE`` (the store
+        refused it, or is down). Blocks until the store answers (its own timeout bounds it):
+        TieredCache calls this from its background writer, never from a request."""
+        keys = check_keys(self.spec, keys)
         n = len(keys)
         rows = as_block_bytes(self.spec, payloads, n)
-        codes = np.full(n, PutResult.NO_SPACE, dtype=np.int8)
+        self._check_open()
+        codes = np.full(n, PutResult.EXISTS, dtype=np.int8)
         if n == 0:
             return codes
         with self._lock:
-            if self._closed:
-                raise InvalidInput("this RemoteTier is closed")
             down = time.monotonic() < self._down_until
         if down:
             self._count(skipped=1)
+            codes[:] = PutResult.NO_SPACE
             return codes
+        kv = np.ascontiguousarray(keys.keys, dtype="<u8").view("V16").ravel()
+        _, first = np.unique(kv, return_index=True)
+        first.sort()
+        names = self.names(keys)
         sizes = np.zeros(n, dtype=np.int64)
 
-        def encode(i: int, into):
-            value = self.codec.encode(keys, rows, i, into)
-            sizes[i] = len(value)
+        def encode(j: int, into):
+            value = self.codec.encode(keys, rows, int(first[todo[j]]), into)
+            sizes[first[todo[j]]] = len(value)
             return value
 
         try:
-            ok = self.store.put_many(self.names(keys), self.codec.max_bytes, encode)
+            # Probe first: a block another host already sent costs one EXISTS, not its bytes.
+            todo = np.flatnonzero(~self.store.exists_many([names[i] for i in first]))
+            results = self.store.put_many([names[first[j]] for j in todo], self.codec.max_bytes, encode)
         except RemoteUnavailable:
             self._failed()
+            codes[first] = PutResult.NO_SPACE
             return codes
-        codes[ok] = PutResult.STORED
-        stored = int(ok.sum())
-        self._count(puts=stored, refused=n - stored, bytes_in=int(sizes[ok].sum()))
+        codes[first[todo]] = results
+        stored = codes == PutResult.STORED
+        self._count(puts=int(stored.sum()), refused=int(np.count_nonzero(codes == PutResult.NO_SPACE)),
+                    bytes_in=int(stored.sum()) * self.spec.block_bytes, wire_bytes_in=int(sizes[stored].sum()))
         return codes
 
     def remove(self, keys: ChunkKeys) -> int:
         """Delete blocks from the store (an administrative call: it raises ``RemoteUnavailable``)."""
+        keys = check_keys(self.spec, keys)
+        self._check_open()
         return self.store.delete_many(self.names(keys)) if len(keys) else 0
 
     def evict(self, n: int) -> Evicted:
-        """The store evicts by itself (Valkey's maxmemory policy, Mooncake's watermarks): nothing here
-        chooses victims, so this evicts nothing and hands back no blocks."""
+        """The store evicts by itself (Valkey's maxmemory policy, Mooncake's watermarks) and reports no
+        victims: nothing here chooses any, so this evicts nothing and hands back no blocks."""
+        check_count(n)
+        self._check_open()
         empty = np.zeros((0, 2), dtype=np.uint64)
         return Evicted(keys=ChunkKeys(empty, empty.copy(), np.zeros((0, self.spec.chunk_tokens), np.uint32)),
-                       payloads=None)
+                       payloads=np.zeros((0, self.spec.block_bytes), np.uint8), hits=np.zeros(0, np.int64))
+
+    @property
+    def corrupt_seen(self) -> int:
+        """Values this handle refused (damaged or foreign) and deleted."""
+        with self._lock:
+            return self._counts["corrupt"]
 
     def stats(self) -> TierStats:
-        """This process's counters; the store's own numbers under ``extra["server"]`` when it answers."""
+        """This process's counters; the store's own numbers under ``extra["server"]`` when it answers.
+
+        ``used_blocks`` is what the server says it holds (Valkey: every name in the database, all
+        namespaces); ``capacity_blocks`` is the one given, else ``maxmemory`` / the largest value."""
+        self._check_open()
         try:
             server: Any = self._call(self.store.info, max(self.deadline_s, 1.0))
         except RemoteUnavailable as e:
@@ -309,8 +358,10 @@ class RemoteTier(Tier):
         with self._lock:
             counts = dict(self._counts)
         extra = {"url": self.url, "compress": self.compress, "errors": counts.pop("errors"),
-                 "skipped": counts.pop("skipped"), "refused": counts.pop("refused"), "server": server}
-        return TierStats(name="remote", capacity_blocks=0, used_blocks=int(server.get("names", 0)),
+                 "skipped": counts.pop("skipped"), "refused": counts.pop("refused"),
+                 "wire_bytes_in": counts.pop("wire_bytes_in"), "server": server}
+        capacity = self.capacity_blocks or int(server.get("maxmemory_bytes", 0)) // self.codec.max_bytes
+        return TierStats(name="remote", capacity_blocks=capacity, used_blocks=int(server.get("names", 0)),
                          extra=extra, **counts)
 
     @property

@@ -13,6 +13,7 @@ import numpy as np
 
 from tieredkv.errors import InvalidInput, RemoteUnavailable
 from tieredkv.remote.store import Encoder, Sink, Store, float_option, int_option
+from tieredkv.tier import PutResult
 
 
 class ValkeyStore(Store):
@@ -65,18 +66,22 @@ class ValkeyStore(Store):
             sink(i, None if value is None or len(value) > max_bytes else memoryview(value))
 
     def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
+        codes = np.zeros(len(names), dtype=np.int8)
         if not names:
-            return np.zeros(0, dtype=bool)
+            return codes
         values = [encode(i, None) for i in range(len(names))]
 
         def put():
             pipe = self._client.pipeline(transaction=False)
             for name, value in zip(names, values):
-                pipe.set(name, value, ex=self.ttl_s or None)
+                pipe.set(name, value, ex=self.ttl_s or None, nx=True)
             # An OOM refusal (maxmemory with noeviction) is a per-command error, not a dead server.
             return pipe.execute(raise_on_error=False)
 
-        return np.asarray([r is True for r in self._run("SET", put)], dtype=bool)
+        for i, reply in enumerate(self._run("SET", put)):
+            codes[i] = (PutResult.STORED if reply is True else PutResult.EXISTS if reply is None
+                        else PutResult.NO_SPACE)
+        return codes
 
     def delete_many(self, names: list[str]) -> int:
         return int(self._run("DEL", lambda: self._client.delete(*names))) if names else 0

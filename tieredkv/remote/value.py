@@ -54,6 +54,13 @@ def namespace_digest(spec: KVSpec) -> int:
     return xxhash.xxh3_64_intdigest(spec.namespace_bytes())
 
 
+def confirm_digest(parent: np.ndarray, tokens: np.ndarray) -> int:
+    """xxh3_64 of a block's parent key and chunk tokens: part of its name in the store, so that a probe
+    by name confirms the hit (a right key with other tokens or another parent is another name)."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(parent, dtype="<u8").tobytes()
+                                    + np.ascontiguousarray(tokens, dtype="<u4").tobytes())
+
+
 def value_bytes(spec: KVSpec) -> int:
     """Size of an uncompressed value (the most a value of this spec may take)."""
     return HEADER_BYTES + 4 * spec.chunk_tokens + spec.block_bytes
@@ -164,11 +171,11 @@ def _unpack_body(body: memoryview, head: dict, width: int, out: np.ndarray) -> b
     return True
 
 
-def check_value(value, fingerprint: str, key_hex: str) -> str | None:
+def check_value(value, fingerprint: str, key_hex: str, confirm_hex: str) -> str | None:
     """Check a value on its own, without the prompt that made it (``tieredkv verify --remote``).
 
-    ``fingerprint`` and ``key_hex`` come from the value's name. Returns None when the value is sound,
-    else the reason. The tokens cannot be checked without the prompt; every read checks them.
+    ``fingerprint``, ``key_hex`` and ``confirm_hex`` come from the value's name. Returns None when the
+    value is sound, else the reason.
     """
     mv = memoryview(value).cast("B")
     head = _parse(mv)
@@ -178,9 +185,13 @@ def check_value(value, fingerprint: str, key_hex: str) -> str | None:
         return "namespace digest differs from the name's"
     if head["key"].hex() != key_hex:
         return "key differs from the name's"
+    tok_end = HEADER_BYTES + 4 * head["chunk_tokens"]
+    tokens = np.frombuffer(mv[HEADER_BYTES:tok_end], dtype="<u4")
+    if f"{confirm_digest(np.frombuffer(head['parent'], dtype='<u8'), tokens):016x}" != confirm_hex:
+        return "parent key or tokens differ from the name's"
     if head["flags"] & FLAG_PLANES_ZLIB:
         out = np.empty(head["raw_len"], dtype=np.uint8)
         # Plane order does not matter for this check: only that the bytes decompress to their length.
-        if not _unpack_body(mv[HEADER_BYTES + 4 * head["chunk_tokens"]:], head, 1, out):
+        if not _unpack_body(mv[tok_end:], head, 1, out):
             return "compressed payload does not decompress to its length"
     return None

@@ -53,6 +53,18 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _timed_puts(put, batches, delete) -> float:
+    """Median time of ``put(batch)`` over fresh batches (the first is a warm-up); each is deleted after."""
+    times = []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        put(batch)
+        if i:
+            times.append(time.perf_counter() - t0)
+        delete(batch)
+    return statistics.median(times)
+
+
 def _bf16_normal(n: int, size: int, seed: int = 0) -> np.ndarray:
     """``(n, size)`` uint8 rows of bf16 bit patterns of N(0, 1) values (the high half of float32)."""
     f = np.random.default_rng(seed).standard_normal(n * size // 2).astype(np.float32)
@@ -74,6 +86,9 @@ class _PlainValkey:
     def get(self, names, out):
         for i, value in enumerate(self.client.mget(names)):
             out[i] = np.frombuffer(value, np.uint8)
+
+    def delete(self, names):
+        self.client.delete(*names)
 
     def close(self):
         self.client.close()
@@ -100,6 +115,10 @@ class _PlainMooncake:
         if any(c != 0 for c in codes):
             raise RuntimeError(f"plain batch_put_from failed: {codes}")
 
+    def delete(self, names):
+        for name in names:
+            self.store.remove(name, True)
+
     def get(self, names, out):
         size = out.shape[1]
         sizes = self.store.batch_get_into(names, [self.dst.ctypes.data + i * size for i in range(len(names))],
@@ -119,19 +138,28 @@ def transfers(backend: str, server, batch: int, repeats: int) -> list[dict]:
         payloads = _bf16_normal(batch, size)
         out = np.empty_like(payloads)
         plain = _PlainValkey(server.port) if backend == "valkey" else _PlainMooncake(server.port, batch * size)
-        names = [f"bench-plain-{secrets.token_hex(6)}-{i}" for i in range(batch)]
-        t_put_plain = _median(lambda: plain.put(names, payloads), repeats)
+        # Every timed put writes names the store does not hold yet (a put of a held block is answered
+        # EXISTS and sends nothing); what was written is deleted between runs, outside the timing.
+        plain_sets = [[f"bench-plain-{secrets.token_hex(6)}-{i}" for i in range(batch)] for _ in range(repeats + 1)]
+        t_put_plain = _timed_puts(lambda names: plain.put(names, payloads), plain_sets,
+                                  lambda names: plain.delete(names))
+        names = plain_sets[0]
+        plain.put(names, payloads)
         t_get_plain = _median(lambda: plain.get(names, out), repeats)
         assert out.tobytes() == payloads.tobytes()
+        plain.delete(names)
         plain.close()
         for compress in (0, 1):
             tier = RemoteTier(spec, f"{server.url}?compress={compress}&deadline_ms=10000")
-            keys = chunk_keys(spec, np.random.default_rng(compress).integers(0, 50_000, batch * spec.chunk_tokens))
-            t_put = _median(lambda: tier.put_many(keys, payloads), repeats)
+            key_sets = [chunk_keys(spec, np.random.default_rng(1000 * compress + r).integers(
+                0, 50_000, batch * spec.chunk_tokens)) for r in range(repeats + 1)]
+            t_put = _timed_puts(lambda keys: tier.put_many(keys, payloads), key_sets, tier.remove)
+            keys = key_sets[0]
+            tier.put_many(keys, payloads)
             got = []
             t_get = _median(lambda: got.append(tier.get_many(keys, out)), repeats)
             assert got[-1] == batch and out.tobytes() == payloads.tobytes()
-            stored = tier.counts["bytes_in"] / tier.counts["puts"]
+            stored = tier.stats().extra["wire_bytes_in"] / tier.counts["puts"]
             tier.remove(keys)
             tier.close()
             rows_out.append({"backend": backend, "block": label, "batch": batch, "compress": bool(compress),

@@ -82,6 +82,9 @@ class MooncakeStore(Store):
                 self._store, self._get_buf, self._put_buf = store, get_buf, put_buf
             return self._store
 
+    def connect(self) -> None:
+        self._client()  # setup and buffer registration take long next to a deadline: do them up front
+
     def _batches(self, n: int, slot_bytes: int) -> list[range]:
         per = max(1, self.batch_bytes // slot_bytes)
         if slot_bytes > self.batch_bytes:

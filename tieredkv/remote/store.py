@@ -53,6 +53,10 @@ class Store(abc.ABC):
     def url(self) -> str:
         return f"{self.scheme}://{self.host}:{self.port}"
 
+    def connect(self) -> None:
+        """Set up the connection now rather than inside the first deadline-bound call (best effort:
+        raises ``RemoteUnavailable``, and the next call tries again). Default: connect lazily."""
+
     @abc.abstractmethod
     def exists_many(self, names: list[str]) -> np.ndarray:
         """Bool per name: the store holds it. One round trip."""

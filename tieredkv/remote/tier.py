@@ -135,6 +135,10 @@ class RemoteTier(Tier):
                                              "errors", "skipped", "refused", "wire_bytes_in")}
         #: Called with each change of the error/skipped/corrupt counters (TieredCache keeps per-host sums).
         self.observer: Callable[[dict], None] | None = None
+        try:
+            store.connect()
+        except RemoteUnavailable:
+            self._failed()  # a store that is down at start-up is a miss like any other, retried later
 
     @property
     def url(self) -> str:

@@ -53,18 +53,6 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _timed_puts(put, batches, delete) -> float:
-    """Median time of ``put(batch)`` over fresh batches (the first is a warm-up); each is deleted after."""
-    times = []
-    for i, batch in enumerate(batches):
-        t0 = time.perf_counter()
-        put(batch)
-        if i:
-            times.append(time.perf_counter() - t0)
-        delete(batch)
-    return statistics.median(times)
-
-
 def _bf16_normal(n: int, size: int, seed: int = 0) -> np.ndarray:
     """``(n, size)`` uint8 rows of bf16 bit patterns of N(0, 1) values (the high half of float32)."""
     f = np.random.default_rng(seed).standard_normal(n * size // 2).astype(np.float32)
@@ -132,42 +120,65 @@ class _PlainMooncake:
 
 
 def transfers(backend: str, server, batch: int, repeats: int) -> list[dict]:
+    """Puts and gets of ``batch`` blocks: the plain client, RemoteTier raw, RemoteTier with byte planes.
+
+    The three are interleaved within each repetition (plain, raw, planes, plain, ...) and each ratio is
+    the median of the per-repetition ratios, so that a shared machine's load, which changes from second
+    to second, weighs on both sides of a ratio alike.
+    """
     rows_out = []
     for label, spec in SPECS.items():
         size = spec.block_bytes
         payloads = _bf16_normal(batch, size)
         out = np.empty_like(payloads)
         plain = _PlainValkey(server.port) if backend == "valkey" else _PlainMooncake(server.port, batch * size)
-        # Every timed put writes names the store does not hold yet (a put of a held block is answered
-        # EXISTS and sends nothing); what was written is deleted between runs, outside the timing.
-        plain_sets = [[f"bench-plain-{secrets.token_hex(6)}-{i}" for i in range(batch)] for _ in range(repeats + 1)]
-        t_put_plain = _timed_puts(lambda names: plain.put(names, payloads), plain_sets,
-                                  lambda names: plain.delete(names))
-        names = plain_sets[0]
+        tiers = [RemoteTier(spec, f"{server.url}?compress={c}&deadline_ms=60000") for c in (0, 1)]
+        put_t: list[list[float]] = [[], [], []]
+        for r in range(repeats + 1):  # the first round warms up
+            # Every put writes names the store does not hold (a held block is answered EXISTS and
+            # sends nothing); each batch is deleted right after, outside the timing.
+            names = [f"bench-plain-{secrets.token_hex(6)}-{i}" for i in range(batch)]
+            key_sets = [chunk_keys(spec, np.random.default_rng(10_000 * c + r).integers(
+                0, 50_000, batch * spec.chunk_tokens)) for c in (0, 1)]
+            steps = [(lambda: plain.put(names, payloads), lambda: plain.delete(names))]
+            steps += [(lambda t=t, k=k: t.put_many(k, payloads), lambda t=t, k=k: t.remove(k))
+                      for t, k in zip(tiers, key_sets)]
+            for j, (put, delete) in enumerate(steps):
+                t0 = time.perf_counter()
+                put()
+                if r:
+                    put_t[j].append(time.perf_counter() - t0)
+                delete()
+        names = [f"bench-plain-{secrets.token_hex(6)}-{i}" for i in range(batch)]
         plain.put(names, payloads)
-        t_get_plain = _median(lambda: plain.get(names, out), repeats)
-        assert out.tobytes() == payloads.tobytes()
+        keys = [chunk_keys(spec, np.random.default_rng(99 + c).integers(0, 50_000, batch * spec.chunk_tokens))
+                for c in (0, 1)]
+        for t, k in zip(tiers, keys):
+            t.put_many(k, payloads)
+        get_t: list[list[float]] = [[], [], []]
+        gets = [lambda: plain.get(names, out)] + [lambda t=t, k=k: t.get_many(k, out) for t, k in zip(tiers, keys)]
+        for r in range(repeats + 1):
+            for j, get in enumerate(gets):
+                out[:] = 0
+                t0 = time.perf_counter()
+                got = get()
+                if r:
+                    get_t[j].append(time.perf_counter() - t0)
+                assert (j == 0 or got == batch) and out.tobytes() == payloads.tobytes()
         plain.delete(names)
         plain.close()
-        for compress in (0, 1):
-            tier = RemoteTier(spec, f"{server.url}?compress={compress}&deadline_ms=10000")
-            key_sets = [chunk_keys(spec, np.random.default_rng(1000 * compress + r).integers(
-                0, 50_000, batch * spec.chunk_tokens)) for r in range(repeats + 1)]
-            t_put = _timed_puts(lambda keys: tier.put_many(keys, payloads), key_sets, tier.remove)
-            keys = key_sets[0]
-            tier.put_many(keys, payloads)
-            got = []
-            t_get = _median(lambda: got.append(tier.get_many(keys, out)), repeats)
-            assert got[-1] == batch and out.tobytes() == payloads.tobytes()
-            stored = tier.stats().extra["wire_bytes_in"] / tier.counts["puts"]
-            tier.remove(keys)
-            tier.close()
-            rows_out.append({"backend": backend, "block": label, "batch": batch, "compress": bool(compress),
-                             "wire_ratio": size / stored,
-                             "plain_put_ms": t_put_plain * 1e3, "put_ms": t_put * 1e3,
-                             "plain_get_ms": t_get_plain * 1e3, "get_ms": t_get * 1e3,
-                             "put_x_plain": t_put / t_put_plain, "get_x_plain": t_get / t_get_plain,
-                             "get_gbps": batch * size / t_get / 1e9})
+        for c, (t, k) in enumerate(zip(tiers, keys)):
+            wire = t.stats().extra["wire_bytes_in"] / t.counts["puts"]
+            t.remove(k)
+            t.close()
+            med = statistics.median
+            rows_out.append({"backend": backend, "block": label, "batch": batch, "compress": bool(c),
+                             "wire_ratio": size / wire,
+                             "plain_put_ms": med(put_t[0]) * 1e3, "put_ms": med(put_t[c + 1]) * 1e3,
+                             "plain_get_ms": med(get_t[0]) * 1e3, "get_ms": med(get_t[c + 1]) * 1e3,
+                             "put_x_plain": med([a / b for a, b in zip(put_t[c + 1], put_t[0])]),
+                             "get_x_plain": med([a / b for a, b in zip(get_t[c + 1], get_t[0])]),
+                             "get_gbps": batch * size / med(get_t[c + 1]) / 1e9})
     return rows_out
 
 
@@ -264,7 +275,8 @@ def main(argv=None) -> int:
         with server:
             report["transfers"] += transfers(backend, server, batch, repeats)
             report["first_request"].append(first_request(server.url, prefix, 1 if args.quick else 3))
-    print(f"transfers: batches of {batch} blocks, medians of {repeats}; ratio = tieredkv / plain client")
+    print(f"transfers: batches of {batch} blocks, medians of {repeats} interleaved rounds; "
+          f"x plain = median of per-round ratios tieredkv / plain client")
     print("| backend | block | wire | put ms (plain) | put x plain | get ms (plain) | get x plain | get GB/s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in report["transfers"]:

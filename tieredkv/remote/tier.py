@@ -100,15 +100,14 @@ class RemoteTier(Tier):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         options: dict[str, str] = {}
+        url_parts = None
         if isinstance(store, str):
-            scheme, host, port, options = parse_url(store)
-            tier_opts = {k: options.pop(k) for k in TIER_OPTIONS if k in options}
-            store = open_store(scheme, host, port, options)
-            options = tier_opts
+            scheme, host, port, store_opts = parse_url(store)
+            options = {k: store_opts.pop(k) for k in TIER_OPTIONS if k in store_opts}
+            url_parts = (scheme, host, port, store_opts)
         elif not isinstance(store, Store):
             raise InvalidInput(f"store must be a URL or a Store, got {type(store).__name__}")
         self.spec = spec
-        self.store = store
         self.deadline_s = (deadline_ms if deadline_ms is not None
                            else float_option(options, "deadline_ms", 50.0, minimum=0.001)) / 1000
         self.retry_s = retry_s if retry_s is not None else float_option(options, "retry_s", 1.0)
@@ -124,6 +123,8 @@ class RemoteTier(Tier):
         self.capacity_blocks = check_count(capacity_blocks, "capacity_blocks")
         self.codec = Codec(spec, compress=compress)
         self.prefix = name_prefix(spec.fingerprint)
+        # Opened only once every tier option checked out: a bad option leaves nothing open.
+        self.store = store if url_parts is None else open_store(*url_parts)
         self._workers = workers
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -136,7 +137,7 @@ class RemoteTier(Tier):
         #: Called with each change of the error/skipped/corrupt counters (TieredCache keeps per-host sums).
         self.observer: Callable[[dict], None] | None = None
         try:
-            store.connect()
+            self.store.connect()
         except RemoteUnavailable:
             self._failed()  # a store that is down at start-up is a miss like any other, retried later
 

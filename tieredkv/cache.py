@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -27,16 +28,22 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, policies
-from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
+                             PermissionDenied, TieredKVError, WarmTierUnavailable, require_positive_int,
+                             require_positive_seconds)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import copy_into
+from tieredkv.layout import copy_into, overlaps_itself
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM, REMOTE = 0, 1, 2
+
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
+#: TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +99,12 @@ class TieredCache:
         demotion: ``"on_evict"``, ``"write_through"`` or ``"on_nth_hit:N"`` (hot -> warm).
         hot_name: segment name (default derived from the spec).
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
-        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
+        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``. Only
+            ``"always"`` (the default) protects against media corruption: the others serve blocks
+            damaged on disk unless sampled (docs/warm-tier.md).
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
+        lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
+            lock, the warm tier's writer lock) before ``LockTimeout``.
         remote: a store shared by the fleet: a URL (``"valkey://host:port"``, ``"mooncake://host:port"``,
             options in the query string, see ``RemoteTier``) or a ``RemoteTier``. The cache closes it.
         remote_write: which blocks go to the remote tier: ``"write_through"`` (every stored block),
@@ -116,6 +127,12 @@ class TieredCache:
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        # Checked here, under the names the caller used, before any tier is made.
+        if hot_bytes is not None:
+            hot_bytes = require_positive_int("hot_bytes", hot_bytes, "256 << 20")
+        if hot_blocks is not None:
+            hot_blocks = require_positive_int("hot_blocks", hot_blocks, "4096")
+        lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
         try:
             policies.make(eviction)
             self.promotion = promotion_rules.make(promotion)
@@ -123,6 +140,10 @@ class TieredCache:
             self.remote_write = demotion_rules.make(remote_write)
         except (KeyError, ValueError, TypeError) as e:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
+        if warm_dir is not None and (isinstance(warm_dir, bytes) or not isinstance(warm_dir, (str, os.PathLike))
+                                     or not os.fspath(warm_dir)):
+            # "" would silently put the warm tier in whatever directory the worker started in.
+            raise InvalidInput(f"warm_dir must be a non-empty path (str or os.PathLike) or None, got {warm_dir!r}")
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         self._lock = threading.Lock()
@@ -135,17 +156,31 @@ class TieredCache:
         self.hot: Tier | None = None
         self.remote: Tier | None = None
         self._remote_writer = None
+        warm_failed = False
         try:
             if remote is not None:
                 self._open_remote(remote, remote_queue_blocks, remote_flush_s)
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
 
-                self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                     policy=eviction)
+                try:
+                    self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
+                                         policy=eviction, lock_timeout_s=lock_timeout_s)
+                except _WARM_STATE_ERRORS as e:
+                    if isinstance(e, PermissionDenied):
+                        raise  # another user's files: an operator decision, never silently worked around
+                    # The warm tier's files are damaged or unusable right now. That must not keep the
+                    # worker (and with it the hot tier every worker shares) from starting: serve hot-only
+                    # and say so. Misuse (bad arguments, another spec, another user's files) still raises.
+                    warnings.warn(f"tieredkv: the warm tier at {warm_dir} cannot open ({e}); running "
+                                  f"hot-only until restart (`tieredkv verify --repair` checks and "
+                                  f"rebuilds it)", RuntimeWarning, stacklevel=2)
+                    warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
                                on_evict=self._demote if self.warm is not None or self._remote_on_evict else None)
+            if warm_failed:
+                self._count(warm_errors=1)
         except BaseException:
             self.close()
             raise
@@ -487,6 +522,18 @@ class TieredCache:
         if arr.shape[3] < min_tokens:
             raise InvalidPayload(f"{what} holds {arr.shape[3]} tokens; the hit needs {min_tokens}")
 
+    @staticmethod
+    def _check_no_overlap(out) -> None:
+        if isinstance(out, np.ndarray):
+            strides, size = out.strides, out.itemsize
+        else:  # torch counts strides in elements
+            size = out.element_size()
+            strides = tuple(st * size for st in out.stride())
+        if overlaps_itself(tuple(out.shape), strides, size):
+            raise InvalidPayload(f"out has overlapping strides (byte strides {strides}, as made by as_strided "
+                                 "or expand): restored tokens would overwrite each other; pass an array with "
+                                 "one element per index")
+
     def _torch_dtype_ok(self, t) -> bool:
         return str(t.dtype).removeprefix("torch.") == self.spec.dtype
 
@@ -500,6 +547,7 @@ class TieredCache:
             if not out.flags.writeable:
                 raise InvalidPayload("out is read-only")
             self._check_array(out, "out", min_tokens)
+            self._check_no_overlap(out)
             return out, lambda n: None
         torch = _torch_or_none(out)
         if torch is None:
@@ -507,6 +555,11 @@ class TieredCache:
         if not self._torch_dtype_ok(out):
             raise InvalidPayload(f"out dtype {out.dtype} != the spec's {self.spec.dtype}")
         self._check_array(out, "out", min_tokens)
+        _check_device(out, "out")
+        if out.requires_grad:
+            raise InvalidPayload("out requires grad: autograd cannot track a cache restore; allocate it "
+                                 "without requires_grad (or pass out.detach(), which shares its memory)")
+        self._check_no_overlap(out)
         if out.device.type == "cpu":
             return _numpy_of(out, self.spec.numpy_dtype), lambda n: None
         # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call. The
@@ -541,6 +594,7 @@ class TieredCache:
         if not self._torch_dtype_ok(kv):
             raise InvalidPayload(f"kv dtype {kv.dtype} != the spec's {self.spec.dtype}")
         self._check_array(kv, "kv", 0)
+        _check_device(kv, "kv")
         if kv.device.type != "cpu":
             kv = kv.detach().to("cpu")
         return _numpy_of(kv.detach(), self.spec.numpy_dtype)
@@ -618,6 +672,11 @@ def _torch_or_none(obj: Any):
     import torch
 
     return torch if isinstance(obj, torch.Tensor) else None
+
+
+def _check_device(t, what: str) -> None:
+    if t.device.type == "meta":
+        raise InvalidPayload(f"{what} is on the meta device, which holds no data; pass a CPU or CUDA tensor")
 
 
 def _numpy_of(t, numpy_dtype: np.dtype) -> np.ndarray:

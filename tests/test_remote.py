@@ -482,3 +482,26 @@ def test_prometheus_exposes_the_remote_counters(spec, valkey_server, host):
     assert "tieredkv_remote_misses_total" in text and "tieredkv_remote_errors_total" in text
     line = next(x for x in text.splitlines() if x.startswith("tieredkv_remote_misses_total"))
     assert line.endswith(" 1.0")
+
+
+def test_remote_write_on_evict_sends_what_leaves_the_warm_tier(spec, valkey_server, host, tmp_path):
+    from tieredkv.warm.slabs import slot_bytes_for
+
+    # 4 hot slots and 8 warm slots: 16 blocks stored push the oldest 4 out of the host.
+    cache = TieredCache(spec, hot_blocks=4, hot_name=_seg(), warm_dir=tmp_path / "warm",
+                        warm_bytes=8 * slot_bytes_for(spec.block_bytes), remote=generous(valkey_server.url),
+                        remote_write="on_evict")
+    try:
+        prompts = [prompt(17, seed=200 + i) for i in range(4)]
+        for p in prompts:
+            cache.store(p, kv_for(spec, p))
+        assert cache.flush_remote(10)
+        held = [cache.remote.match(chunk_keys(spec, p[:16])) for p in prompts]
+        assert held == [4, 0, 0, 0]  # only what left the warm tier; the rest is still on this host
+        assert cache.stats()["warm"]["evictions"] == 4
+        other = host(valkey_server.url)
+        hit, n, out = _load(other, prompts[0])
+        assert (hit.where == REMOTE).all() and n == 16
+        assert same_bytes(out[:, :, :, :16], kv_for(spec, prompts[0])[:, :, :, :16])
+    finally:
+        cache.unlink_hot()

@@ -108,8 +108,8 @@ class TieredCache:
         remote: a store shared by the fleet: a URL (``"valkey://host:port"``, ``"mooncake://host:port"``,
             options in the query string, see ``RemoteTier``) or a ``RemoteTier``. The cache closes it.
         remote_write: which blocks go to the remote tier: ``"write_through"`` (every stored block),
-            ``"on_evict"`` (blocks evicted from the hot tier) or ``"on_nth_hit:N"`` (evicted blocks hit
-            at least N times while hot); see docs/fleet.md.
+            ``"on_evict"`` (blocks leaving the host: evicted from warm, or from hot without a warm
+            tier) or ``"on_nth_hit:N"`` (those of them hit at least N times); see docs/fleet.md.
         remote_queue_blocks: bound on blocks waiting to be written to the remote tier; beyond it writes
             are dropped and counted (``remote_drops``).
         remote_flush_s: how long ``close()`` waits for queued remote writes.
@@ -165,7 +165,8 @@ class TieredCache:
 
                 try:
                     self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                         policy=eviction, lock_timeout_s=lock_timeout_s)
+                                         policy=eviction, lock_timeout_s=lock_timeout_s,
+                                         on_evict=self._remote_demote if self._remote_on_evict else None)
                 except _WARM_STATE_ERRORS as e:
                     if isinstance(e, PermissionDenied):
                         raise  # another user's files: an operator decision, never silently worked around
@@ -361,9 +362,9 @@ class TieredCache:
         """The hot tier's on_evict hook: write evicted blocks to warm per the demotion rule."""
         if evicted.payloads is None or not len(evicted.keys):
             return
-        if self._remote_on_evict:
-            self._remote_evicted(evicted, evicted.hits)
         if self.warm is None:
+            if self._remote_on_evict:  # no warm tier: blocks leaving hot leave the host
+                self._remote_demote(evicted)
             return
         chosen = np.flatnonzero(self.demotion.should_demote(evicted.hits))
         if not len(chosen):
@@ -479,9 +480,12 @@ class TieredCache:
         codes = self.remote.put_many(keys, payloads)
         self._count(remote_bytes_written=int(np.count_nonzero(codes == PutResult.STORED)) * self.spec.block_bytes)
 
-    def _remote_evicted(self, evicted: Evicted, hits: np.ndarray) -> None:
-        """Blocks leaving the hot tier, for the ``on_evict`` / ``on_nth_hit`` remote rules."""
-        chosen = np.flatnonzero(self.remote_write.should_demote(hits))
+    def _remote_demote(self, evicted: Evicted) -> None:
+        """Blocks leaving this host's last local tier (warm if there is one, else hot), for the
+        ``on_evict`` / ``on_nth_hit`` remote rules."""
+        if evicted.payloads is None or not len(evicted.keys):
+            return
+        chosen = np.flatnonzero(self.remote_write.should_demote(evicted.hits))
         if len(chosen):
             self._remote_send(evicted.keys.take(chosen), evicted.payloads[chosen])
 

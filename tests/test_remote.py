@@ -202,6 +202,7 @@ def test_two_hosts_share_one_store_bit_exact(spec, store_url, host, tmp_path):
     # Promoted into B's hot tier: the next lookup (any worker of host B) is local.
     again = b.lookup(tokens)
     assert again.blocks == 16 and (again.where == HOT).all()
+    assert b.warm.match(chunk_keys(spec, tokens[:64])) == 16  # and kept across B's restarts
     stats = b.stats()
     assert stats["remote_hit_tokens"] == 64 and stats["remote_bytes_read"] == 16 * spec.block_bytes
     assert stats["remote_corrupt"] == stats["remote_errors"] == 0 and stats["promotions"] == 16
@@ -505,3 +506,19 @@ def test_remote_write_on_evict_sends_what_leaves_the_warm_tier(spec, valkey_serv
         assert same_bytes(out[:, :, :, :16], kv_for(spec, prompts[0])[:, :, :, :16])
     finally:
         cache.unlink_hot()
+
+
+def test_promotion_rule_applies_to_remote_hits(spec, valkey_server, host):
+    tokens = prompt(17, seed=301)
+    a = host(valkey_server.url)
+    a.store(tokens, kv_for(spec, tokens))
+    assert a.flush_remote(10)
+    b = host(valkey_server.url, promotion="on_nth_hit:2")
+    for expected in (REMOTE, REMOTE, HOT):  # the first remote hit is not promoted, the second is
+        hit, n, _ = _load(b, tokens)
+        assert n == 16 and (hit.where == expected).all()
+    never = host(valkey_server.url, promotion="never")
+    for _ in range(2):
+        hit, n, _ = _load(never, tokens)
+        assert n == 16 and (hit.where == REMOTE).all()
+    assert never.stats()["promotions"] == 0

@@ -296,8 +296,8 @@ class TieredCache:
             promote.append((keys[:got], staging[:got], WARM))
         return got
 
-    def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
-        """Promote warm blocks just read, per the promotion rule, from the bytes in hand."""
+    def _promotion_chosen(self, keys: ChunkKeys) -> np.ndarray:
+        """Count a hit below hot for each key; return the rows the promotion rule promotes."""
         with self._lock:
             counts = np.empty(len(keys), dtype=np.int64)
             for i, k in enumerate(keys):
@@ -306,7 +306,11 @@ class TieredCache:
                 counts[i] = n
             while len(self._warm_hits) > 65536:  # a bounded, per-process memory of warm hits
                 self._warm_hits.popitem(last=False)
-        chosen = np.flatnonzero(self.promotion.should_promote(counts))
+        return np.flatnonzero(self.promotion.should_promote(counts))
+
+    def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Promote warm blocks just read, per the promotion rule, from the bytes in hand."""
+        chosen = self._promotion_chosen(keys)
         if len(chosen):
             codes = self.hot.put_many(keys.take(chosen), payloads[chosen])
             self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
@@ -456,15 +460,16 @@ class TieredCache:
         return got
 
     def _promote_remote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
-        """Remote hits go into hot, so this host's other workers find them locally, and into warm
-        when the demotion rule writes through (otherwise they reach warm when hot evicts them)."""
+        """Promote remote hits per the promotion rule into hot, so this host's other workers find them
+        locally, and into warm, so the host keeps them across restarts."""
+        chosen = self._promotion_chosen(keys)
+        if not len(chosen):
+            return
+        keys, payloads = keys.take(chosen), payloads[chosen]
         codes = self.hot.put_many(keys, payloads)
         self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
-        if self.warm is None:
-            return
-        rows = np.arange(len(keys)) if self.demotion.at_store else np.flatnonzero(codes == PutResult.NO_SPACE)
-        if len(rows):
-            wcodes = self._warm_call(lambda: self.warm.put_many(keys.take(rows), payloads[rows]), default=None)
+        if self.warm is not None:
+            wcodes = self._warm_call(lambda: self.warm.put_many(keys, payloads), default=None)
             if wcodes is not None:
                 self._count(warm_bytes_written=int(np.count_nonzero(wcodes == PutResult.STORED))
                             * self.spec.block_bytes)

@@ -522,3 +522,26 @@ def test_promotion_rule_applies_to_remote_hits(spec, valkey_server, host):
         hit, n, _ = _load(never, tokens)
         assert n == 16 and (hit.where == REMOTE).all()
     assert never.stats()["promotions"] == 0
+
+
+def test_a_worker_started_before_the_mooncake_master_catches_up(spec, host):
+    why = _mooncake_missing()
+    if why:
+        pytest.skip(f"Mooncake Store client not importable: {why}")
+    server = servers.MooncakeServer(segment_mb=64)  # ports chosen, nothing started yet
+    try:
+        url = f"{server.url}?retry_s=0.2&deadline_ms=10000"
+        b = host(url, warm=False)  # opens at once: the client sees the master is not there
+        tokens = prompt(17, seed=401)
+        assert b.lookup(tokens).blocks == 0 and b.stats()["remote_errors"] >= 1
+        server.start()
+        a = host(url, warm=False)
+        a.store(tokens, kv_for(spec, tokens))
+        assert a.flush_remote(30)
+        deadline = time.monotonic() + 60
+        while (hit := b.lookup(tokens)).blocks == 0 and time.monotonic() < deadline:
+            time.sleep(0.3)  # B's client sets up on its next call after the retry window
+        assert hit.blocks == 4 and (hit.where == REMOTE).all()
+        assert b.load(hit, np.zeros((2, 2, 2, 16, 8), np.uint16)) == 16
+    finally:
+        server.stop()

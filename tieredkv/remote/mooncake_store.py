@@ -13,6 +13,7 @@ Python bytes object per value.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 import numpy as np
@@ -57,6 +58,7 @@ class MooncakeStore(Store):
         self._get_lock = threading.Lock()  # the read buffer
         self._put_lock = threading.Lock()  # the write buffer
         self._store = None
+        self._closed = False
         self._pid = os.getpid()
         self._get_buf = np.empty(0, dtype=np.uint8)
         self._put_buf = np.empty(0, dtype=np.uint8)
@@ -65,9 +67,17 @@ class MooncakeStore(Store):
     def _client(self):
         """The connected client; (re)connects on first use, after a failed setup and after fork."""
         with self._lock:
+            if self._closed:
+                raise RemoteUnavailable(f"{self.url}: this client is closed")
             if self._pid != os.getpid():  # the engine's threads did not survive fork: start afresh
                 self._store, self._pid = None, os.getpid()
             if self._store is None:
+                # setup() keeps the GIL while it retries a master that does not answer (about 90 s,
+                # measured): no deadline could cut that short, so see first that the master listens.
+                try:
+                    socket.create_connection((self.host, self.port), timeout=1.0).close()
+                except OSError as e:
+                    raise RemoteUnavailable(f"{self.url}: the master does not answer ({e})") from None
                 store = self._cls()
                 rc = store.setup(self.local, "P2PHANDSHAKE", self.segment_bytes, self.buffer_bytes,
                                  self.protocol, "", f"{self.host}:{self.port}")
@@ -79,6 +89,9 @@ class MooncakeStore(Store):
                     rc = store.register_buffer(buf.ctypes.data, buf.nbytes)
                     if rc != 0:
                         raise RemoteUnavailable(f"{self.url}: register_buffer failed (rc={rc})")
+                if self._closed:  # closed while this setup ran: give the new client back at once
+                    store.close()
+                    raise RemoteUnavailable(f"{self.url}: closed")
                 self._store, self._get_buf, self._put_buf = store, get_buf, put_buf
             return self._store
 
@@ -147,8 +160,15 @@ class MooncakeStore(Store):
         return {"url": self.url, "local": self.local, "segment_bytes": self.segment_bytes}
 
     def close(self) -> None:
-        with self._lock:
+        self._closed = True
+        # A setup in progress holds the lock (against a dead master, for about 90 s): do not wait for
+        # it; it closes its client itself when it sees _closed.
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
             store, self._store = self._store, None
+        finally:
+            self._lock.release()
         if store is not None and self._pid == os.getpid():
             try:
                 store.close()

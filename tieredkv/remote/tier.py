@@ -17,7 +17,6 @@ check is a miss and a counted corruption, and is deleted from the store so the n
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import threading
 import time
@@ -58,6 +57,27 @@ def block_names(prefix: str, keys: ChunkKeys) -> list[str]:
     raw = np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
     return [f"{prefix}{raw[16 * i:16 * i + 16].hex()}:{fmt.confirm_digest(keys.parents[i], keys.tokens[i]):016x}"
             for i in range(len(keys))]
+
+
+class _Call:
+    """One request-path call on a daemon thread of its own. Daemon threads, not an executor's: a call
+    stuck in a store's client (a Mooncake setup against a dead master retries for about 90 s) must
+    not hold up the interpreter's exit, which joins executor threads."""
+
+    def __init__(self, fn, done: Callable[[], None]):
+        self.fn, self._done = fn, done
+        self.finished = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller, which re-raises it
+            self.error = e
+        finally:
+            self.finished.set()
+            self._done()
 
 
 class _Guard:
@@ -127,7 +147,6 @@ class RemoteTier(Tier):
         self.store = store if url_parts is None else open_store(*url_parts)
         self._workers = workers
         self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._in_flight = 0
         self._down_until = 0.0
@@ -136,6 +155,12 @@ class RemoteTier(Tier):
                                              "errors", "skipped", "refused", "wire_bytes_in")}
         #: Called with each change of the error/skipped/corrupt counters (TieredCache keeps per-host sums).
         self.observer: Callable[[dict], None] | None = None
+        # Connect in the background, off any deadline: a Mooncake client's setup takes long next to a
+        # probe, and against a master that is down it retries for about 90 s. Calls meanwhile wait
+        # for it within their deadline (a miss if it is not done).
+        self._start(self._connect)
+
+    def _connect(self) -> None:
         try:
             self.store.connect()
         except RemoteUnavailable:
@@ -180,7 +205,7 @@ class RemoteTier(Tier):
             if self._closed:
                 raise InvalidInput("this RemoteTier is closed")
             if self._pid != os.getpid():  # threads do not survive fork
-                self._pool, self._pid, self._in_flight = None, os.getpid(), 0
+                self._pid, self._in_flight = os.getpid(), 0
             down = time.monotonic() < self._down_until
             stuck = not down and self._in_flight >= self._workers
         if down:
@@ -189,22 +214,24 @@ class RemoteTier(Tier):
         if stuck:
             self._count(errors=1)
             raise RemoteUnavailable(f"{self.url}: {self._workers} calls are still waiting for the store")
-        with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self._workers, "tieredkv-remote")
-            self._in_flight += 1
-            future = self._pool.submit(fn)
-        future.add_done_callback(self._done)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
+        call = self._start(fn)
+        if not call.finished.wait(timeout_s):
             self._failed()
-            raise RemoteUnavailable(f"{self.url}: no answer within {timeout_s * 1000:.0f} ms") from None
-        except RemoteUnavailable:
+            raise RemoteUnavailable(f"{self.url}: no answer within {timeout_s * 1000:.0f} ms")
+        if isinstance(call.error, RemoteUnavailable):
             self._failed()
-            raise
+        if call.error is not None:
+            raise call.error
+        return call.result
 
-    def _done(self, _future) -> None:
+    def _start(self, fn) -> _Call:
+        call = _Call(fn, self._done)
+        with self._lock:
+            self._in_flight += 1
+        threading.Thread(target=call.run, name="tieredkv-remote", daemon=True).start()
+        return call
+
+    def _done(self) -> None:
         with self._lock:
             self._in_flight -= 1
 
@@ -376,14 +403,12 @@ class RemoteTier(Tier):
             return dict(self._counts)
 
     def close(self) -> None:
-        """Stop the caller threads (without waiting for a stuck call) and close the connection."""
+        """Close the connection. Idempotent; a call still stuck in the store's client is not waited for
+        (its daemon thread ends with it, or with the process)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
-            pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
     def __repr__(self) -> str:

@@ -140,8 +140,8 @@ def transfers(backend: str, server, batch: int, repeats: int) -> list[dict]:
             names = [f"bench-plain-{secrets.token_hex(6)}-{i}" for i in range(batch)]
             key_sets = [chunk_keys(spec, np.random.default_rng(10_000 * c + r).integers(
                 0, 50_000, batch * spec.chunk_tokens)) for c in (0, 1)]
-            steps = [(lambda: plain.put(names, payloads), lambda: plain.delete(names))]
-            steps += [(lambda t=t, k=k: t.put_many(k, payloads), lambda t=t, k=k: t.remove(k))
+            steps = [(lambda p=plain, n=names, d=payloads: p.put(n, d), lambda p=plain, n=names: p.delete(n))]
+            steps += [(lambda t=t, k=k, d=payloads: t.put_many(k, d), lambda t=t, k=k: t.remove(k))
                       for t, k in zip(tiers, key_sets)]
             for j, (put, delete) in enumerate(steps):
                 t0 = time.perf_counter()
@@ -156,7 +156,8 @@ def transfers(backend: str, server, batch: int, repeats: int) -> list[dict]:
         for t, k in zip(tiers, keys):
             t.put_many(k, payloads)
         get_t: list[list[float]] = [[], [], []]
-        gets = [lambda: plain.get(names, out)] + [lambda t=t, k=k: t.get_many(k, out) for t, k in zip(tiers, keys)]
+        gets = [lambda p=plain, n=names, o=out: p.get(n, o)]
+        gets += [lambda t=t, k=k, o=out: t.get_many(k, o) for t, k in zip(tiers, keys)]
         for r in range(repeats + 1):
             for j, get in enumerate(gets):
                 out[:] = 0
@@ -285,7 +286,8 @@ def main(argv=None) -> int:
               f"{r['put_x_plain']:.2f} | {r['get_ms']:.2f} ({r['plain_get_ms']:.2f}) | {r['get_x_plain']:.2f} | "
               f"{r['get_gbps']:.2f} |")
     print("\nnew host, first request (restore from remote + compute 1 token) vs recompute the prompt")
-    print("| store | prefix tokens | prefix MiB | from remote ms | recompute ms | recompute / remote | max logit diff |")
+    print("| store | prefix tokens | prefix MiB | from remote ms | recompute ms | recompute / remote "
+          "| max logit diff |")
     print("|---|---|---|---|---|---|---|")
     for r in report["first_request"]:
         print(f"| {r['url_scheme']} | {r['prefix_tokens']} | {r['prefix_bytes'] / 2**20:.0f} | {r['remote_ms']:.0f} | "

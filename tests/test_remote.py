@@ -15,8 +15,8 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-from helpers import kv_for, same_bytes
 
+from helpers import kv_for, same_bytes
 from tieredkv import InvalidInput, KVSpec, TieredCache, chunk_keys
 from tieredkv.cache import HOT, REMOTE, WARM
 from tieredkv.remote import RemoteTier

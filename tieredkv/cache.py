@@ -28,9 +28,19 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
-                             PermissionDenied, TieredKVError, WarmTierUnavailable, require_positive_int,
-                             require_positive_seconds)
+from tieredkv.background import BackgroundWriter
+from tieredkv.errors import (
+    CorruptState,
+    FormatError,
+    InvalidInput,
+    InvalidPayload,
+    LockTimeout,
+    PermissionDenied,
+    TieredKVError,
+    WarmTierUnavailable,
+    require_positive_int,
+    require_positive_seconds,
+)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import copy_into, overlaps_itself
@@ -121,9 +131,11 @@ class TieredCache:
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
-                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
+                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none",
+                 warm_verify: str = "always",
                  numa_node: int | None = None, lock_timeout_s: float = 10.0, remote=None,
-                 remote_write: str = "write_through", remote_queue_blocks: int = 256, remote_flush_s: float = 5.0):
+                 remote_write: str = "write_through", remote_queue_blocks: int = 256,
+                 remote_flush_s: float = 5.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -153,9 +165,9 @@ class TieredCache:
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._private_counters = counters.private()
         self.warm: Tier | None = None
-        self.hot: Tier | None = None
+        self.hot: Tier  # set below; close() copes with a constructor that failed before it
         self.remote: Tier | None = None
-        self._remote_writer = None
+        self._remote_writer: BackgroundWriter | None = None
         warm_failed = False
         try:
             if remote is not None:
@@ -203,7 +215,8 @@ class TieredCache:
             if len(missing) and self.warm is not None:
                 # The run ends at the first block in neither tier: ask warm for the leading run of
                 # hot misses only (match stops at its first miss; no lookups past it).
-                n = self._warm_call(lambda: self.warm.match(keys.take(missing)), default=0)
+                warm = self.warm
+                n = self._warm_call(lambda: warm.match(keys.take(missing)), default=0)
                 where[missing[:n]] = WARM
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
         if self.remote is not None and run < len(where):
@@ -285,9 +298,10 @@ class TieredCache:
                    promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
-        corrupt_before = self.warm.corrupt_seen
-        got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
-        self._count(corrupt_blocks=self.warm.corrupt_seen - corrupt_before)
+        warm = self._warm_tier()
+        corrupt_before = warm.corrupt_seen
+        got = self._warm_call(lambda: warm.get_many(keys, staging), default=0)
+        self._count(corrupt_blocks=warm.corrupt_seen - corrupt_before)
         for i in range(got):
             at = (first + i) * C
             copy_into(target[:, :, :, at:at + C, :], staging[i])
@@ -332,8 +346,9 @@ class TieredCache:
         if not len(keys):
             return 0
         todo = np.flatnonzero(~self.hot.contains_many(keys))
-        if len(todo) and self.warm is not None and not self.demotion.at_store:
-            in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(todo)),
+        warm = self.warm
+        if len(todo) and warm is not None and not self.demotion.at_store:
+            in_warm = self._warm_call(lambda: warm.contains_many(keys.take(todo)),
                                       default=np.zeros(len(todo), dtype=bool))
             todo = todo[~in_warm]
         if not len(todo):
@@ -353,7 +368,7 @@ class TieredCache:
                 to_warm = np.flatnonzero(codes == PutResult.NO_SPACE)
         if to_warm is not None:
             wkeys, wpayloads = (new, payloads) if len(to_warm) == len(new) else (new.take(to_warm), payloads[to_warm])
-            wcodes = self._warm_call(lambda: self.warm.put_many(wkeys, wpayloads), default=None)
+            wcodes = self._warm_call(lambda: self._warm_tier().put_many(wkeys, wpayloads), default=None)
             if wcodes is not None:
                 n = int(np.count_nonzero(wcodes == PutResult.STORED))
                 self._count(warm_bytes_written=n * self.spec.block_bytes)
@@ -373,11 +388,18 @@ class TieredCache:
         chosen = np.flatnonzero(self.demotion.should_demote(evicted.hits))
         if not len(chosen):
             return
-        codes = self._warm_call(lambda: self.warm.put_many(evicted.keys.take(chosen), evicted.payloads[chosen]),
+        payloads = evicted.payloads
+        codes = self._warm_call(lambda: self._warm_tier().put_many(evicted.keys.take(chosen), payloads[chosen]),
                                 default=None)
         if codes is not None:
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(demotions=n, warm_bytes_written=n * self.spec.block_bytes)
+
+    def _warm_tier(self) -> Tier:
+        """The warm tier, on paths that run only when there is one."""
+        if self.warm is None:
+            raise InvalidInput("this TieredCache has no warm tier (open it with warm_dir=...)")
+        return self.warm
 
     def _warm_call(self, fn, default):
         """Run a warm-tier call; a warm failure degrades to a miss (counted, warned once), never an
@@ -396,7 +418,6 @@ class TieredCache:
     # ---- remote tier ------------------------------------------------------------------------------
     # Everything the remote tier adds lives here; lookup/load/store/_demote/close each call one helper.
     def _open_remote(self, remote: Any, queue_blocks: int, flush_s: float) -> None:
-        from tieredkv.background import BackgroundWriter
         from tieredkv.remote import RemoteTier
         from tieredkv.tier import Tier
 
@@ -415,6 +436,17 @@ class TieredCache:
         self.remote = remote
         if isinstance(remote, RemoteTier):
             remote.observer = self._remote_event
+
+    def _rt(self) -> Tier:
+        """The remote tier; the helpers below run only when the cache has one."""
+        if self.remote is None:
+            raise InvalidInput("this TieredCache has no remote tier (or is closed)")
+        return self.remote
+
+    def _rw(self) -> BackgroundWriter:
+        if self._remote_writer is None:
+            raise InvalidInput("this TieredCache has no remote tier (or is closed)")
+        return self._remote_writer
 
     @property
     def _remote_on_evict(self) -> bool:
@@ -438,7 +470,7 @@ class TieredCache:
         """Ask the remote tier, in one call, for the blocks after the local run that no local tier
         holds; mark the ones it has and return the new run."""
         rest = np.flatnonzero(where[run:] < 0) + run
-        found = self._remote_call(lambda: self.remote.contains_many(keys.take(rest)),
+        found = self._remote_call(lambda: self._rt().contains_many(keys.take(rest)),
                                   default=np.zeros(len(rest), dtype=bool))
         where[rest[np.asarray(found, dtype=bool)]] = REMOTE
         new_run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
@@ -450,7 +482,7 @@ class TieredCache:
                      promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
-        got = self._remote_call(lambda: self.remote.get_many(keys, staging), default=0)
+        got = self._remote_call(lambda: self._rt().get_many(keys, staging), default=0)
         for i in range(got):
             at = (first + i) * C
             copy_into(target[:, :, :, at:at + C, :], staging[i])
@@ -477,12 +509,12 @@ class TieredCache:
     def _remote_send(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
         """Queue blocks for the remote tier. ``payloads`` must be owned by this call (not reused)."""
         n = len(keys)
-        if n and not self._remote_writer.submit(lambda: self._remote_put(keys, payloads), n):
+        if n and not self._rw().submit(lambda: self._remote_put(keys, payloads), n):
             self._count(remote_drops=n)  # backpressure: the store is behind, never an unbounded queue
 
     def _remote_put(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
         """On the writer thread."""
-        codes = self.remote.put_many(keys, payloads)
+        codes = self._rt().put_many(keys, payloads)
         self._count(remote_bytes_written=int(np.count_nonzero(codes == PutResult.STORED)) * self.spec.block_bytes)
 
     def _remote_demote(self, evicted: Evicted) -> None:
@@ -501,8 +533,8 @@ class TieredCache:
     def _remote_stats(self) -> dict | None:
         if self.remote is None:
             return None
-        doc = self.remote.stats().to_dict()
-        w = self._remote_writer
+        doc = self._rt().stats().to_dict()
+        w = self._rw()
         doc["queue"] = {"pending_blocks": w.pending_blocks, "max_blocks": w.max_blocks, "jobs": w.submitted,
                         "dropped_blocks": w.dropped_blocks, "failed_jobs": w.failed}
         return doc
@@ -512,7 +544,7 @@ class TieredCache:
         if writer is not None:
             before = writer.dropped_blocks
             writer.close(self._remote_flush_s)
-            if writer.dropped_blocks > before and self.hot is not None:
+            if writer.dropped_blocks > before and getattr(self, "hot", None) is not None:
                 self._count(remote_drops=writer.dropped_blocks - before)
         remote, self.remote = self.remote, None
         if remote is not None:
@@ -635,11 +667,11 @@ class TieredCache:
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
         prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
-        if self.hot is None:
+        if getattr(self, "hot", None) is None:
             raise InvalidInput("this TieredCache is closed")
         doc = self._counters().totals()
         doc["prefix_hit_rate"] = counters.prefix_hit_rate(doc)
-        doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
+        doc["hot"] = self.hot.stats().to_dict()
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
         doc["remote"] = self._remote_stats()
         return doc
@@ -650,8 +682,9 @@ class TieredCache:
         Processes that still map the segment keep using it until they close; the next TieredCache
         creates a fresh, empty segment. The warm tier is untouched.
         """
-        if isinstance(self.hot, HotTier):
-            self.hot.unlink()
+        hot = getattr(self, "hot", None)
+        if isinstance(hot, HotTier):
+            hot.unlink()
         self.close()
 
     def close(self) -> None:
@@ -660,11 +693,11 @@ class TieredCache:
         Remote writes still queued are flushed first, for at most ``remote_flush_s``; what is left
         then is dropped and counted."""
         self._close_remote()
-        for tier in (self.hot, self.warm):
+        for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()
 
-    def __enter__(self) -> "TieredCache":
+    def __enter__(self) -> TieredCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -672,7 +705,7 @@ class TieredCache:
 
     def __repr__(self) -> str:
         warm = "" if self.warm is None else f", warm={self.warm!r}"
-        return f"TieredCache({self.spec.namespace}, hot={self.hot!r}{warm})"
+        return f"TieredCache({self.spec.namespace}, hot={getattr(self, 'hot', None)!r}{warm})"
 
 
 def _torch_or_none(obj: Any):

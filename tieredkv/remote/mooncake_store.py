@@ -128,7 +128,7 @@ class MooncakeStore(Store):
                     elif size < 0:
                         raise RemoteUnavailable(f"{self.url}: batch_get_into failed (rc={size})")
                     else:
-                        sink(j, memoryview(self._get_buf[off:off + size]).toreadonly())
+                        sink(j, self._get_buf[off:off + size].data.toreadonly())
 
     def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
         codes = np.full(len(names), PutResult.NO_SPACE, dtype=np.int8)

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -144,7 +144,7 @@ class RemoteTier(Tier):
         self.codec = Codec(spec, compress=compress)
         self.prefix = name_prefix(spec.fingerprint)
         # Opened only once every tier option checked out: a bad option leaves nothing open.
-        self.store = store if url_parts is None else open_store(*url_parts)
+        self.store: Store = open_store(*url_parts) if url_parts is not None else cast(Store, store)
         self._workers = workers
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -289,29 +289,30 @@ class RemoteTier(Tier):
     def _fetch(self, keys: ChunkKeys, names: list[str], rows: np.ndarray, guard: _Guard) -> tuple[int, bool]:
         """On a caller thread: check each value and write its payload into ``rows``, stopping at the first
         absent or bad one, or when the caller gave up (``guard``). Returns ``(run, bad)``."""
-        state = {"run": 0, "stop": False, "bad": False}
+        run, stop, bad = 0, False, False
 
         def sink(i: int, value) -> None:
-            if state["stop"] or i != state["run"]:
+            nonlocal run, stop, bad
+            if stop or i != run:
                 return
             if value is None:
-                state["stop"] = True
+                stop = True
                 return
             with guard.lock:  # the caller cancels under this lock: no write lands after it returned
                 if guard.cancelled:
-                    state["stop"] = True
+                    stop = True
                     return
                 good = self.codec.decode_into(value, keys, i, rows[i])
             if good:
-                state["run"] += 1
+                run += 1
             else:
-                state["stop"] = state["bad"] = True
+                stop = bad = True
 
         self.store.get_many(names, self.codec.max_bytes, sink)
-        if state["bad"]:
+        if bad:
             # A damaged or foreign value: remove it so the next writer of this block replaces it.
-            self.store.delete_many([names[state["run"]]])
-        return state["run"], state["bad"]
+            self.store.delete_many([names[run]])
+        return run, bad
 
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
         """Encode and store blocks the store does not hold yet; one ``PutResult`` per block: ``STORED``,

@@ -117,12 +117,12 @@ class Codec:
         tok_end = HEADER_BYTES + 4 * spec.chunk_tokens
         buf[HEADER_BYTES:tok_end] = np.ascontiguousarray(keys.tokens[i], dtype="<u4").view(np.uint8)
         buf[tok_end:] = np.frombuffer(body, dtype=np.uint8) if isinstance(body, bytes) else body
-        HEADER.pack_into(buf, 0, MAGIC, FORMAT_VERSION, flags, self.digest, keys.keys[i].tobytes(),
+        HEADER.pack_into(buf.data, 0, MAGIC, FORMAT_VERSION, flags, self.digest, keys.keys[i].tobytes(),
                          keys.parents[i].tobytes(), spec.chunk_tokens, 0, n_body, spec.block_bytes, 0)
-        h = xxhash.xxh3_64(memoryview(buf[:_CHECKED]))
-        h.update(memoryview(buf[HEADER_BYTES:]))
-        struct.pack_into("<Q", buf, _CHECKED, h.intdigest())
-        return memoryview(buf)
+        h = xxhash.xxh3_64(buf[:_CHECKED].data)
+        h.update(buf[HEADER_BYTES:].data)
+        struct.pack_into("<Q", buf.data, _CHECKED, h.intdigest())
+        return buf.data
 
     def decode_into(self, value, keys: ChunkKeys, i: int, out: np.ndarray) -> bool:
         """Check ``value`` against block ``i`` of ``keys`` and write its payload into ``out`` (uint8,
@@ -135,7 +135,7 @@ class Codec:
                 or head["parent"] != keys.parents[i].tobytes()):
             return False
         tok_end = HEADER_BYTES + 4 * spec.chunk_tokens
-        if mv[HEADER_BYTES:tok_end] != memoryview(np.ascontiguousarray(keys.tokens[i], dtype="<u4")).cast("B"):
+        if mv[HEADER_BYTES:tok_end] != np.ascontiguousarray(keys.tokens[i], dtype="<u4").data.cast("B"):
             return False
         return _unpack_body(mv[tok_end:], head, self.width, out)
 

@@ -7,6 +7,7 @@ an evicted block is simply absent, a clean miss).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -28,6 +29,9 @@ class ValkeyStore(Store):
 
     scheme = "valkey"
     options = ("db", "ttl_s", "timeout_s")
+    #: Values of one pipelined write are built in a buffer of at most this size (a bigger batch is sent
+    #: in several pipelines).
+    PUT_BUFFER_BYTES = 32 << 20
 
     def __init__(self, host: str, port: int, options: dict[str, str]):
         super().__init__(host, port, options)
@@ -40,6 +44,8 @@ class ValkeyStore(Store):
         self.ttl_s = int_option(options, "ttl_s", 0)
         timeout = float_option(options, "timeout_s", 5.0, minimum=0.001)
         # The connection pool is thread-safe and reconnects on the next command after a server restart.
+        self._put_lock = threading.Lock()
+        self._put_buf = np.empty(0, dtype=np.uint8)
         self._client = valkey.Valkey(host=host, port=port, db=int_option(options, "db", 0),
                                      socket_timeout=timeout, socket_connect_timeout=timeout)
 
@@ -67,20 +73,26 @@ class ValkeyStore(Store):
 
     def put_many(self, names: list[str], max_bytes: int, encode: Encoder) -> np.ndarray:
         codes = np.zeros(len(names), dtype=np.int8)
-        if not names:
-            return codes
-        values = [encode(i, None) for i in range(len(names))]
+        per = max(1, self.PUT_BUFFER_BYTES // max_bytes)
+        with self._put_lock:
+            for start in range(0, len(names), per):
+                batch = range(start, min(start + per, len(names)))
+                # Values are built in one reused buffer: fresh buffers per value cost a page fault per
+                # 4 KiB on every put. The pipeline has sent them all when execute() returns.
+                if self._put_buf.nbytes < len(batch) * max_bytes:
+                    self._put_buf = np.empty(len(batch) * max_bytes, dtype=np.uint8)
+                values = [encode(j, self._put_buf[k * max_bytes:(k + 1) * max_bytes]) for k, j in enumerate(batch)]
 
-        def put():
-            pipe = self._client.pipeline(transaction=False)
-            for name, value in zip(names, values):
-                pipe.set(name, value, ex=self.ttl_s or None, nx=True)
-            # An OOM refusal (maxmemory with noeviction) is a per-command error, not a dead server.
-            return pipe.execute(raise_on_error=False)
+                def put(batch=batch, values=values):
+                    pipe = self._client.pipeline(transaction=False)
+                    for j, value in zip(batch, values):
+                        pipe.set(names[j], value, ex=self.ttl_s or None, nx=True)
+                    # An OOM refusal (maxmemory with noeviction) is a per-command error, not a dead server.
+                    return pipe.execute(raise_on_error=False)
 
-        for i, reply in enumerate(self._run("SET", put)):
-            codes[i] = (PutResult.STORED if reply is True else PutResult.EXISTS if reply is None
-                        else PutResult.NO_SPACE)
+                for j, reply in zip(batch, self._run("SET", put)):
+                    codes[j] = (PutResult.STORED if reply is True else PutResult.EXISTS if reply is None
+                                else PutResult.NO_SPACE)
         return codes
 
     def delete_many(self, names: list[str]) -> int:

@@ -186,6 +186,7 @@ def _host_a(spec, url, tokens, seg, warm_dir, done):
         posix_ipc.unlink_shared_memory(seg)
 
 
+@pytest.mark.procs
 def test_two_hosts_share_one_store_bit_exact(spec, store_url, host, tmp_path):
     tokens = prompt(64 + 3, seed=7)  # 16 full chunks, 16 usable for a hit of 67 tokens
     done = SPAWN.Queue()
@@ -314,6 +315,7 @@ def test_valkey_killed_mid_run_then_restarted(spec, host):
         server.stop()
 
 
+@pytest.mark.procs  # kills and restarts the store's server process
 def test_mooncake_master_killed_mid_run_then_restarted(spec, host):
     why = _mooncake_missing()
     if why:

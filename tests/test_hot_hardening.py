@@ -378,7 +378,11 @@ def test_rm_stale_goes_on_past_odd_dev_shm_entries(tiny_spec, seg_name, capsys):
 
 
 # ---- item 8: interrupts (KeyboardInterrupt, exceptions from signal handlers) leave nothing behind ----
-def _busy_under_interrupts(spec, name, stop, idle, counts):
+class _HandlerError(Exception):
+    """What a user's signal handler raises (any exception, not only KeyboardInterrupt)."""
+
+
+def _busy_under_interrupts(spec, name, stop, idle, counts, signum=signal.SIGINT):
     """Store, read, evict and recover in a loop while SIGINTs land at random points; then go idle
     (alive, holding its handle) so that the parent can check what the interrupts left behind."""
     import faulthandler
@@ -386,12 +390,12 @@ def _busy_under_interrupts(spec, name, stop, idle, counts):
     faulthandler.dump_traceback_later(50, exit=True)  # a hang shows where it hangs
     armed = [False]  # set just before each tier call: interrupts land in the tier, not in this loop
 
-    def interrupt(signum, frame):
+    def interrupt(sig, frame):
         if armed[0]:
             armed[0] = False  # one per call, so the handling below is never interrupted itself
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt if sig == signal.SIGINT else _HandlerError("from a signal handler")
 
-    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signum, interrupt)
     tier = HotTier(spec, name=name, policy=None, create=False)
     rng = np.random.default_rng(os.getpid())
     out = np.zeros((8, spec.block_bytes), np.uint8)
@@ -437,11 +441,12 @@ def _index_agrees_with_slots(tier) -> bool:
     return bool((found == ready).all()) and np.array_equal(free, np.flatnonzero(rec["state"] == FREE))
 
 
-def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec, seg_name):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1], ids=["SIGINT", "SIGUSR1-handler-raises"])
+def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec, seg_name, signum):
     with HotTier(tiny_spec, n_slots=24, name=seg_name, lock_timeout_s=3) as tier:
         stop, idle, counts = FORK.Event(), FORK.Event(), FORK.Queue()
-        workers = [FORK.Process(target=_busy_under_interrupts, args=(tiny_spec, seg_name, stop, idle, counts))
-                   for _ in range(1)]
+        workers = [FORK.Process(target=_busy_under_interrupts,
+                                args=(tiny_spec, seg_name, stop, idle, counts, signum))]
         for w in workers:
             w.start()
         rng = np.random.default_rng(0)
@@ -449,7 +454,7 @@ def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec
             time.sleep(0.5)
             for _ in range(3000):
                 for w in workers:
-                    os.kill(w.pid, signal.SIGINT)
+                    os.kill(w.pid, signum)
                 time.sleep(float(rng.uniform(0, 1e-3)))
             stop.set()
             assert idle.wait(60), "the worker never finished its loop"

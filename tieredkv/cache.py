@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -25,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, policies
-from tieredkv.errors import (InvalidInput, InvalidPayload, TieredKVError, require_positive_int,
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
+                             PermissionDenied, TieredKVError, WarmTierUnavailable, require_positive_int,
                              require_positive_seconds)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
@@ -36,6 +38,10 @@ from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM = 0, 1
+
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
+#: TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +93,12 @@ class TieredCache:
         demotion: ``"on_evict"``, ``"write_through"`` or ``"on_nth_hit:N"`` (hot -> warm).
         hot_name: segment name (default derived from the spec).
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
-        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
+        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``. Only
+            ``"always"`` (the default) protects against media corruption: the others serve blocks
+            damaged on disk unless sampled (docs/warm-tier.md).
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
+        lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
+            lock, the warm tier's writer lock) before ``LockTimeout``.
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
@@ -114,6 +124,10 @@ class TieredCache:
             self.demotion = demotion_rules.make(demotion)
         except (KeyError, ValueError, TypeError) as e:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
+        if warm_dir is not None and (isinstance(warm_dir, bytes) or not isinstance(warm_dir, (str, os.PathLike))
+                                     or not os.fspath(warm_dir)):
+            # "" would silently put the warm tier in whatever directory the worker started in.
+            raise InvalidInput(f"warm_dir must be a non-empty path (str or os.PathLike) or None, got {warm_dir!r}")
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         self._lock = threading.Lock()
@@ -124,15 +138,29 @@ class TieredCache:
         self._private_counters = counters.private()
         self.warm: Tier | None = None
         self.hot: Tier | None = None
+        warm_failed = False
         try:
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
 
-                self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                     policy=eviction)
+                try:
+                    self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
+                                         policy=eviction, lock_timeout_s=lock_timeout_s)
+                except _WARM_STATE_ERRORS as e:
+                    if isinstance(e, PermissionDenied):
+                        raise  # another user's files: an operator decision, never silently worked around
+                    # The warm tier's files are damaged or unusable right now. That must not keep the
+                    # worker (and with it the hot tier every worker shares) from starting: serve hot-only
+                    # and say so. Misuse (bad arguments, another spec, another user's files) still raises.
+                    warnings.warn(f"tieredkv: the warm tier at {warm_dir} cannot open ({e}); running "
+                                  f"hot-only until restart (`tieredkv verify --repair` checks and "
+                                  f"rebuilds it)", RuntimeWarning, stacklevel=2)
+                    warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
                                on_evict=self._demote if self.warm is not None else None)
+            if warm_failed:
+                self._count(warm_errors=1)
         except BaseException:
             self.close()
             raise

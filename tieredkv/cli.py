@@ -328,8 +328,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bad_slabs = [f"{s['name']} {s['status']}" for s in t.get("slabs", []) if s["status"] != "ok"]
             line = (f"{t['path']}: {t['blocks_checked']:,} blocks checked, {len(t['bad_blocks']):,} bad"
                     + (f", {t['dead_claims']} dead claims" if t["dead_claims"] else "")
+                    + (f", {t['lost_slots']} lost slots" if t.get("lost_slots") else "")
                     + (f", slabs: {'; '.join(bad_slabs)}" if bad_slabs else "")
                     + (f", meta.json {t['meta']}" if t["meta"] != "ok" else "")
+                    + (f", index {t['index']}" if t.get("index", "ok") != "ok" else "")
                     + (f", {t['removed']:,} dropped" if args.repair else "")
                     + (f", error: {t['error']}" if t.get("error") else "")
                     + ("" if t["ok"] else "  <-- DAMAGED"))
@@ -341,6 +343,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return "\n".join(lines) or f"no warm tier under {args.directory}"
 
     _emit(args, report, text)
+    if not tiers:
+        print(f"tieredkv verify: no warm tier under {args.directory}", file=sys.stderr)
+        return 1  # a typo in the path must not pass as "nothing damaged"
+    if args.repair:
+        # Damage found and repaired is a success: `verify --repair && start-workers` must work.
+        return 0 if all(t["repaired"] and not t.get("error") for t in tiers) else 2
     return 0 if report.get("ok", True) else 2
 
 
@@ -518,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="say what would be removed")
     _add_json(p, "what was removed")
 
-    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged)",
+    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged, 1 if no tier; "
+            "with --repair 0 once repaired)",
             "Safe while workers use the tier. --repair drops bad blocks from the index, reaps dead writers'\n"
             "claims, restores slab sizes and rewrites a damaged meta.json (see docs/warm-tier.md).")
     p.add_argument("directory", help="a warm tier directory, or a root holding several")

@@ -518,7 +518,8 @@ def _reader(spec, name, seeds, results):
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc", "prefix_aware:s3fifo"])
-@pytest.mark.parametrize("where", ["index", "free stack", "free top", "policy state", "pin list"])
+@pytest.mark.parametrize("where", ["index", "free stack", "free top", "policy state", "policy state, holder died",
+                                   "pin list"])
 def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, seg_name, where, policy):
     with HotTier(tiny_spec, n_slots=24, name=seg_name, policy=policy) as tier:
         for seed in range(3):
@@ -537,10 +538,12 @@ def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, se
             _damage(seg_name, int(h["free_off"]), [1 << 40, -5, 3])
         elif where == "free top":
             _damage(seg_name, h.dtype.fields["free_top"][1], [1 << 50])
-        elif where == "policy state":
+        elif where.startswith("policy state"):
             rng = np.random.default_rng(5)
             n_words = int(h["policy_bytes"]) // 8
             _damage(seg_name, int(h["policy_off"]), rng.integers(-(1 << 40), 1 << 40, n_words))
+            if where.endswith("holder died"):  # and the next lock holder must scrub first
+                _damage(seg_name, h.dtype.fields["dirty"][1], [seg.MAX_OWNERS])
         else:  # a dead reader's pin list names slots that do not exist
             p = FORK.Process(target=_open_and_die, args=(tiny_spec, seg_name))
             p.start()
@@ -565,3 +568,40 @@ def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, se
         out = np.zeros((tier.n_slots, tiny_spec.block_bytes), np.uint8)
         assert tier.get_many(fill, out) == tier.n_slots
         assert np.array_equal(out, payload_for(tiny_spec, fill))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "sieve", "clock", "fifo", "cost_aware",
+                                    "prefix_aware:arc", "prefix_aware:s3fifo"])
+def test_random_policy_state_damage_never_raises_or_refuses_stores(tiny_spec, seg_name, policy):
+    """8 random rewrites of the whole policy state per policy (huge words, or small plausible ones;
+    half of them with a holder that died inside the lock): reads stay right, nothing raises, and the
+    whole capacity can still be stored."""
+    import warnings
+
+    for seed in range(8):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "damaged metadata ... rebuilding"
+            with HotTier(tiny_spec, n_slots=24, name=f"{seg_name}-{seed}", policy=policy) as tier:
+                try:
+                    for s in range(3):
+                        keys = prompt(tiny_spec, s, 8)
+                        tier.put_many(keys, payload_for(tiny_spec, keys))
+                    h = tier._map.header
+                    rng = np.random.default_rng(seed)
+                    n_words = int(h["policy_bytes"]) // 8
+                    words = rng.integers(-(1 << 40), 1 << 40, n_words) if seed % 2 else rng.integers(-3, 30, n_words)
+                    _damage(tier.name, int(h["policy_off"]), words)
+                    if seed % 4 >= 2:
+                        _damage(tier.name, h.dtype.fields["dirty"][1], [seg.MAX_OWNERS])
+                    for s in range(6):
+                        keys = prompt(tiny_spec, 100 + s, 8)
+                        out = np.zeros((8, tiny_spec.block_bytes), np.uint8)
+                        n = tier.get_many(keys, out)
+                        assert np.array_equal(out[:n], payload_for(tiny_spec, keys)[:n])
+                        tier.put_many(keys, payload_for(tiny_spec, keys))
+                        tier.match(keys)
+                    tier.evict(3)
+                    fill = prompt(tiny_spec, 999, 24)
+                    assert (tier.put_many(fill, payload_for(tiny_spec, fill)) == PutResult.STORED).all(), seed
+                finally:
+                    tier.unlink()

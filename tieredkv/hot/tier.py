@@ -77,6 +77,11 @@ class _Damage(Exception):
     a damaged word. Never reaches a caller: the call is a miss and the segment is scrubbed."""
 
 
+#: What policy code raises when its state holds garbage: an index out of range, a size that asks for
+#: terabytes, a choice its own checks refuse (``policies.evict`` raises RuntimeError).
+_POLICY_FAULTS = (IndexError, ValueError, RuntimeError, OverflowError, MemoryError)
+
+
 def _survives_damage(method=None, *, user_code: bool = False):
     """Decorator for the block calls: damage to a derived structure found during the call (or a
     numpy IndexError it caused) scrubs the segment, rebuilding everything derived from the slot
@@ -384,7 +389,12 @@ class HotTier(Tier):
         locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
         h = self._h
         if int(h["dirty"]):
-            self._scrub()
+            try:
+                self._scrub()
+            except (_Damage, *_POLICY_FAULTS):
+                # A policy's own repair choked on damaged state (a garbage size asks for terabytes):
+                # start the policy state afresh instead.
+                self._scrub(policy_too=True)
         elif int(h["repin"]):
             self._recount_pins()
         h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
@@ -554,7 +564,7 @@ class HotTier(Tier):
         rec = self._slots
         try:
             policies.remove(self._policy, self._state, slots)
-        except (IndexError, ValueError) as e:
+        except _POLICY_FAULTS as e:
             raise _Damage(f"policy state: {e}") from e
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
@@ -587,7 +597,7 @@ class HotTier(Tier):
         evictable = (rec["state"] == READY) & (rec["pins"] == 0)
         try:
             victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
-        except (IndexError, ValueError, RuntimeError) as e:  # base.evict checks what the policy chose
+        except _POLICY_FAULTS as e:  # base.evict also checks what the policy chose (RuntimeError)
             raise _Damage(f"policy state: {e}") from e
         if len(victims) < min(n, int(np.count_nonzero(evictable))) and not self._retrying:
             # A policy evicts min(n, candidates) (the conformance suite holds every one to it), so
@@ -747,7 +757,7 @@ class HotTier(Tier):
                             fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
                 else:
                     policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
-            except (IndexError, ValueError) as e:
+            except _POLICY_FAULTS as e:
                 raise _Damage(f"policy state: {e}") from e
             with self._tlock:
                 try:
@@ -873,7 +883,7 @@ class HotTier(Tier):
                     try:
                         policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
                                         keys.positions[stored])
-                    except (IndexError, ValueError) as e:
+                    except _POLICY_FAULTS as e:
                         raise _Damage(f"policy state: {e}") from e
                     self._release_spare(spare)
                     self._h["dirty"] = 0

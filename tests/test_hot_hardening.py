@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import payload_for
-from tieredkv import (CorruptState, HotTier, InvalidInput, InvalidPayload, KVSpec, PermissionDenied, PutResult,
+from tieredkv import (CorruptState, HotTier, InvalidInput, InvalidPayload, PermissionDenied, PutResult,
                       chunk_keys)
 from tieredkv.hot import segment as seg
 

@@ -1,8 +1,8 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
 Concurrency (design.md section 6.1), in one paragraph: metadata (slot states, the index, the free stack,
-pins, policy state) changes only inside critical sections (see ``_enter``), under an OFD lock the kernel releases if its
-holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
+pins, policy state) changes only inside critical sections (see ``_enter``), under an OFD lock the
+kernel releases if its holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
 fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
 the lock to *find* blocks; they read a slot's generation, its key and state, use the data, and re-read
 the generation, so a block recycled or torn meanwhile is a miss, never wrong bytes. ``get_many`` also
@@ -14,6 +14,10 @@ A holder that finds ``dirty`` set knows the previous holder died inside a critic
 it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot table.
 A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of space
 (owner = registry index + token; liveness = the owner's registry lock is held).
+
+Interrupts (an exception from a signal handler can be raised between any two calls of the main
+thread) leave nothing held: see ``_enter`` for the lock, ``_read_batch`` for pins and ``put_many`` for
+claims. Damage to a derived structure is a miss plus a scrub (``_survives_damage``).
 """
 
 from __future__ import annotations

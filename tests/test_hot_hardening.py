@@ -517,6 +517,7 @@ def _reader(spec, name, seeds, results):
         results.put(("raised", repr(e), 0))
 
 
+@pytest.mark.filterwarnings("ignore:.*damaged metadata:RuntimeWarning")  # the repair says so, as it should
 @pytest.mark.parametrize("policy", ["lru", "arc", "prefix_aware:s3fifo"])
 @pytest.mark.parametrize("where", ["index", "free stack", "free top", "policy state", "policy state, holder died",
                                    "pin list"])

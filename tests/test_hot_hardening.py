@@ -405,18 +405,21 @@ def _busy_under_interrupts(spec, name, stop, idle, counts, signum=signal.SIGINT)
             if stop.is_set():
                 break
             keys = prompt(spec, int(rng.integers(0, 40)), 8)
+            expected = payload_for(spec, keys)
             op = int(rng.integers(0, 10))
-            armed[0] = True
+            n = -1
+            armed[0] = True  # interrupts land inside the tier call only, never in the checking below
             if op < 4:
-                tier.put_many(keys, payload_for(spec, keys))
+                tier.put_many(keys, expected)
             elif op < 8:
                 n = tier.get_many(keys, out)
-                wrong += not np.array_equal(out[:n], payload_for(spec, keys)[:n])
             elif op < 9:
                 tier.evict(2)
             else:
                 tier.recover()
             armed[0] = False
+            # (numpy's array_equal swallows an ordinary exception raised inside it and answers False)
+            wrong += n > 0 and out[:n].tobytes() != expected[:n].tobytes()
             done += 1
         except KeyboardInterrupt:
             interrupted += 1
@@ -461,7 +464,7 @@ def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec
             msgs = [counts.get(timeout=10)]
             print(f"\ninterrupts: {msgs[0][1]} landed in tier calls, {msgs[0][2]} calls completed, "
                   f"{msgs[0][3]} wrong reads")
-            assert msgs[0][0] == "done" and msgs[0][1] > 500 and msgs[0][3] == 0, msgs  # they really landed
+            assert msgs[0][0] == "done" and msgs[0][1] > 100 and msgs[0][3] == 0, msgs  # they really landed
             # The worker is alive and idle. Nothing it was doing may still hold anything:
             started = time.monotonic()
             keys = prompt(tiny_spec, 999, 4)

@@ -357,6 +357,11 @@ def test_segments_with_a_custom_name_are_listed_and_handled_by_rm(tiny_spec, cus
     assert not os.path.exists("/dev/shm" + custom_name)
 
 
+def test_rm_idle_without_stale_is_bad_usage(capsys):
+    status, _, err = rm(capsys, "--idle", "/tieredkv-x")
+    assert status == 2 and "--idle goes with --stale" in err
+
+
 def test_rm_stale_goes_on_past_odd_dev_shm_entries(tiny_spec, seg_name, capsys):
     odd = ["/dev/shm" + seg_name + "-a-dir", "/dev/shm" + seg_name + "-b-fifo", "/dev/shm" + seg_name + "-c-link"]
     stale = seg_name + "-d-stale"

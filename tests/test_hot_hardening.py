@@ -614,3 +614,27 @@ def test_random_policy_state_damage_never_raises_or_refuses_stores(tiny_spec, se
                     assert (tier.put_many(fill, payload_for(tiny_spec, fill)) == PutResult.STORED).all(), seed
                 finally:
                     tier.unlink()
+
+
+def test_an_interrupted_close_still_lets_go_of_the_handle(tiny_spec, seg_name, monkeypatch):
+    """An exception raised inside close (here: from the registry unlock) still closes the handle's
+    descriptor, so its registry byte is free and its claims read as a dead owner's."""
+    from tieredkv.hot import locks
+
+    with HotTier(tiny_spec, n_slots=8, name=seg_name) as survivor:
+        tier = HotTier(tiny_spec, name=seg_name, policy=None, create=False)
+        owner = tier._owner
+        real_unlock = locks.unlock
+
+        def interrupted(fd, start, length=1):
+            if start == locks.REGISTRY_BASE + owner:
+                raise KeyboardInterrupt
+            return real_unlock(fd, start, length)
+
+        monkeypatch.setattr(locks, "unlock", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close()
+        monkeypatch.setattr(locks, "unlock", real_unlock)
+        assert tier._closed
+        assert not locks.is_locked(survivor._fd, locks.REGISTRY_BASE + owner)
+        assert survivor.live_handles() == 1

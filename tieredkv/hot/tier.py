@@ -310,21 +310,25 @@ class HotTier(Tier):
         """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""
         if self._closed:
             return
-        if os.getpid() == self._pid:
-            try:
-                with self._tlock:
-                    try:
-                        self._enter()
-                        self._release_pins()
-                        # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
-                        self._reclaim_owner(self._owner)
-                        self._h["dirty"] = 0
-                    finally:
-                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
-                locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
-            except Exception as e:  # closing must not raise on a broken segment
-                warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
-        self._drop_mapping()
+        try:
+            if os.getpid() == self._pid:
+                try:
+                    with self._tlock:
+                        try:
+                            self._enter()
+                            self._release_pins()
+                            # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
+                            self._reclaim_owner(self._owner)
+                            self._h["dirty"] = 0
+                        finally:
+                            fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                    locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
+                except Exception as e:  # closing must not raise on a broken segment
+                    warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
+        finally:
+            # Even if interrupted above: closing the lock descriptor drops every lock this handle
+            # holds (its registry byte included), so whatever it still held reads as a dead owner's.
+            self._drop_mapping()
 
     def _drop_mapping(self) -> None:
         self._closed = True

@@ -22,13 +22,13 @@ aligned int64 words (a lost update under a race is fine; a torn structure is not
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from .state import SlotState
 
-_REGISTRY: dict[str, type["EvictionPolicy"]] = {}
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
 
 
 class UnknownPolicy(KeyError):
@@ -111,7 +111,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make(spec: "str | EvictionPolicy", **params) -> EvictionPolicy:
+def make(spec: str | EvictionPolicy, **params) -> EvictionPolicy:
     """Build a policy from its name (``"lru"``, ``"prefix_aware:s3fifo"``, ...) or pass one through.
 
     Args:

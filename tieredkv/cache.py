@@ -30,6 +30,7 @@ import numpy as np
 from tieredkv import counters, policies
 from tieredkv.background import BackgroundWriter
 from tieredkv.errors import (
+    CapacityError,
     CorruptState,
     FormatError,
     InvalidInput,
@@ -51,9 +52,9 @@ from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM, REMOTE = 0, 1, 2
 
-#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
-#: TieredCache starts hot-only instead of not at all.
-_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer, a disk too full to
+#: create it) after which a TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, CapacityError, OSError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,10 @@ class TieredCache:
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
-        TieredKVError: a tier could not be opened (see ``HotTier`` and ``WarmTier``).
+        TieredKVError: a tier could not be opened (see ``HotTier`` and ``WarmTier``). A warm tier
+            whose files are damaged, unreachable or locked by a stopped writer, or that a full disk
+            cannot hold, does not raise: the cache starts hot-only with a ``RuntimeWarning`` (and
+            ``warm_errors`` counted). Another user's warm files raise ``PermissionDenied``.
     """
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,

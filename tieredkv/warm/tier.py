@@ -181,7 +181,7 @@ class WarmTier(Tier):
         if not self.readonly:
             files.make_dir(self.root, self.path)
         files.check_access(path)  # also: the directory exists, is ours, is no symlink; modes 0700/0600
-        with files.init_lock(path):
+        with files.init_lock(path, self.lock_timeout_s):
             self._open_locked(path, capacity_bytes, slab_bytes)
 
     def _open_locked(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> None:

@@ -49,7 +49,7 @@ from tieredkv.hot.index import index_slots_for
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
-LAYOUT_VERSION = 2  # 2: the hash index holds (key word, slot) entries (hot/index.py)
+LAYOUT_VERSION = 3  # 2: the hash index holds (key word, slot) entries (hot/index.py); 3: remote-tier counters in the owner rows
 SHM_DIR = Path("/dev/shm")
 PREFIX = "tieredkv-"
 HEADER_BYTES = 4096

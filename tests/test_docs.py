@@ -46,8 +46,6 @@ PRELUDES = {
 #: is gone fails test_excused_blocks_still_exist, so that the excuse is removed with the problem.
 EXCUSED = {
     ("integration.md", "import torch"): "loads 'path/to/model' and reserves 4 GiB of /dev/shm and 64 GiB of disk",
-    ("warm-tier.md", "from tieredkv import KVSpec, chunk_keys"): "opens /var/cache/tieredkv with 64 GiB; "
-                                                                   "prompt_tokens, out and kv come from prose",
 }
 
 

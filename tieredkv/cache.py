@@ -4,7 +4,8 @@
 lookup(tokens) --keys--> hot.contains_many --(misses)--> warm.contains_many --> PrefixHit
 load(hit, out)  : hot blocks copied straight from shared memory into ``out`` (one copy, pinned);
                   warm blocks read into a staging buffer, scattered into ``out``, promoted from there
-store(tokens,kv): new full chunks -> hot (evictions demoted to warm) [+ warm if write-through]
+store(tokens,kv): new full chunks -> hot (evictions demoted to warm)
+                  [+ warm: write-behind (default, background thread) or write-through (before returning)]
 ```
 
 A block may be hot while its parent is warm: the hit is the longest run of leading blocks each found
@@ -14,17 +15,20 @@ truncates the load, it never corrupts it.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
 
 from tieredkv import policies
+from tieredkv.background import BackgroundWriter
 from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
@@ -74,6 +78,16 @@ class PrefixHit:
 class TieredCache:
     """A hot (shared memory) tier in front of an optional warm (SSD) tier, for one KV spec.
 
+    Restart-safe by default: with a ``warm_dir``, every block ``store`` puts in the hot tier is also
+    written to the warm tier by a background thread (``demotion="write_behind"``), so ``store`` returns
+    as soon as the block is in shared memory and a new process finds the prefix in warm after a
+    reboot removed the segment. ``close()`` (or leaving the ``with`` block, or a normal interpreter
+    exit) waits up to ``warm_flush_s`` for the queued writes; a process killed with SIGKILL loses at most
+    what was queued (at most ``warm_queue_bytes``). A full queue drops the warm write, counted in
+    ``stats()["warm_dropped_blocks"]``. ``demotion="write_through"`` makes the warm write before ``store``
+    returns; ``"on_evict"`` writes a block only when the hot tier evicts it (it does not survive a
+    reboot until then).
+
     Args:
         spec: the model's KV geometry and namespace.
         hot_bytes: size of the shared-memory segment to create, metadata included (attaching processes
@@ -83,11 +97,17 @@ class TieredCache:
         warm_bytes: warm tier capacity (required with ``warm_dir``).
         eviction: eviction policy name for both tiers (see ``tieredkv.policies.names()``).
         promotion: ``"always"``, ``"on_nth_hit:N"`` or ``"never"`` (warm -> hot on load).
-        demotion: ``"on_evict"``, ``"write_through"`` or ``"on_nth_hit:N"`` (hot -> warm).
+        demotion: when a block reaches warm: ``"write_behind"`` (default: at store, on a background
+            thread), ``"write_through"`` (at store, before returning), ``"on_evict"`` or
+            ``"on_nth_hit:N"`` (when the hot tier evicts it).
         hot_name: segment name (default derived from the spec).
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
         warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
+        lock_timeout_s: the hot tier's bound on waiting for its lock.
+        warm_queue_bytes: with write-behind, the most block bytes queued for the warm tier (the
+            queue holds copies); at least one block is always allowed.
+        warm_flush_s: with write-behind, how long ``close()`` waits for the queued warm writes.
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
@@ -95,9 +115,10 @@ class TieredCache:
     """
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
-                 eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
+                 eviction: str = "lru", promotion: str = "always", demotion: str = "write_behind", *,
                  hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
-                 numa_node: int | None = None, lock_timeout_s: float = 10.0):
+                 numa_node: int | None = None, lock_timeout_s: float = 10.0, warm_queue_bytes: int = 256 << 20,
+                 warm_flush_s: float = 10.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -109,6 +130,12 @@ class TieredCache:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
+        if isinstance(warm_queue_bytes, bool) or not isinstance(warm_queue_bytes, int) or warm_queue_bytes < 0:
+            raise InvalidInput(f"warm_queue_bytes must be an int >= 0 (bytes), got {warm_queue_bytes!r}")
+        if isinstance(warm_flush_s, bool) or not isinstance(warm_flush_s, (int, float)) or not warm_flush_s >= 0:
+            raise InvalidInput(f"warm_flush_s must be a number of seconds >= 0, got {warm_flush_s!r}")
+        self._flush_s = float(warm_flush_s)
+        self._writer: BackgroundWriter | None = None
         self._lock = threading.Lock()
         self._staging_lock = threading.Lock()
         self._pinned = None
@@ -128,6 +155,12 @@ class TieredCache:
         except BaseException:
             self.close()
             raise
+        if self.warm is not None and self.demotion.at_store and self.demotion.background:
+            self._writer = BackgroundWriter(f"tieredkv-warm-writer-{self.hot.name}",
+                                            max_blocks=max(warm_queue_bytes // spec.block_bytes, 1),
+                                            on_error=self._write_behind_failed)
+            # A process that exits normally without close() still gets its queue written.
+            atexit.register(_flush_at_exit, weakref.ref(self))
 
     # ---- lookup ---------------------------------------------------------------------------------
     def lookup(self, tokens: Any, salt: bytes = b"") -> PrefixHit:
@@ -284,12 +317,46 @@ class TieredCache:
                 to_warm = np.flatnonzero(codes == PutResult.NO_SPACE)
         if to_warm is not None:
             wkeys, wpayloads = (new, payloads) if len(to_warm) == len(new) else (new.take(to_warm), payloads[to_warm])
-            wcodes = self._warm_call(lambda: self.warm.put_many(wkeys, wpayloads), default=None)
-            if wcodes is not None:
-                n = int(np.count_nonzero(wcodes == PutResult.STORED))
-                self._count(warm_bytes_written=n * self.spec.block_bytes)
+            if self._writer is not None and self.demotion.at_store:
+                # ``payloads`` is this call's own copy (never the caller's kv, which it may reuse):
+                # the queued job keeps it until the write is done.
+                self._write_behind(wkeys, wpayloads)
+            else:
+                self._write_warm(wkeys, wpayloads)
         self._count(stored_blocks=stored, hot_bytes_written=stored * self.spec.block_bytes)
         return stored
+
+    def _write_warm(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        codes = self._warm_call(lambda: self.warm.put_many(keys, payloads), default=None)
+        if codes is not None:
+            n = int(np.count_nonzero(codes == PutResult.STORED))
+            self._count(warm_bytes_written=n * self.spec.block_bytes)
+
+    def _write_behind(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Queue the warm write of ``keys`` in jobs of at most the queue's bound (a store larger than
+        the whole queue is written in part rather than not at all)."""
+        step = self._writer.max_blocks
+        for i in range(0, len(keys), step):
+            k, p = keys[i:i + step], payloads[i:i + step]
+            if self._writer.submit(lambda k=k, p=p: self._write_warm(k, p), blocks=len(k)):
+                self._count(warm_queued_blocks=len(k))
+            else:
+                self._count(warm_dropped_blocks=len(k))
+
+    def _write_behind_failed(self, error: BaseException) -> None:
+        # _write_warm already turns tier errors into counted misses; anything else is a bug that must
+        # not kill the writer thread silently.
+        self._count(warm_errors=1)
+        warnings.warn(f"tieredkv: a background warm write failed: {error!r}", RuntimeWarning, stacklevel=2)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the queued warm writes are done (at most ``timeout_s``, default ``warm_flush_s``).
+
+        Returns whether the queue is empty (always True without write-behind).
+        """
+        if self._writer is None:
+            return True
+        return self._writer.flush(self._flush_s if timeout_s is None else timeout_s)
 
     def _demote(self, evicted: Evicted) -> None:
         """The hot tier's on_evict hook: write evicted blocks to warm per the demotion rule."""
@@ -412,6 +479,7 @@ class TieredCache:
         doc["prefix_hit_rate"] = doc["hit_tokens"] / doc["prompt_tokens"] if doc["prompt_tokens"] else 0.0
         doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
+        doc["warm_queue_blocks"] = self._writer.pending_blocks if self._writer is not None else 0
         return doc
 
     def unlink_hot(self) -> None:
@@ -425,7 +493,14 @@ class TieredCache:
         self.close()
 
     def close(self) -> None:
-        """Close both tiers (idempotent). Shared state stays for other processes and restarts."""
+        """Write the queued warm writes (waiting at most ``warm_flush_s``), then close both tiers
+        (idempotent). Shared state stays for other processes and restarts."""
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            before = writer.dropped_blocks
+            writer.close(self._flush_s)
+            if writer.dropped_blocks > before and self.hot is not None:
+                self._count(warm_dropped_blocks=writer.dropped_blocks - before)
         for tier in (self.hot, self.warm):
             if tier is not None:
                 tier.close()
@@ -439,6 +514,12 @@ class TieredCache:
     def __repr__(self) -> str:
         warm = "" if self.warm is None else f", warm={self.warm!r}"
         return f"TieredCache({self.spec.namespace}, hot={self.hot!r}{warm})"
+
+
+def _flush_at_exit(ref: "weakref.ref[TieredCache]") -> None:
+    cache = ref()
+    if cache is not None and cache._writer is not None:
+        cache.flush()
 
 
 def _torch_or_none(obj: Any):

@@ -209,7 +209,9 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
               f"  bytes: hot read {human(c['hot_bytes_read'])}, warm read {human(c['warm_bytes_read'])}, "
               f"hot written {human(c['hot_bytes_written'])}, warm written {human(c['warm_bytes_written'])}",
               f"  recoveries {k['recoveries']} (scrubs {doc['scrubs']}), reclaimed slots {k['reclaimed']}, "
-              f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}"]
+              f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}",
+              f"  write-behind to warm: {c['warm_queued_blocks']:,} blocks queued, "
+              f"{c['warm_dropped_blocks']:,} dropped (queue full)"]
     return "\n".join(lines)
 
 

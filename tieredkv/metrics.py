@@ -154,6 +154,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
              "(evicted meanwhile, or corrupt and dropped)", labels=L)
     corrupt = C("tieredkv_corrupt_blocks", "warm blocks whose checksum failed on a load (dropped, never "
                 "served)", labels=L)
+    behind = C("tieredkv_warm_write_behind_blocks", "blocks handed to the background warm writer: queued, or "
+               "dropped because its queue was full", labels=L + ["outcome"])
     warm_err = C("tieredkv_warm_errors", "warm-tier calls that failed (the cache went on without it)", labels=L)
     torn = C("tieredkv_hot_torn_reads", "hot-tier reads that saw a block change under them (retried or missed)",
              labels=L)
@@ -191,6 +193,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
         lost.add_metric(lv, c["lost_blocks"])
         corrupt.add_metric(lv, c["corrupt_blocks"])
         warm_err.add_metric(lv, c["warm_errors"])
+        behind.add_metric(lv + ["queued"], c["warm_queued_blocks"])
+        behind.add_metric(lv + ["dropped"], c["warm_dropped_blocks"])
         torn.add_metric(lv, k["torn_reads"])
         recov.add_metric(lv, k["recoveries"])
         no_space.add_metric(lv, k["no_space"])
@@ -209,7 +213,7 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
             fam.add_metric(lv, cumulative, sum_value=ns / 1e9)
 
     out = [hit_rate, up, prompt, hits, prefill, loaded, lookups, moved, stored, evictions, promotions, demotions,
-           lost, corrupt, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
+           lost, corrupt, behind, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
     if warm_rows:
         WL = ["path", "model"]
         w_used = G("tieredkv_warm_blocks", "warm-tier blocks by state (capacity: all slots)", labels=WL + ["state"])

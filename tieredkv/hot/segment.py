@@ -37,7 +37,7 @@ from tieredkv.errors import CapacityError, FormatError, InvalidName, PermissionD
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the write-behind counters in each owner row
 SHM_DIR = Path("/dev/shm")
 PREFIX = "tieredkv-"
 HEADER_BYTES = 4096
@@ -62,7 +62,7 @@ HEADER_DTYPE = np.dtype([
     # mutable, under the metadata lock
     ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
     ("free_top", "<u8"),       # entries in the free stack
-    ("_spare", "<u8", (2,)),   # spare header words (layout version 1 keeps them zero)
+    ("_spare", "<u8", (2,)),   # spare header words (this layout version keeps them zero)
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
     ("fingerprint", "S16"), ("policy", "S48"), ("spec_json", "S1024"),
 ])
@@ -79,7 +79,8 @@ SLOT_DTYPE = np.dtype([
 CACHE_FIELDS = ("lookups", "prompt_tokens", "hit_tokens", "hot_hit_tokens", "warm_hit_tokens",
                 "prefill_tokens", "loaded_tokens", "lost_blocks", "stored_blocks", "hot_bytes_read",
                 "warm_bytes_read", "hot_bytes_written", "warm_bytes_written", "promotions", "demotions",
-                "warm_errors", "corrupt_blocks", "lookup_ns", "load_ns")
+                "warm_errors", "corrupt_blocks", "lookup_ns", "load_ns",
+                "warm_queued_blocks", "warm_dropped_blocks")
 #: Upper bounds (seconds) of the lookup/load latency histogram buckets; the last bucket is +inf.
 LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                      5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))

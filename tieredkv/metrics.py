@@ -18,14 +18,16 @@ The first number to look at is the prefix hit rate, the share of prompt tokens s
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import threading
 from socketserver import ThreadingMixIn
 from typing import Any, Iterable, Iterator, Sequence
 
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import InvalidInput, TieredKVError
 
 __all__ = ["SegmentCollector", "serve_metrics", "render", "MissingDependency"]
 
@@ -273,8 +275,11 @@ def serve_metrics(port: int, names: Sequence[str] | None = None, warm_dir: str |
 
     Raises:
         MissingDependency: ``prometheus_client`` is not installed.
-        OSError: the port is taken.
+        InvalidInput: ``port`` is not in 0..65535, or ``addr:port`` cannot be bound (the port is taken,
+            the address is not one of this host's, or it does not resolve); the message says which.
     """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidInput(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
     _prometheus()
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -282,7 +287,21 @@ def serve_metrics(port: int, names: Sequence[str] | None = None, warm_dir: str |
     registry.register(SegmentCollector(names, warm_dir))
     # Our own small server rather than start_http_server: the returned object can be shut down on
     # every prometheus_client version the extra allows, and scrapes do not log to stderr.
-    server = make_server(addr, port, make_wsgi_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+    try:
+        server = make_server(addr, port, make_wsgi_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+    except socket.gaierror as e:
+        raise InvalidInput(f"addr {addr!r} does not resolve ({e.strerror}); give an IP address or host name "
+                           "of this host (127.0.0.1: this host only, 0.0.0.0: every interface)") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            hint = f"port {port} is in use: choose another (0: any free port)"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            hint = f"{addr} is not an address of this host: use one of its own (or 0.0.0.0: every interface)"
+        elif e.errno == errno.EACCES:
+            hint = f"port {port} needs privileges: use a port above 1023"
+        else:
+            hint = e.strerror or str(e)
+        raise InvalidInput(f"cannot serve metrics on {addr}:{port}: {hint}") from None
     threading.Thread(target=server.serve_forever, name="tieredkv-metrics", daemon=True).start()
     return server
 

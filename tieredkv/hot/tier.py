@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from tieredkv import policies
+from tieredkv import numa, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
@@ -121,6 +121,8 @@ class HotTier(Tier):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        if numa_node is not None:
+            numa.check_node(numa_node)
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
         self.lock_timeout_s = float(lock_timeout_s)
@@ -168,7 +170,9 @@ class HotTier(Tier):
         if policy is not None and seg_policy != engine.name:
             self._map.close()
             raise InvalidInput(f"segment {self.name} uses eviction policy {seg_policy!r}, not {policy!r}; "
-                               "pass policy=None to attach with the segment's policy")
+                               f"open it with the same policy (TieredCache: eviction={seg_policy!r}; HotTier: "
+                               f"policy={seg_policy!r}, or policy=None for the segment's), or remove the "
+                               f"segment (`tieredkv rm {self.name}`) to start over with {policy!r}")
         try:
             self._policy = policies.make(seg_policy)
         except KeyError:

@@ -165,10 +165,17 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None) -> Trace:
 
     Raises:
         InvalidInput: unknown format.
-        FormatError: the file does not parse.
+        FormatError: the file does not parse (not text, not JSON, a bad CSV field).
     """
     path = os.fspath(path)
-    return TRACE_FORMATS[_format_of(path, fmt)][0](path)
+    reader = TRACE_FORMATS[_format_of(path, fmt)][0]
+    try:
+        return reader(path)
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: not a text trace (byte {e.start} is not UTF-8); a trace is JSONL or "
+                          "CSV text") from None
+    except (ValueError, TypeError) as e:  # a CSV timestamp that is not a number, ids of mixed kinds
+        raise FormatError(f"{path}: {e}") from None
 
 
 def write_trace(trace: Trace, path: str | os.PathLike, fmt: str | None = None) -> None:

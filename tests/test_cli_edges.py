@@ -225,3 +225,24 @@ def test_attaching_with_another_policy_names_tieredcache_s_parameter(seg_name):
         with pytest.raises(InvalidInput, match="eviction='lru'") as e:
             TieredCache(spec, hot_bytes=MiB, hot_name=seg_name, eviction="fifo")
     assert "tieredkv rm" in str(e.value)
+
+
+# ---- deployment sizes ----------------------------------------------------------------------------
+@pytest.mark.parametrize("prefix,prompt,concurrency,workers", [(64, 80, 2, 3), (4096, 5000, 4, 8), (100, 100, 1, 1)])
+def test_estimate_hot_bytes_hold_the_blocks_it_counts(capsys, seg_name, prefix, prompt, concurrency, workers):
+    status, out, _ = run(capsys, "estimate", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                         "--chunk-tokens", "4", "--prefix-tokens", str(prefix), "--prompt-tokens", str(prompt),
+                         "--concurrency", str(concurrency), "--workers", str(workers), "--json", "-")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["hot_blocks"] == prefix // 4 + concurrency * workers * (prompt // 4 - prefix // 4)
+    spec = KVSpec(model_id="model", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=4)
+    with TieredCache(spec, hot_bytes=doc["hot_bytes"], hot_name=seg_name) as cache:
+        assert cache.hot.n_slots >= doc["hot_blocks"]
+        cache.hot.unlink()
+    assert doc["shm_size_bytes"] >= 2 * doc["hot_bytes"] and doc["shm_size_bytes"] % (64 << 20) == 0
+    status, text, _ = run(capsys, "estimate", "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                          "--chunk-tokens", "4", "--prefix-tokens", str(prefix), "--prompt-tokens", str(prompt),
+                          "--concurrency", str(concurrency), "--workers", str(workers))
+    assert f"TieredCache(spec, hot_bytes={doc['hot_bytes']})" in text
+    assert f"--shm-size={doc['shm_size_bytes'] >> 20}m" in text

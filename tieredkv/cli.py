@@ -87,8 +87,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                 ["KV in total, prefix shared", human(doc["kv_total_shared_bytes"])]]
         if "prefill_saved_ms_per_request" in doc:
             rows.append(["prefill saved per request", f"{doc['prefill_saved_ms_per_request']:.1f} ms"])
-        return f"{spec.model_id}: {spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x " \
-               f"{spec.head_dim} x {spec.dtype_bytes} B\n" + _table(rows, ["", "size"])
+        rows += [["set hot_bytes (TieredCache)", human(doc["hot_bytes"])],
+                 ["set /dev/shm size (2 x hot_bytes)", human(doc["shm_size_bytes"])]]
+        return (f"{spec.model_id}: {spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x "
+                f"{spec.head_dim} x {spec.dtype_bytes} B\n" + _table(rows, ["", "size"]) +
+                f"\n\nTieredCache(spec, hot_bytes={doc['hot_bytes']})   # {doc['hot_blocks']:,} blocks: the prefix "
+                f"once + each concurrent request's own chunks\n"
+                f"docker run --shm-size={doc['shm_size_bytes'] >> 20}m ...   # or a Kubernetes emptyDir "
+                f"(medium: Memory) of sizeLimit {doc['shm_size_bytes'] >> 20}Mi; see docs/deploy.md")
 
     _emit(args, doc, text)
     return 0

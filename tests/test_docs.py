@@ -68,7 +68,7 @@ def test_every_page_with_code_is_covered():
     """Every page is scanned (README.md and all of docs/), and the blocks are many: a fence typo that
     hid a page's examples from this test would show here."""
     found = blocks()
-    assert len(found) >= 20
+    assert len(found) >= 15
     pages = {name for name, _, _ in found}
     assert {"README.md", "quickstart.md", "warm-tier.md", "integration.md", "policies.md", "models.md",
             "deploy.md"} <= pages
@@ -98,7 +98,8 @@ def test_api_md_covers_the_public_names():
     text = (ROOT / "docs" / "api.md").read_text()
     for name in ("tieredkv.TieredCache(", "tieredkv.TieredCache.lookup(", "tieredkv.KVSpec(",
                  "tieredkv.metrics.serve_metrics(", "tieredkv.numa.pin_to_node(", "tieredkv.warm.WarmTier(",
-                 "tieredkv.hot.HotTier("):
+                 "tieredkv.hot.HotTier(", "tieredkv.integrations.models.load_model(",
+                 "tieredkv.integrations.models.converted_gguf_dir("):
         assert name in text, name
     assert " at 0x" not in text                                # no memory addresses: output is stable
 

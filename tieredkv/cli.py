@@ -156,7 +156,7 @@ def _pick_segment(name: str | None) -> str:
     ``name`` (``/`` and ``tieredkv-`` optional) or whose model id is ``name``; no name: the only one."""
     from tieredkv.hot import segment as seg
 
-    names = [n for n in seg.list_segment_names() if "-tmp-" not in n]
+    names = seg.list_segment_names(published_only=True)
     if not name:
         if len(names) != 1:
             raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
@@ -179,7 +179,7 @@ def _pick_segment(name: str | None) -> str:
 
 def _quantile_bound(hist: list[int], q: float) -> float | None:
     """Upper bound (seconds) of the histogram bucket holding the ``q`` quantile; None when empty."""
-    from tieredkv.hot.segment import LATENCY_BUCKETS_S
+    from tieredkv.counters import LATENCY_BUCKETS_S
 
     total = sum(hist)
     if not total:

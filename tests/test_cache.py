@@ -187,6 +187,7 @@ def test_promotion_never_and_nth(spec, make):
     a = prompt(9, 1)
     cache.store(a, kv_for(spec, a))
     cache.store(prompt(17, 2), kv_for(spec, prompt(17, 2)))
+    assert cache.flush()                         # a's blocks, written behind, are in warm
     out = np.zeros((2, 2, 2, 9, 8), np.float16)
     cache.load(cache.lookup(a), out)
     assert cache.lookup(a).warm_blocks == 2      # first warm hit: not promoted yet

@@ -33,7 +33,12 @@ def blocks() -> list[tuple[str, int, str]]:
 
 
 def _every_block() -> list:
-    return [pytest.param(name, code, id=f"{name}:{line}") for name, line, code in blocks()]
+    """Every block; those that load the real SmolLM2 weights (a download the first time, then seconds of
+    model work) are marked ``slow`` like the other real-weights tests: CI runs them, ``-m "not slow"``
+    does not."""
+    return [pytest.param(name, code, id=f"{name}:{line}",
+                         marks=[pytest.mark.slow] if 'load_model("smollm2")' in code else [])
+            for name, line, code in blocks()]
 
 
 def _unlink_matching(token: str) -> None:

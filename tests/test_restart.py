@@ -206,3 +206,44 @@ def test_write_through_and_on_evict_stay_available(tmp_path, seg_name):
         cache.store(tokens, kv_for(SPEC, tokens))
         assert cache.flush() and cache.warm.stats().used_blocks == 0   # written only when evicted
         cache.hot.unlink()
+
+
+def test_reused_payload_buffers_never_overwrite_a_queued_write(tmp_path, seg_name, monkeypatch):
+    """Write-behind hands each job's buffer to a later store only once the job is done: with the
+    first write stuck, a second store gets fresh rows; after the flush a third store reuses a buffer;
+    every block in warm holds the bytes its own prompt stored."""
+    cache = TieredCache(SPEC, 8 * MiB, tmp_path / "warm", 4 * MiB, hot_name=seg_name)
+    started, release = threading.Event(), threading.Event()
+    real_put = cache.warm.put_many
+
+    def first_put_stuck(keys, payloads):
+        if not started.is_set():
+            started.set()
+            assert release.wait(60)
+        return real_put(keys, payloads)
+
+    monkeypatch.setattr(cache.warm, "put_many", first_put_stuck)
+    try:
+        for seed in (21, 22):
+            tokens = prompt(seed)
+            assert cache.store(tokens, kv_for(SPEC, tokens)) == 8
+        assert started.wait(60)
+        release.set()
+        assert cache.flush(60)
+        assert len(cache._spare) >= 1                          # buffers came back from their jobs
+        tokens = prompt(23)
+        assert cache.store(tokens, kv_for(SPEC, tokens)) == 8   # into a reused buffer
+        assert cache.flush(60)
+        from tieredkv import chunk_keys
+
+        for seed in (21, 22, 23):
+            tokens = prompt(seed)
+            out = np.zeros((8, SPEC.block_bytes), np.uint8)
+            assert real_put.__self__.get_many(chunk_keys(SPEC, tokens[:32]), out) == 8
+            want = kv_for(SPEC, tokens)
+            for b in range(8):
+                block = np.ascontiguousarray(want[:, :, :, 4 * b:4 * b + 4, :]).tobytes()
+                assert out[b].tobytes() == block, (seed, b)
+    finally:
+        release.set()
+        cache.close()

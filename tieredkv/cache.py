@@ -39,6 +39,8 @@ from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM = 0, 1
+#: Payload buffers a write-behind cache keeps for reuse (one for the store in flight, one spare).
+_SPARE_BUFFERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +138,8 @@ class TieredCache:
             raise InvalidInput(f"warm_flush_s must be a number of seconds >= 0, got {warm_flush_s!r}")
         self._flush_s = float(warm_flush_s)
         self._writer: BackgroundWriter | None = None
+        self._spare: list[np.ndarray] = []       # write-behind payload buffers, back from their jobs
+        self._spare_lock = threading.Lock()
         self._lock = threading.Lock()
         self._staging_lock = threading.Lock()
         self._pinned = None
@@ -304,7 +308,7 @@ class TieredCache:
         if not len(todo):
             return 0
         new = keys.take(todo)
-        payloads = np.empty((len(todo), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        payloads = self._payload_rows(len(todo))
         for row, b in enumerate(todo.tolist()):
             copy_into(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
         codes = self.hot.put_many(new, payloads)
@@ -320,12 +324,38 @@ class TieredCache:
             wkeys, wpayloads = (new, payloads) if len(to_warm) == len(new) else (new.take(to_warm), payloads[to_warm])
             if self._writer is not None and self.demotion.at_store:
                 # ``payloads`` is this call's own copy (never the caller's kv, which it may reuse):
-                # the queued job keeps it until the write is done.
-                self._write_behind(wkeys, wpayloads)
+                # the queued job keeps it until the write is done, then hands it back for reuse.
+                self._write_behind(wkeys, wpayloads, payloads)
             else:
                 self._write_warm(wkeys, wpayloads)
         self._count(stored_blocks=stored, hot_bytes_written=stored * self.spec.block_bytes)
         return stored
+
+    def _payload_rows(self, n: int) -> np.ndarray:
+        """``n`` rows of block payloads for ``store`` to copy into.
+
+        With write-behind a buffer travels with its job and comes back when the warm write is done;
+        handing it to the next ``store`` spares that request the page faults of fresh memory (with
+        the buffer kept by the job, the allocator cannot reuse its pages: a fresh allocation per store
+        made it several times slower, benchmarks/store_latency.py). At most ``_SPARE_BUFFERS`` are
+        kept per process.
+        """
+        if self._writer is not None:
+            with self._spare_lock:
+                fits = [i for i, buf in enumerate(self._spare) if len(buf) >= n]
+                if fits:
+                    best = min(fits, key=lambda i: len(self._spare[i]))
+                    return self._spare.pop(best)[:n]
+        return np.empty((n, *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+
+    def _give_back(self, rows: np.ndarray) -> None:
+        """Keep the buffer behind ``rows`` for a later ``store`` (see ``_payload_rows``)."""
+        base = rows if rows.base is None else rows.base
+        if not isinstance(base, np.ndarray) or base.dtype != self.spec.numpy_dtype:
+            return
+        with self._spare_lock:
+            if len(self._spare) < _SPARE_BUFFERS:
+                self._spare.append(base)
 
     def _write_warm(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
         codes = self._warm_call(lambda: self.warm.put_many(keys, payloads), default=None)
@@ -333,16 +363,28 @@ class TieredCache:
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(warm_bytes_written=n * self.spec.block_bytes)
 
-    def _write_behind(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+    def _write_behind(self, keys: ChunkKeys, payloads: np.ndarray, buffer: np.ndarray) -> None:
         """Queue the warm write of ``keys`` in jobs of at most the queue's bound (a store larger than
-        the whole queue is written in part rather than not at all)."""
+        the whole queue is written in part rather than not at all). ``buffer`` holds ``payloads`` and
+        is handed back for reuse once nothing refers to it (a store split into several jobs: never)."""
         step = self._writer.max_blocks
+        whole = len(keys) <= step
+
+        def job(k: ChunkKeys, p: np.ndarray) -> None:
+            try:
+                self._write_warm(k, p)
+            finally:
+                if whole:
+                    self._give_back(buffer)
+
         for i in range(0, len(keys), step):
             k, p = keys[i:i + step], payloads[i:i + step]
-            if self._writer.submit(lambda k=k, p=p: self._write_warm(k, p), blocks=len(k)):
+            if self._writer.submit(lambda k=k, p=p: job(k, p), blocks=len(k)):
                 self._count(warm_queued_blocks=len(k))
             else:
                 self._count(warm_dropped_blocks=len(k))
+                if whole:
+                    self._give_back(buffer)
 
     def _write_behind_failed(self, error: BaseException) -> None:
         # _write_warm already turns tier errors into counted misses; anything else is a bug that must

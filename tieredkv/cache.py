@@ -156,7 +156,10 @@ class TieredCache:
                                      policy=eviction)
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
-                               on_evict=self._demote if self.warm is not None else None)
+                               # Rules that write at store time have every block in warm already:
+                               # no hook, so the hot tier does not copy out what it evicts.
+                               on_evict=self._demote if self.warm is not None and not self.demotion.at_store
+                               else None)
         except BaseException:
             self.close()
             raise

@@ -70,6 +70,12 @@ class EvictionPolicy(abc.ABC):
         """Live keys each ghost list holds for a cache of ``n_slots`` (0: the policy keeps no ghosts)."""
         return 0
 
+    def full_name(self) -> str:
+        """The name ``make`` rebuilds this policy from, wrapped policies included
+        (``"prefix_aware:arc"``): what a tier records and compares, since two policies with one
+        ``name`` may keep different state."""
+        return self.name
+
     # ---- hooks --------------------------------------------------------------------------------
     def on_insert(self, st: SlotState, slots: np.ndarray) -> None:
         """Called after the common fields of newly inserted ``slots`` are set."""

@@ -36,6 +36,9 @@ class PrefixAware(EvictionPolicy):
     def ghost_capacity(self, n_slots):
         return self.base.ghost_capacity(n_slots)
 
+    def full_name(self):
+        return f"{self.name}:{self.base.full_name()}"
+
     def on_insert(self, st, slots):
         self.base.on_insert(st, slots)
 

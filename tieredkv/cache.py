@@ -19,6 +19,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -29,10 +30,12 @@ import numpy as np
 
 from tieredkv import counters, policies
 from tieredkv.background import BackgroundWriter
-from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
+                             PermissionDenied, TieredKVError, WarmTierUnavailable, require_positive_int,
+                             require_positive_seconds)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import copy_into
+from tieredkv.layout import copy_into, overlaps_itself
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
@@ -41,6 +44,10 @@ from tieredkv.tier import Evicted, PutResult, Tier
 HOT, WARM = 0, 1
 #: Payload buffers a write-behind cache keeps for reuse (one for the store in flight, one spare).
 _SPARE_BUFFERS = 2
+
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
+#: TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +111,12 @@ class TieredCache:
             ``"on_nth_hit:N"`` (when the hot tier evicts it).
         hot_name: segment name (default derived from the spec).
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
-        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
+        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``. Only
+            ``"always"`` (the default) protects against media corruption: the others serve blocks
+            damaged on disk unless sampled (docs/warm-tier.md).
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
-        lock_timeout_s: the hot tier's bound on waiting for its lock.
+        lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
+            lock, the warm tier's writer lock) before ``LockTimeout``.
         warm_queue_bytes: with write-behind, the most block bytes queued for the warm tier (the
             queue holds copies); at least one block is always allowed.
         warm_flush_s: with write-behind, how long ``close()`` waits for the queued warm writes.
@@ -124,12 +134,22 @@ class TieredCache:
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        # Checked here, under the names the caller used, before any tier is made.
+        if hot_bytes is not None:
+            hot_bytes = require_positive_int("hot_bytes", hot_bytes, "256 << 20")
+        if hot_blocks is not None:
+            hot_blocks = require_positive_int("hot_blocks", hot_blocks, "4096")
+        lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
         try:
             policies.make(eviction)
             self.promotion = promotion_rules.make(promotion)
             self.demotion = demotion_rules.make(demotion)
         except (KeyError, ValueError, TypeError) as e:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
+        if warm_dir is not None and (isinstance(warm_dir, bytes) or not isinstance(warm_dir, (str, os.PathLike))
+                                     or not os.fspath(warm_dir)):
+            # "" would silently put the warm tier in whatever directory the worker started in.
+            raise InvalidInput(f"warm_dir must be a non-empty path (str or os.PathLike) or None, got {warm_dir!r}")
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         if isinstance(warm_queue_bytes, bool) or not isinstance(warm_queue_bytes, int) or warm_queue_bytes < 0:
@@ -148,18 +168,32 @@ class TieredCache:
         self._private_counters = counters.private()
         self.warm: Tier | None = None
         self.hot: Tier | None = None
+        warm_failed = False
         try:
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
 
-                self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                     policy=eviction)
+                try:
+                    self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
+                                         policy=eviction, lock_timeout_s=lock_timeout_s)
+                except _WARM_STATE_ERRORS as e:
+                    if isinstance(e, PermissionDenied):
+                        raise  # another user's files: an operator decision, never silently worked around
+                    # The warm tier's files are damaged or unusable right now. That must not keep the
+                    # worker (and with it the hot tier every worker shares) from starting: serve hot-only
+                    # and say so. Misuse (bad arguments, another spec, another user's files) still raises.
+                    warnings.warn(f"tieredkv: the warm tier at {warm_dir} cannot open ({e}); running "
+                                  f"hot-only until restart (`tieredkv verify --repair` checks and "
+                                  f"rebuilds it)", RuntimeWarning, stacklevel=2)
+                    warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
                                # Rules that write at store time have every block in warm already:
                                # no hook, so the hot tier does not copy out what it evicts.
                                on_evict=self._demote if self.warm is not None and not self.demotion.at_store
                                else None)
+            if warm_failed:
+                self._count(warm_errors=1)
         except BaseException:
             self.close()
             raise
@@ -444,6 +478,18 @@ class TieredCache:
         if arr.shape[3] < min_tokens:
             raise InvalidPayload(f"{what} holds {arr.shape[3]} tokens; the hit needs {min_tokens}")
 
+    @staticmethod
+    def _check_no_overlap(out) -> None:
+        if isinstance(out, np.ndarray):
+            strides, size = out.strides, out.itemsize
+        else:  # torch counts strides in elements
+            size = out.element_size()
+            strides = tuple(st * size for st in out.stride())
+        if overlaps_itself(tuple(out.shape), strides, size):
+            raise InvalidPayload(f"out has overlapping strides (byte strides {strides}, as made by as_strided "
+                                 "or expand): restored tokens would overwrite each other; pass an array with "
+                                 "one element per index")
+
     def _torch_dtype_ok(self, t) -> bool:
         return str(t.dtype).removeprefix("torch.") == self.spec.dtype
 
@@ -457,6 +503,7 @@ class TieredCache:
             if not out.flags.writeable:
                 raise InvalidPayload("out is read-only")
             self._check_array(out, "out", min_tokens)
+            self._check_no_overlap(out)
             return out, lambda n: None
         torch = _torch_or_none(out)
         if torch is None:
@@ -464,6 +511,11 @@ class TieredCache:
         if not self._torch_dtype_ok(out):
             raise InvalidPayload(f"out dtype {out.dtype} != the spec's {self.spec.dtype}")
         self._check_array(out, "out", min_tokens)
+        _check_device(out, "out")
+        if out.requires_grad:
+            raise InvalidPayload("out requires grad: autograd cannot track a cache restore; allocate it "
+                                 "without requires_grad (or pass out.detach(), which shares its memory)")
+        self._check_no_overlap(out)
         if out.device.type == "cpu":
             return _numpy_of(out, self.spec.numpy_dtype), lambda n: None
         # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call. The
@@ -498,6 +550,7 @@ class TieredCache:
         if not self._torch_dtype_ok(kv):
             raise InvalidPayload(f"kv dtype {kv.dtype} != the spec's {self.spec.dtype}")
         self._check_array(kv, "kv", 0)
+        _check_device(kv, "kv")
         if kv.device.type != "cpu":
             kv = kv.detach().to("cpu")
         return _numpy_of(kv.detach(), self.spec.numpy_dtype)
@@ -584,6 +637,11 @@ def _torch_or_none(obj: Any):
     import torch
 
     return torch if isinstance(obj, torch.Tensor) else None
+
+
+def _check_device(t, what: str) -> None:
+    if t.device.type == "meta":
+        raise InvalidPayload(f"{what} is on the meta device, which holds no data; pass a CPU or CUDA tensor")
 
 
 def _numpy_of(t, numpy_dtype: np.dtype) -> np.ndarray:

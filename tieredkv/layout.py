@@ -58,3 +58,19 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         np.bitwise_or(src.view(np.uint8).view(np.uint64), 0, out=dst.view(np.uint8).view(np.uint64))
     else:
         np.copyto(dst, src)
+
+
+def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether two elements of an array with this ``shape`` and byte ``strides`` may share memory (``as_strided`` with overlapping strides,
+    ``broadcast_to``): writing into such an array makes later rows overwrite earlier ones.
+
+    Conservative: the dims, ordered by stride, must each step past everything the smaller ones span;
+    a layout that interleaves without overlapping (never produced by slicing or transposing) counts
+    as overlapping too.
+    """
+    span = itemsize
+    for stride, size in sorted((abs(st), n) for st, n in zip(strides, shape) if n > 1):
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False

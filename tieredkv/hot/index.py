@@ -41,6 +41,9 @@ class HotIndex:
         self.table = ProbeTable(region[0], region[1])
         self.slot_keys = slot_keys
         self.name = name
+        #: Set when a lookup met an entry naming no slot (a damaged word): the answer was a miss,
+        #: and the tier rebuilds the index from the slot table (``rebuild`` clears it).
+        self.damaged = False
 
     def clear(self) -> None:
         self.table.clear()
@@ -55,12 +58,17 @@ class HotIndex:
         keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)
         lo = keys[:, 0].view(np.int64)
         slots = self.table.lookup(lo)
+        n = len(self.slot_keys)
+        wild = slots >= n  # lookup never returns below -1; a value past the slot table is damage
+        if wild.any():
+            self.damaged = True
+            slots[wild] = -1
         at = self.slot_keys[np.maximum(slots, 0)]
         other = np.flatnonzero((slots >= 0) & ((at[:, 0] != keys[:, 0]) | (at[:, 1] != keys[:, 1])))
         for i in other.tolist():
             want = keys[i]
-            slots[i] = next((s for s in self.table.values_of(int(lo[i]))
-                             if (self.slot_keys[s] == want).all()), -1)
+            found = [s for s in self.table.values_of(int(lo[i])) if 0 <= s < n]
+            slots[i] = next((s for s in found if (self.slot_keys[s] == want).all()), -1)
         return slots
 
     def insert(self, slots: np.ndarray, keys: np.ndarray) -> None:
@@ -89,3 +97,4 @@ class HotIndex:
         """Index exactly ``slots`` under the keys the slot table holds for them. Under the lock."""
         slots = np.asarray(slots, dtype=np.int64)
         self.table.rebuild(self.slot_keys[slots, 0].view(np.int64), slots)
+        self.damaged = False

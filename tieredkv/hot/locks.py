@@ -48,6 +48,13 @@ def _flock(kind: int, start: int, length: int = 1) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)
 
 
+#: ``fcntl.fcntl(fd, SETLK, UNLOCK_META)`` releases the metadata lock in one C call. Release paths
+#: make exactly that call, first thing, so that no Python-level check (where a signal handler's
+#: exception can be raised) runs between deciding to release and releasing.
+SETLK = _SETLK
+UNLOCK_META = _flock(fcntl.F_UNLCK, META_LOCK_BYTE)
+
+
 def try_lock(fd: int, start: int, length: int = 1) -> bool:
     """Take an exclusive lock on ``[start, start+length)`` if free; True if taken."""
     try:
@@ -90,3 +97,4 @@ def acquire(fd: int, start: int, timeout_s: float, what: str = "lock") -> None:
             raise LockTimeout(f"{what} still held by a live process after {timeout_s:.1f} s; "
                               f"a process may be stopped (SIGSTOP) inside a critical section")
         pause = min(pause * 2, 1e-3)
+

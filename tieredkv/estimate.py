@@ -1,8 +1,8 @@
-"""The write-up's sizing and benefit estimate (seed-notes.md, "Quick estimate").
+"""Sizing and benefit estimate: what a shared prefix costs per copy, and what sharing it saves.
 
 KV bytes per token = layers x 2 x kv_heads x head_dim x dtype bytes. With ``workers`` processes each
 serving ``concurrency`` requests that share a ``prefix_tokens`` system prompt, every request holds its
-own copy of the prefix's KV unless the copies are shared; the write-up's upper bound on what sharing
+own copy of the prefix's KV unless the copies are shared; an upper bound on what sharing
 removes is prefix tokens x concurrent requests x bytes per token (one copy must remain: the exact
 saving is that minus one copy).
 
@@ -57,7 +57,7 @@ def estimate(spec: KVSpec, *, prompt_tokens: int, prefix_tokens: int, concurrenc
         "kv_total_bytes": prompt_tokens * bpt * requests,
         "prefix_kv_bytes": prefix_bytes,
         "concurrent_requests": requests,
-        "duplicate_prefix_bytes": prefix_bytes * requests,          # the write-up's upper bound
+        "duplicate_prefix_bytes": prefix_bytes * requests,          # an upper bound
         "saved_by_sharing_bytes": prefix_bytes * (requests - 1),     # one copy stays
         "kv_total_shared_bytes": prompt_tokens * bpt * requests - prefix_bytes * (requests - 1),
     }

@@ -1,7 +1,7 @@
 """NUMA placement: which CPUs belong to which node, and pinning a worker to one node.
 
 On a multi-socket host a worker on the other socket reads the hot segment over the inter-socket link.
-The remedy (design.md section 6.3): one segment per node (``TieredCache(..., numa_node=N)`` suffixes the
+The remedy (docs/tuning.md, NUMA): one segment per node (``TieredCache(..., numa_node=N)`` suffixes the
 segment name with ``-numa<N>``) and every worker pinned to the CPUs of the node whose segment it uses,
 so that the pages it first touches, and the ones it reads, are local::
 

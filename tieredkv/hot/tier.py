@@ -1,6 +1,6 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
-Concurrency (design.md section 6.1), in one paragraph: metadata (slot states, the index, the free stack,
+Concurrency (docs/architecture.md), in one paragraph: metadata (slot states, the index, the free stack,
 pins, policy state) changes only inside critical sections (see ``_enter``), under an OFD lock the kernel releases if its
 holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
 fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
@@ -719,7 +719,8 @@ class HotTier(Tier):
             with self._tlock:
                 try:
                     self._enter()
-                    # Re-check under the lock and pin in the same critical section (design.md 6.1 #3).
+                    # Re-check under the lock and pin in the same critical section: a pin and the state it
+                    # guards change together.
                     # The pin list goes into our owner row before the counts: whatever interrupts
                     # this, the row says at least what the counts hold (a scrub recounts from rows).
                     ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)

@@ -191,6 +191,14 @@ def test_a_full_queue_drops_and_counts(tmp_path, seg_name, monkeypatch):
     assert out.returncode == 0, out.stderr
     counters = json.loads(out.stdout)["cache"]
     assert (counters["warm_queued_blocks"], counters["warm_dropped_blocks"]) == (1, 7)
+    pytest.importorskip("prometheus_client", reason="the 'metrics' extra is not installed")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tieredkv import metrics
+
+    got = {s.labels["outcome"]: s.value for fam in text_string_to_metric_families(metrics.render([seg_name]))
+           for s in fam.samples if s.name == "tieredkv_warm_write_behind_blocks_total"}
+    assert got == {"queued": 1, "dropped": 7}
 
 
 def test_write_through_and_on_evict_stay_available(tmp_path, seg_name):

@@ -2,8 +2,7 @@
 
 Usage::
 
-    python benchmarks/simulate.py --out bench-out            # the Mooncake sample in traces/, 9 policies
-    python benchmarks/simulate.py --trace mooncake_synthetic_trace.jsonl --out bench-out   # the whole trace
+    python benchmarks/simulate.py --out bench-out            # full: Mooncake trace, 9 policies
     python benchmarks/simulate.py --out bench-out --quick    # smoke (< 30 s)
 
 Writes ``simulate.json`` and ``mrc.png`` into ``--out`` and prints two tables:
@@ -29,9 +28,7 @@ import numpy as np
 
 from tieredkv.sim import Trace, format_table, plot_mrc, read_trace, run_simulation, simulate
 
-#: The slice shipped in the repository; the docs' tables use the whole trace (traces/README.md says where
-#: it is published): pass it with --trace.
-DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "traces", "mooncake_sample.jsonl")
+DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "traces", "mooncake_synthetic_trace.jsonl")
 ALL_POLICIES = ["lru", "fifo", "lfu", "clock", "sieve", "s3fifo", "arc", "prefix_aware", "cost_aware"]
 MRC_CAPACITIES = ["1%", "2%", "5%", "10%", "15%", "20%", "30%", "40%"]
 
@@ -125,7 +122,7 @@ def _throughput_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=DEFAULT_TRACE, help="trace file (default: the Mooncake sample in traces/)")
+    ap.add_argument("--trace", default=DEFAULT_TRACE, help="trace file (default: the Mooncake trace)")
     ap.add_argument("--out", required=True, help="directory for simulate.json and mrc.png")
     ap.add_argument("--quick", action="store_true", help="smoke run: first 500 requests, fewer points")
     ap.add_argument("--repeat", type=int, default=3, help="timed repeats for throughput (median)")

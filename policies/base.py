@@ -25,13 +25,13 @@ import abc
 import importlib
 import importlib.metadata
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from .state import SlotState
 
-_REGISTRY: dict[str, type["EvictionPolicy"]] = {}
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
 
 #: Installed packages add policies under this entry-point group (``name = "package.module:Class"``);
 #: they are loaded the first time a name is not found in the registry.
@@ -120,7 +120,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make(spec: "str | EvictionPolicy", **params) -> EvictionPolicy:
+def make(spec: str | EvictionPolicy, **params) -> EvictionPolicy:
     """Build a policy from its name (``"lru"``, ``"prefix_aware:s3fifo"``, ...) or pass one through.
 
     Args:

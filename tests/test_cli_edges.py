@@ -90,6 +90,7 @@ def test_prometheus_busy_port_is_one_line(capsys):
     one_line(err, f"port {port} is in use")
 
 
+@pytest.mark.procs
 def test_no_traceback_from_a_real_process(tmp_path):
     """The installed entry point, in a real process: a binary trace, one line, exit 2."""
     (tmp_path / "t.jsonl").write_bytes(b"\x00\xff" * 100)
@@ -177,6 +178,7 @@ def simulate_rows(stdout: str) -> dict[str, float]:
     return {r.split()[0]: float(r.split()[4]) for r in rows}
 
 
+@pytest.mark.procs
 def test_simulate_policy_module_class_from_the_current_directory(tmp_path):
     module, _ = write_policy(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "tieredkv", "simulate", "--synthetic", "400", "--jobs", "1",
@@ -191,6 +193,7 @@ def test_simulate_policy_module_class_from_the_current_directory(tmp_path):
     assert rows[own] != rows["lru"]                          # a different policy really ran
 
 
+@pytest.mark.procs
 def test_policy_from_an_entry_point_works_by_name_everywhere(tmp_path, seg_name):
     """An installed package declares ``[tieredkv.policies]``; its name then works in the CLI and in
     TieredCache, and a second process attaches to the segment by the recorded name."""

@@ -50,6 +50,7 @@ def _unlink_matching(token: str) -> None:
                 pass
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name,code", _every_block())
 def test_code_block_runs(name, code, tmp_path):
     """Each block runs as written in a fresh interpreter, in an empty directory. Segment names and model

@@ -52,6 +52,7 @@ def _kill_mid_write(spec, name, keys):
 
 
 # ---- item 11: a dead writer's WRITING slot --------------------------------------------------------
+@pytest.mark.procs
 def test_a_prefix_whose_writer_died_mid_copy_can_be_stored_again(tiny_spec, seg_name):
     """Plenty of free room (no eviction pass would ever reclaim the dead claim): the next store of
     the same prefix must reclaim the dead writer's slots and store, not answer EXISTS forever."""
@@ -199,6 +200,7 @@ def _hold_as_other_user(spec, name, ready, done):
         done.wait(60)
 
 
+@pytest.mark.procs
 @needs_root
 def test_rm_stale_as_root_never_removes_another_users_live_segment(tiny_spec, seg_name, capsys):
     from tieredkv.hot import admin
@@ -257,6 +259,7 @@ def _open_slowly(spec, name, published, go, result):
         result.put((tier.created, tier._still_published(), os.fstat(tier._fd).st_ino))
 
 
+@pytest.mark.procs
 def test_a_segment_is_live_from_its_first_published_instant(tiny_spec, seg_name, capsys):
     published, go, result = FORK.Event(), FORK.Event(), FORK.Queue()
     p = FORK.Process(target=_open_slowly, args=(tiny_spec, seg_name, published, go, result))
@@ -274,6 +277,7 @@ def test_a_segment_is_live_from_its_first_published_instant(tiny_spec, seg_name,
     assert created and still_published
 
 
+@pytest.mark.procs
 def test_an_attacher_that_loses_its_idle_segment_to_rm_attaches_again(tiny_spec, seg_name, capsys):
     HotTier(tiny_spec, n_slots=8, name=seg_name).close()  # idle
     old_inode = os.stat("/dev/shm" + seg_name).st_ino
@@ -303,6 +307,7 @@ def _hang_while_building(spec, name, ready):
     HotTier(spec, n_slots=8, name=name)
 
 
+@pytest.mark.procs
 def test_dead_creators_temporaries_are_reaped_and_live_ones_kept(tiny_spec, seg_name):
     def temporaries(pid):
         return [n for n in os.listdir("/dev/shm") if n.startswith(f"tieredkv-tmp-{pid}-")]
@@ -437,6 +442,7 @@ def _index_agrees_with_slots(tier) -> bool:
     return bool((found == ready).all()) and np.array_equal(free, np.flatnonzero(rec["state"] == FREE))
 
 
+@pytest.mark.procs
 def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec, seg_name):
     with HotTier(tiny_spec, n_slots=24, name=seg_name, lock_timeout_s=3) as tier:
         stop, idle, counts = FORK.Event(), FORK.Event(), FORK.Queue()
@@ -512,6 +518,7 @@ def _reader(spec, name, seeds, results):
         results.put(("raised", repr(e), 0))
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("policy", ["lru", "arc", "prefix_aware:s3fifo"])
 @pytest.mark.parametrize("where", ["index", "free stack", "free top", "policy state", "pin list"])
 def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, seg_name, where, policy):

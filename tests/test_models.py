@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from tieredkv import InvalidInput
 from tieredkv.integrations import models
@@ -23,6 +22,7 @@ def test_converted_gguf_dir_refuses_what_is_not_a_gguf_file(tmp_path):
 def test_smollm2_is_converted_once_and_loads_the_same_weights(tmp_path):
     """The converted directory holds exactly the tensors transformers dequantises from the GGUF file,
     a second load converts nothing, and another file (other bytes) gets a directory of its own."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     gguf = models.smollm2_gguf_path()

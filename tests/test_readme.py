@@ -1,6 +1,6 @@
 """README.md's shell commands run as written, from a clone: the quickstart's first example is run first
 (it leaves the segment and the warm tier the commands look at), then every command of every ```bash
-block, in a directory that has what a clone has (`.venv`, `traces/`), with the venv on PATH.
+block, in a directory that has what a clone has (`.venv`, `benchmarks/`), with the venv on PATH.
 
 Commands that cannot run here get their own tests, named in ``ELSEWHERE``; commands that run until
 Ctrl-C are run here and interrupted once they printed their first screen.
@@ -28,6 +28,7 @@ ELSEWHERE = {
     "bash .ci/setup": "builds .venv; .ci/run runs it first on every CI run",
     "tieredkv demo": "minutes of model runs; tests/test_demo.py runs the demo small",
     "python -m pytest -q": "this suite itself",
+    'python -m pytest -q -m "not slow and not procs and not soak"': "this suite itself (the inner loop)",
     "tieredkv stats --prometheus 9400": "a fixed port may be taken on a shared machine; "
                                         "tests/test_cli.py::test_stats_prometheus_serves_until_interrupted "
                                         "runs the same command on a free port",
@@ -60,9 +61,9 @@ def test_every_command_is_run_or_covered_elsewhere():
 
 @pytest.fixture
 def clone(tmp_path):
-    """A working directory that looks like a clone to the commands (``.venv``, ``traces/``), and a token
+    """A working directory that looks like a clone to the commands (``.venv``, ``benchmarks/``), and a token
     that makes this run's segment names its own (parallel runs share /dev/shm)."""
-    for name in (".venv", "traces", ".ci"):
+    for name in (".venv", "benchmarks", ".ci"):
         (tmp_path / name).symlink_to(ROOT / name)
     token = secrets.token_hex(3)
     yield tmp_path, token
@@ -74,6 +75,7 @@ def clone(tmp_path):
                 pass
 
 
+@pytest.mark.procs
 def test_readme_commands_run_as_written(clone):
     cwd, token = clone
     own = lambda text: text.replace("readme", f"readme{token}")   # noqa: E731 - this run's segment names

@@ -18,8 +18,8 @@ import threading
 import numpy as np
 import posix_ipc
 import pytest
-from helpers import kv_for, same_bytes
 
+from helpers import kv_for, same_bytes
 from tieredkv import KVSpec, TieredCache
 from tieredkv.warm import WarmTier
 from tieredkv.warm.testing import check_index
@@ -88,6 +88,7 @@ def assert_restored(tmp_path, seg_name, seeds) -> None:
         cache.hot.unlink()
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("mode", ["with", "exit"])
 def test_clean_exit_writes_every_block_to_warm_then_a_reboot_finds_them(tmp_path, seg_name, mode):
     proc = run_writer(tmp_path, seg_name, mode)
@@ -96,6 +97,7 @@ def test_clean_exit_writes_every_block_to_warm_then_a_reboot_finds_them(tmp_path
     assert_restored(tmp_path, seg_name, (1, 2, 3))
 
 
+@pytest.mark.procs
 def test_sigkill_loses_at_most_the_queue(tmp_path, seg_name):
     proc = run_writer(tmp_path, seg_name, "kill", first=(1, 2), second=range(10, 30))
     try:
@@ -161,6 +163,7 @@ def test_store_returns_while_the_warm_write_is_still_blocked(tmp_path, seg_name,
         cache.close()
 
 
+@pytest.mark.procs
 def test_a_full_queue_drops_and_counts(tmp_path, seg_name, monkeypatch):
     """A queue bounded to one block: while that block's write is stuck, the rest are dropped and
     counted (per host, in the segment), never queued without bound."""

@@ -15,8 +15,7 @@ from tieredkv.errors import FormatError, InvalidInput
 from tieredkv.sim import (Trace, add_arguments, main, plot_mrc, read_trace, resolve_capacity,
                           run_simulation, simulate, simulate_tiered, synthetic_trace, write_trace)
 
-#: The slice of the Mooncake trace shipped in the repository (traces/README.md).
-MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "traces", "mooncake_sample.jsonl")
+MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "traces", "mooncake_synthetic_trace.jsonl")
 
 
 # ---- traces ----------------------------------------------------------------------------------------
@@ -33,7 +32,7 @@ def test_read_mooncake_jsonl(tmp_path):
 
 def test_real_mooncake_trace_loads():
     t = read_trace(MOONCAKE)
-    assert (t.n_requests, t.n_accesses, t.unique_blocks) == (999, 30789, 18808)
+    assert (t.n_requests, t.n_accesses, t.unique_blocks) == (3993, 121877, 43924)
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv"])

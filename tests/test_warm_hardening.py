@@ -80,6 +80,7 @@ def test_bad_warm_dir_is_invalid_input_naming_it(bad, seg_name, tmp_path, monkey
 
 
 # ---- issue 14 item 5: verify's exit status ---------------------------------------------------------------
+@pytest.mark.procs
 def test_verify_exit_codes(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -155,6 +156,7 @@ t.put_many(k, payload_for(k, spec.block_bytes))
 
 
 # ---- 1: claims of a writer in another PID namespace ----------------------------------------------------
+@pytest.mark.procs
 @needs_root
 def test_claims_of_a_writer_in_another_pid_namespace_are_live_until_it_dies(tmp_path):
     if shutil.which("unshare") is None:
@@ -226,6 +228,7 @@ finally:
 """
 
 
+@pytest.mark.procs
 def test_a_writer_stopped_inside_a_write_transaction_blocks_nobody_without_bound(tmp_path):
     root = tmp_path / "warm"
     stored = keys(0, 4)
@@ -274,6 +277,7 @@ except WarmTierUnavailable as e:
 """
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("how", ["delete", "replace"])
 def test_a_replaced_lock_file_never_makes_two_writers(tmp_path, how):
     root = tmp_path / "warm"
@@ -335,6 +339,7 @@ def _truncate_index(root, size):
     os.truncate(data, size)
 
 
+@pytest.mark.procs
 def test_a_truncated_data_file_is_detected_before_lmdb_touches_it(tmp_path):
     root = tmp_path / "warm"
     with WarmTier(SPEC, root, capacity_bytes=64 * SLOT) as t:
@@ -395,6 +400,7 @@ def _damage_record_slot(root, key: bytes, new_slot: int) -> int:
     return copies
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("verify", ["never", "sampled", "always"])
 @pytest.mark.parametrize("slot", ["out of range", "another block's"])
 def test_a_record_with_a_damaged_slot_is_dropped_and_counted(tmp_path, slot, verify):
@@ -424,6 +430,7 @@ def test_a_record_with_a_damaged_slot_is_dropped_and_counted(tmp_path, slot, ver
 
 
 # ---- 6: a lost or emptied index ------------------------------------------------------------------------------
+@pytest.mark.procs
 @pytest.mark.parametrize("how", ["deleted", "emptied", "data.mdb zeroed"])
 def test_a_lost_or_emptied_index_is_rebuilt_empty_with_a_warning(tmp_path, how):
     root = tmp_path / "warm"
@@ -450,6 +457,7 @@ def test_a_lost_or_emptied_index_is_rebuilt_empty_with_a_warning(tmp_path, how):
     assert cli("verify", str(root)).returncode == 0
 
 
+@pytest.mark.procs
 def test_verify_repair_rebuilds_a_lost_index_and_refuses_while_the_tier_is_open(tmp_path):
     root = tmp_path / "warm"
     with WarmTier(SPEC, root, capacity_bytes=16 * SLOT) as t:
@@ -486,6 +494,7 @@ except TieredKVError as e:
 """
 
 
+@pytest.mark.procs
 @needs_root
 def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
     mnt = tmp_path / "small"
@@ -572,6 +581,7 @@ print("served", n)
 """
 
 
+@pytest.mark.procs
 def test_a_data_file_cut_by_a_few_pages_is_refused_not_a_signal(tmp_path):
     root = tmp_path / "warm"
     with WarmTier(SPEC, root, capacity_bytes=2048 * SLOT) as t:

@@ -19,6 +19,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -30,9 +31,18 @@ import numpy as np
 
 from tieredkv import counters, policies
 from tieredkv.background import BackgroundWriter
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, InvalidPayload, LockTimeout,
-                             PermissionDenied, TieredKVError, WarmTierUnavailable, require_positive_int,
-                             require_positive_seconds)
+from tieredkv.errors import (
+    CorruptState,
+    FormatError,
+    InvalidInput,
+    InvalidPayload,
+    LockTimeout,
+    PermissionDenied,
+    TieredKVError,
+    WarmTierUnavailable,
+    require_positive_int,
+    require_positive_seconds,
+)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import copy_into, overlaps_itself
@@ -128,7 +138,8 @@ class TieredCache:
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "write_behind", *,
-                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
+                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none",
+                 warm_verify: str = "always",
                  numa_node: int | None = None, lock_timeout_s: float = 10.0, warm_queue_bytes: int = 256 << 20,
                  warm_flush_s: float = 10.0):
         if not isinstance(spec, KVSpec):
@@ -167,7 +178,7 @@ class TieredCache:
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._private_counters = counters.private()
         self.warm: Tier | None = None
-        self.hot: Tier | None = None
+        self.hot: Tier  # set below; close() copes with a constructor that failed before it
         warm_failed = False
         try:
             if warm_dir is not None:
@@ -221,7 +232,8 @@ class TieredCache:
             if len(missing) and self.warm is not None:
                 # The run ends at the first block in neither tier: ask warm for the leading run of
                 # hot misses only (match stops at its first miss; no lookups past it).
-                n = self._warm_call(lambda: self.warm.match(keys.take(missing)), default=0)
+                warm = self.warm
+                n = self._warm_call(lambda: warm.match(keys.take(missing)), default=0)
                 where[missing[:n]] = WARM
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
@@ -295,9 +307,10 @@ class TieredCache:
                    promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
-        corrupt_before = self.warm.corrupt_seen
-        got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
-        self._count(corrupt_blocks=self.warm.corrupt_seen - corrupt_before)
+        warm = self._warm_tier()
+        corrupt_before = warm.corrupt_seen
+        got = self._warm_call(lambda: warm.get_many(keys, staging), default=0)
+        self._count(corrupt_blocks=warm.corrupt_seen - corrupt_before)
         for i in range(got):
             at = (first + i) * C
             copy_into(target[:, :, :, at:at + C, :], staging[i])
@@ -338,8 +351,9 @@ class TieredCache:
         if not len(keys):
             return 0
         todo = np.flatnonzero(~self.hot.contains_many(keys))
-        if len(todo) and self.warm is not None and not self.demotion.at_store:
-            in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(todo)),
+        warm = self.warm
+        if len(todo) and warm is not None and not self.demotion.at_store:
+            in_warm = self._warm_call(lambda: warm.contains_many(keys.take(todo)),
                                       default=np.zeros(len(todo), dtype=bool))
             todo = todo[~in_warm]
         if not len(todo):
@@ -395,7 +409,7 @@ class TieredCache:
                 self._spare.append(base)
 
     def _write_warm(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
-        codes = self._warm_call(lambda: self.warm.put_many(keys, payloads), default=None)
+        codes = self._warm_call(lambda: self._warm_tier().put_many(keys, payloads), default=None)
         if codes is not None:
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(warm_bytes_written=n * self.spec.block_bytes)
@@ -404,7 +418,10 @@ class TieredCache:
         """Queue the warm write of ``keys`` in jobs of at most the queue's bound (a store larger than
         the whole queue is written in part rather than not at all). ``buffer`` holds ``payloads`` and
         is handed back for reuse once nothing refers to it (a store split into several jobs: never)."""
-        step = self._writer.max_blocks
+        writer = self._writer
+        if writer is None:
+            raise InvalidInput("this TieredCache does not write behind (demotion is not 'write_behind')")
+        step = writer.max_blocks
         whole = len(keys) <= step
 
         def job(k: ChunkKeys, p: np.ndarray) -> None:
@@ -416,7 +433,7 @@ class TieredCache:
 
         for i in range(0, len(keys), step):
             k, p = keys[i:i + step], payloads[i:i + step]
-            if self._writer.submit(lambda k=k, p=p: job(k, p), blocks=len(k)):
+            if writer.submit(functools.partial(job, k, p), blocks=len(k)):
                 self._count(warm_queued_blocks=len(k))
             else:
                 self._count(warm_dropped_blocks=len(k))
@@ -445,11 +462,18 @@ class TieredCache:
         chosen = np.flatnonzero(self.demotion.should_demote(evicted.hits))
         if not len(chosen):
             return
-        codes = self._warm_call(lambda: self.warm.put_many(evicted.keys.take(chosen), evicted.payloads[chosen]),
+        payloads = evicted.payloads
+        codes = self._warm_call(lambda: self._warm_tier().put_many(evicted.keys.take(chosen), payloads[chosen]),
                                 default=None)
         if codes is not None:
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(demotions=n, warm_bytes_written=n * self.spec.block_bytes)
+
+    def _warm_tier(self) -> Tier:
+        """The warm tier, on paths that run only when there is one."""
+        if self.warm is None:
+            raise InvalidInput("this TieredCache has no warm tier (open it with warm_dir=...)")
+        return self.warm
 
     def _warm_call(self, fn, default):
         """Run a warm-tier call; a warm failure degrades to a miss (counted, warned once), never an
@@ -582,11 +606,11 @@ class TieredCache:
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
         prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
-        if self.hot is None:
+        if getattr(self, "hot", None) is None:
             raise InvalidInput("this TieredCache is closed")
         doc = self._counters().totals()
         doc["prefix_hit_rate"] = counters.prefix_hit_rate(doc)
-        doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
+        doc["hot"] = self.hot.stats().to_dict()
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
         doc["warm_queue_blocks"] = self._writer.pending_blocks if self._writer is not None else 0
         return doc
@@ -597,8 +621,9 @@ class TieredCache:
         Processes that still map the segment keep using it until they close; the next TieredCache
         creates a fresh, empty segment. The warm tier is untouched.
         """
-        if isinstance(self.hot, HotTier):
-            self.hot.unlink()
+        hot = getattr(self, "hot", None)
+        if isinstance(hot, HotTier):
+            hot.unlink()
         self.close()
 
     def close(self) -> None:
@@ -610,11 +635,11 @@ class TieredCache:
             writer.close(self._flush_s)
             if writer.dropped_blocks > before and self.hot is not None:
                 self._count(warm_dropped_blocks=writer.dropped_blocks - before)
-        for tier in (self.hot, self.warm):
+        for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()
 
-    def __enter__(self) -> "TieredCache":
+    def __enter__(self) -> TieredCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -622,10 +647,10 @@ class TieredCache:
 
     def __repr__(self) -> str:
         warm = "" if self.warm is None else f", warm={self.warm!r}"
-        return f"TieredCache({self.spec.namespace}, hot={self.hot!r}{warm})"
+        return f"TieredCache({self.spec.namespace}, hot={getattr(self, 'hot', None)!r}{warm})"
 
 
-def _flush_at_exit(ref: "weakref.ref[TieredCache]") -> None:
+def _flush_at_exit(ref: weakref.ref[TieredCache]) -> None:
     cache = ref()
     if cache is not None and cache._writer is not None:
         cache.flush()

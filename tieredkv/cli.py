@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import runpy
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tieredkv.errors import TieredKVError
 from tieredkv.spec import KVSpec
@@ -77,10 +79,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     def text() -> str:
         rows = [["bytes per token", f"{doc['bytes_per_token']:,}"],
-                ["block (chunk of %d tokens)" % spec.chunk_tokens, human(doc["block_bytes"])],
+                [f"block (chunk of {spec.chunk_tokens} tokens)", human(doc["block_bytes"])],
                 ["KV per request", human(doc["kv_per_request_bytes"])],
-                ["KV per worker (x%d concurrent)" % args.concurrency, human(doc["kv_per_worker_bytes"])],
-                ["KV in total (x%d workers)" % args.workers, human(doc["kv_total_bytes"])],
+                [f"KV per worker (x{args.concurrency} concurrent)", human(doc["kv_per_worker_bytes"])],
+                [f"KV in total (x{args.workers} workers)", human(doc["kv_total_bytes"])],
                 ["shared prefix, one copy", human(doc["prefix_kv_bytes"])],
                 ["duplicate prefix bytes (upper bound)", human(doc["duplicate_prefix_bytes"])],
                 ["removed by sharing (one copy kept)", human(doc["saved_by_sharing_bytes"])],
@@ -223,7 +225,8 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
              f"({c['hit_tokens']:,} of {c['prompt_tokens']:,} prompt tokens served from cache)"]
     if delta is not None:
         rate = "    - " if delta["prefix_hit_rate"] is None else f"{100 * delta['prefix_hit_rate']:5.1f}%"
-        lines.append(f"  {'last %g s' % round(delta['seconds'], 1):<17}{rate}   ({delta['hit_tokens']:,} of "
+        last = f"last {round(delta['seconds'], 1):g} s"
+        lines.append(f"  {last:<17}{rate}   ({delta['hit_tokens']:,} of "
                      f"{delta['prompt_tokens']:,} prompt tokens; {delta['lookups']:,} lookups, "
                      f"{delta['evictions']:,} evicted, {delta['promotions']:,} promoted, "
                      f"{delta['demotions']:,} demoted)")
@@ -288,7 +291,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         else:
             if args.watch and sys.stdout.isatty():
                 print("\033[H\033[J", end="")  # clear the screen between refreshes
-            _emit(args, doc, lambda: _stats_text(name, doc, doc["interval"]))
+            _emit(args, doc, functools.partial(_stats_text, name, doc, doc["interval"]))
         shown += 1
         if not args.watch or (args.count is not None and shown >= args.count):
             return 0
@@ -469,7 +472,8 @@ EXAMPLES = {
               "tieredkv stats --prometheus 9400 --addr 0.0.0.0 --warm-dir /var/cache/tieredkv"],
     "rm": ["tieredkv rm --stale --dry-run", "tieredkv rm --stale --idle", "tieredkv rm /tieredkv-NAME",
            "tieredkv rm --stale --match '/tieredkv-test-*'"],
-    "verify": ["tieredkv verify /var/cache/tieredkv", "tieredkv verify /var/cache/tieredkv --repair --json report.json"],
+    "verify": ["tieredkv verify /var/cache/tieredkv",
+               "tieredkv verify /var/cache/tieredkv --repair --json report.json"],
     "simulate": ["tieredkv simulate --trace mooncake.jsonl --policy lru,s3fifo --capacity 1000,5% --plot mrc.png",
                  "tieredkv simulate --synthetic 20000 --policy lru,arc --hot 5% --warm 20% --json -"],
     "bench": ["tieredkv bench hot_tier -- --quick", "tieredkv bench --json warm.json warm_tier -- --quick"],

@@ -49,7 +49,7 @@ def estimate(spec: KVSpec, *, prompt_tokens: int, prefix_tokens: int, concurrenc
     bpt = spec.bytes_per_token
     requests = concurrency * workers
     prefix_bytes = prefix_tokens * bpt
-    doc = {
+    doc: dict[str, float] = {
         "bytes_per_token": bpt,
         "block_bytes": spec.block_bytes,
         "kv_per_request_bytes": prompt_tokens * bpt,
@@ -57,7 +57,7 @@ def estimate(spec: KVSpec, *, prompt_tokens: int, prefix_tokens: int, concurrenc
         "kv_total_bytes": prompt_tokens * bpt * requests,
         "prefix_kv_bytes": prefix_bytes,
         "concurrent_requests": requests,
-        "duplicate_prefix_bytes": prefix_bytes * requests,          # an upper bound
+        "duplicate_prefix_bytes": prefix_bytes * requests,          # the upper bound
         "saved_by_sharing_bytes": prefix_bytes * (requests - 1),     # one copy stays
         "kv_total_shared_bytes": prompt_tokens * bpt * requests - prefix_bytes * (requests - 1),
     }

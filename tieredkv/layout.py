@@ -1,8 +1,8 @@
 """Block bytes <-> arrays.
 
-One block is ``[layer][K, V][kv_head][token][head_dim]`` in the spec's dtype, C-contiguous (design.md
-section 4). Restoring layer ``l`` of a prefix is then one strided copy per block, and a batch of blocks
-is one ``(n, block_bytes)`` byte matrix.
+One block is ``[layer][K, V][kv_head][token][head_dim]`` in the spec's dtype, C-contiguous. Restoring
+layer ``l`` of a prefix is then one strided copy per block (and layer-by-layer loading needs no
+re-layout), and a batch of blocks is one ``(n, block_bytes)`` byte matrix.
 """
 
 from __future__ import annotations
@@ -45,13 +45,12 @@ def block_view(spec: KVSpec, raw: np.ndarray) -> np.ndarray:
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src)`` for same-shape arrays, without glibc's slow misaligned ``rep movsb``.
 
-    For large copies glibc's memcpy uses ``rep movsb``, which on the AMD EPYC machines we measure on
-    runs 3-4x slower when the destination is 16 bytes off the source's 64-byte alignment: 64 KiB
-    from a page-aligned slot into a fresh ``np.empty`` row (16 bytes into a line) took 40 us instead
-    of 12 us (``GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold=4294967295`` removes it too). Slots
-    are page-aligned and numpy's large buffers usually are not, so this is the common case. A uint64
-    ufunc pass (numpy's SIMD loop, no memcpy) runs at 14 us whatever the alignment; we use it only
-    when the two are misaligned, since memcpy is faster when they are not.
+    For large copies glibc's memcpy uses ``rep movsb``, which on some x86 machines runs several times
+    slower when the destination is 16 bytes off the source's 64-byte alignment (a fresh ``np.empty``
+    row against a page-aligned slot: slots are page-aligned and numpy's large buffers usually are not,
+    so this is the common case). A uint64 ufunc pass (numpy's SIMD loop, no memcpy) runs at one speed
+    whatever the alignment; we use it only when the two are misaligned, since memcpy is faster when
+    they are not. Measurements: docs/benchmarks.md (the glibc note at the top).
     """
     if (dst.ctypes.data - src.ctypes.data) % 64 and dst.shape and (dst.shape[-1] * dst.itemsize) % 8 == 0 \
             and dst.strides[-1] == dst.itemsize and src.strides[-1] == src.itemsize and dst.dtype == src.dtype:
@@ -61,8 +60,9 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
-    """Whether two elements of an array with this ``shape`` and byte ``strides`` may share memory (``as_strided`` with overlapping strides,
-    ``broadcast_to``): writing into such an array makes later rows overwrite earlier ones.
+    """Whether two elements of an array with this ``shape`` and byte ``strides`` may share memory
+    (``as_strided`` with overlapping strides, ``broadcast_to``): writing into such an array makes later
+    rows overwrite earlier ones.
 
     Conservative: the dims, ordered by stride, must each step past everything the smaller ones span;
     a layout that interleaves without overlapping (never produced by slicing or transposing) counts

@@ -22,9 +22,9 @@ import errno
 import os
 import socket
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any, Iterable, Iterator, Sequence
-
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from tieredkv.errors import InvalidInput, TieredKVError
@@ -61,7 +61,6 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     if warm_dir is None:
         return []
     from tieredkv.warm import files
-    from tieredkv.warm import index as ix
     from tieredkv.warm.admin import list_warm_tiers
 
     rows = list_warm_tiers(warm_dir)
@@ -70,7 +69,7 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
         try:
             index = files.open_index(row["path"])
             try:
-                row["corrupt_total"] = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT))
+                row["corrupt_total"] = files.corrupt_total(index)
             finally:
                 index.close()
         except Exception:  # noqa: BLE001 - one unreadable tier must not fail the whole scrape
@@ -213,7 +212,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
             fam.add_metric(lv, cumulative, sum_value=ns / 1e9)
 
     out = [hit_rate, up, prompt, hits, prefill, loaded, lookups, moved, stored, evictions, promotions, demotions,
-           lost, corrupt, behind, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
+           lost, corrupt, behind, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h,
+           load_h]
     if warm_rows:
         WL = ["path", "model"]
         w_used = G("tieredkv_warm_blocks", "warm-tier blocks by state (capacity: all slots)", labels=WL + ["state"])

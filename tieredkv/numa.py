@@ -202,7 +202,9 @@ def node_for_worker(index: int, root: str | os.PathLike | None = None) -> int | 
 
 def _fmt(cpus: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    parts, start, prev = [], None, None
+    parts: list[str] = []
+    start: int | None = None
+    prev = -1
     for c in cpus:
         if start is None:
             start = prev = c

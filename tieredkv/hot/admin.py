@@ -37,7 +37,7 @@ def inspect(name: str) -> dict:
     doc.update(live=state == seg.LIVE, stale=state == seg.STALE, idle=state == seg.IDLE, reason=reason)
     if seg.temp_owner(name) is not None or state == seg.STALE:
         if state == seg.STALE and not seg.temp_owner(name) is not None:
-            doc["error"] = reason.removeprefix("unusable: ")
+            doc["error"] = (reason or "").removeprefix("unusable: ")
         return doc
     try:
         mapping = seg.attach(None, name, writable=False, owner_check=False)

@@ -35,8 +35,15 @@ import numpy as np
 import posix_ipc
 
 from tieredkv import counters
-from tieredkv.errors import (CapacityError, FormatError, InvalidInput, InvalidName, PermissionDenied, SpecMismatch,
-                             TieredKVError)
+from tieredkv.errors import (
+    CapacityError,
+    FormatError,
+    InvalidInput,
+    InvalidName,
+    PermissionDenied,
+    SpecMismatch,
+    TieredKVError,
+)
 from tieredkv.hot import locks
 from tieredkv.hot.index import index_slots_for
 from tieredkv.spec import KVSpec
@@ -97,7 +104,7 @@ def _round(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
-def slot_bytes_for(spec: KVSpec) -> int:
+def slot_bytes_for(spec: KVSpec | _Geometry) -> int:
     """Slot size: 4 KiB-aligned (memcpy speed, O_DIRECT friendly); blocks under 4 KiB (test specs)
     get 64-byte alignment instead of wasting most of a page each."""
     return _round(spec.block_bytes, PAGE if spec.block_bytes >= PAGE else 64)
@@ -123,7 +130,7 @@ class Layout:
     total_bytes: int
 
     @classmethod
-    def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
+    def compute(cls, spec: KVSpec | _Geometry, n_slots: int, policy_bytes: int) -> Layout:
         slot_bytes = slot_bytes_for(spec)
         index_slots = index_slots_for(n_slots)
         off = HEADER_BYTES
@@ -272,7 +279,8 @@ def _check_owner(fd: int, name: str, mode: int | None = None) -> os.stat_result:
     return st
 
 
-def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> tuple[Mapping, bool]:
+def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int,
+                     init) -> tuple[Mapping, bool]:
     """Attach to segment ``name``, creating it with ``layout`` if it does not exist.
 
     A segment this call creates is live from its first published instant: the creator holds owner
@@ -336,7 +344,7 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
             os.posix_fallocate(fd, 0, layout.total_bytes)
         except OSError as e:
             raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIR} for "
-                                f"segment {name}: {os.strerror(e.errno)}") from None
+                                f"segment {name}: {e.strerror or e}") from None
         mapping = Mapping(tmp, fd, layout.total_bytes, lock_fd=lock_fd)
     except BaseException:
         try:

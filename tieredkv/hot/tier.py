@@ -1,19 +1,20 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
-Concurrency (docs/architecture.md), in one paragraph: metadata (slot states, the index, the free stack,
-pins, policy state) changes only inside critical sections (see ``_enter``), under an OFD lock the kernel releases if its
-holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
-fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
-the lock to *find* blocks; they read a slot's generation, its key and state, use the data, and re-read
-the generation, so a block recycled or torn meanwhile is a miss, never wrong bytes. ``get_many`` also
-pins the blocks it copies (pin count and state checked in one critical section) so they cannot be
-evicted under it; pins are recorded per owner so a dead reader's pins are reclaimed.
+Concurrency (docs/architecture.md, "Concurrency and crash invariants"), in one paragraph: metadata
+(slot states, the index, the free stack, pins, policy state) changes only inside critical sections (see
+``_enter``), under an OFD lock the kernel releases if its holder dies. Data is copied outside the lock:
+a writer claims a slot (state WRITING, generation odd), fills it without the lock, and publishes it
+(READY, generation even) under the lock. Readers never take the lock to *find* blocks; they read a
+slot's generation, its key and state, use the data, and re-read the generation, so a block recycled or
+torn meanwhile is a miss, never wrong bytes. ``get_many`` also pins the blocks it copies (pin count and
+state checked in one critical section) so they cannot be evicted under it; pins are recorded per owner
+so a dead reader's pins are reclaimed.
 
-Crash recovery (section 6.2): the lock holder marks the header ``dirty`` on entry and clears it on exit.
-A holder that finds ``dirty`` set knows the previous holder died inside a critical section and scrubs:
-it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot table.
-A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of space
-(owner = registry index + token; liveness = the owner's registry lock is held).
+Crash recovery (invariant 6 there): the lock holder marks the header ``dirty`` on entry and clears it
+on exit. A holder that finds ``dirty`` set knows the previous holder died inside a critical section and
+scrubs: it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot
+table. A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of
+space (owner = registry index + token; liveness = the owner's registry lock is held).
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import posix_ipc
 
 from tieredkv import counters, numa, policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, require_positive_int,
-                             require_positive_seconds)
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.index import HotIndex
@@ -50,7 +50,7 @@ _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 # file descriptions that hold the owners' registry locks: a child that never touches the tier would
 # keep a dead parent looking alive (its WRITING slots and pins never reclaimed). So the child drops
 # its copies at once; a handle it does use reattaches with a descriptor of its own (see _check).
-_HANDLES: "weakref.WeakSet[HotTier]" = weakref.WeakSet()
+_HANDLES: weakref.WeakSet[HotTier] = weakref.WeakSet()
 
 
 def _drop_inherited_descriptors() -> None:
@@ -196,7 +196,8 @@ class HotTier(Tier):
             if sized_by_bytes:
                 n_slots = seg.Layout.slots_for(
                     spec, int(capacity_bytes), lambda n: policies.StateLayout.for_policy(engine, n).nbytes)
-            layout = seg.Layout.compute(spec, int(n_slots), policies.StateLayout.for_policy(engine, int(n_slots)).nbytes)
+            state_bytes = policies.StateLayout.for_policy(engine, int(n_slots)).nbytes
+            layout = seg.Layout.compute(spec, int(n_slots), state_bytes)
             if sized_by_bytes and layout.total_bytes > capacity_bytes:
                 raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block "
                                    f"and the segment's metadata ({layout.total_bytes} bytes needed)")
@@ -324,9 +325,10 @@ class HotTier(Tier):
 
     def _drop_mapping(self) -> None:
         self._closed = True
-        # Drop every view before closing the mmap: a view over a closed mapping would segfault.
-        self._owners = self._slots = self._tokens = self._index = self._free = self._data = None
-        self._state = self._h = self._stats = self.counters = None
+        # Drop every view before closing the mmap: a view over a closed mapping would segfault. The
+        # attributes are typed for an open handle; a closed one refuses every call (_check) first.
+        self._owners = self._slots = self._tokens = self._free = self._data = None
+        self._index = self._state = self._h = self._stats = self.counters = None  # type: ignore[assignment]
         self._map.close()
 
     def __del__(self):
@@ -663,7 +665,7 @@ class HotTier(Tier):
 
         def copy(first: int, slots: np.ndarray) -> None:
             # Runs of consecutive slots (the common case: a prompt stored in one batch) are one copy.
-            # Not np.take: it is 4x slower than row copies from a shared mapping on our machines.
+            # Not np.take: slower than row copies from a shared mapping (docs/benchmarks.md, notes).
             if not len(slots):
                 return
             breaks = np.flatnonzero(np.diff(slots) != 1) + 1
@@ -719,8 +721,7 @@ class HotTier(Tier):
             with self._tlock:
                 try:
                     self._enter()
-                    # Re-check under the lock and pin in the same critical section: a pin and the state it
-                    # guards change together.
+                    # Re-check under the lock and pin in the same critical section (invariant 3).
                     # The pin list goes into our owner row before the counts: whatever interrupts
                     # this, the row says at least what the counts hold (a scrub recounts from rows).
                     ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
@@ -730,7 +731,7 @@ class HotTier(Tier):
                     me = self._owners[self._owner]
                     me["pins"][:n] = slots
                     me["n_pins"] = n
-                    rec["pins"][slots] += 1
+                    np.add.at(rec["pins"], slots, 1)  # not pins[slots] += 1: a key twice in a batch pins twice
                     self._h["dirty"] = 0
                 finally:
                     fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
@@ -850,7 +851,7 @@ class HotTier(Tier):
                     fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
             evicted = None
             try:
-                if len(victims):
+                if len(victims) and old is not None:
                     # The victims are WRITING by us: nobody else touches their bytes until we publish.
                     payload = self._data[victims].copy() if self.on_evict is not None else None
                     evicted = Evicted(old.keys, payload, old.hits)

@@ -85,7 +85,8 @@ def main(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     try:
-        trace = read_trace(args.trace, fmt=args.format) if args.trace else synthetic_trace(args.synthetic, seed=args.seed)
+        trace = (read_trace(args.trace, fmt=args.format) if args.trace
+                 else synthetic_trace(args.synthetic, seed=args.seed))
         if trace.n_accesses == 0:
             print(f"tieredkv simulate: {trace.name} holds no block accesses; nothing to replay", file=sys.stderr)
             return 2

@@ -22,10 +22,17 @@ import os
 import shutil
 import stat
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from tieredkv.errors import (CapacityError, CorruptState, InvalidInput, PermissionDenied, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import (
+    CapacityError,
+    CorruptState,
+    InvalidInput,
+    PermissionDenied,
+    TieredKVError,
+    WarmTierUnavailable,
+)
 from tieredkv.keys import KEY_BYTES
 from tieredkv.spec import KVSpec
 from tieredkv.warm import index as ix
@@ -157,6 +164,16 @@ def open_index(path: str, *, write: bool = False) -> ix.Index:
     """
     return ix.Index(os.path.join(path, mt.INDEX_NAME), sync="full" if write else "none",
                     map_size=1 << 20, map_max=1 << 40, readonly=not write)
+
+
+def block_count(index: ix.Index) -> int:
+    """Blocks stored in the tier now (one read transaction)."""
+    return int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
+
+
+def corrupt_total(index: ix.Index) -> int:
+    """Blocks found corrupt and dropped over the tier's life (the index's counter)."""
+    return int(index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT)))
 
 
 def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,

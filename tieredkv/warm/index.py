@@ -32,7 +32,8 @@ import errno
 import os
 import struct
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
@@ -450,7 +451,7 @@ class _SharedEnv:
             raise
 
     def _open_env(self, path: str, sync: str, map_size: int, readonly: bool) -> None:
-        kwargs = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
+        kwargs: dict[str, Any] = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
                       meminit=False, max_readers=510, sync=sync != "none", metasync=sync == "full",
                       readonly=readonly, create=not readonly)
         try:

@@ -244,4 +244,4 @@ class Slabs:
             try:
                 os.fdatasync(self.fds[i])
             except OSError as exc:
-                raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {os.strerror(exc.errno)}") from exc
+                raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {exc.strerror or exc}") from exc

@@ -1,6 +1,7 @@
 """WarmTier: blocks in preallocated slab files on SSD, found through an LMDB index that survives restarts.
 
-A put is three steps, each safe to die in (design.md section 7, "data first, index second")::
+A put is three steps, each safe to die in ("data first, index second": docs/architecture.md,
+invariant 7)::
 
     1. claim   write txn: take free slots (free list, high-water mark, or policy victims) and record
                them in ``inflight`` under this process's registry entry   -> crash: slots reaped as free
@@ -41,11 +42,10 @@ from typing import Any
 import lmdb
 import numpy as np
 import xxhash
-from numpy.random import default_rng  # at import: a lazy numpy.random import costs ~20 ms at open
+from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError, WarmTierUnavailable
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
@@ -714,14 +714,16 @@ class WarmTier(Tier):
         # Ticks are wall-clock microseconds (never going back), so last_access values written by
         # different processes into the records compare meaningfully.
         st = self._view
-        st.set_g("tick", max(st.g("tick"), ix.now_us()))
+        if st is not None:
+            st.set_g("tick", max(st.g("tick"), ix.now_us()))
 
     def _view_forget(self, slots: np.ndarray) -> None:
         if self._view is not None and len(slots):
             policies.remove(self.policy, self._view, slots)
 
-    def _build_view(self, txn) -> None:
-        """Rebuild the policy state from the records (index only, no data): insert order, fields."""
+    def _build_view(self, txn) -> policies.SlotState:
+        """Rebuild the policy state from the records (index only, no data): insert order, fields.
+        Returns it (it is also ``self._view``)."""
         keys, vals = [], []
         for k, v in txn.cursor(db=self._index.blocks):
             if len(v) == self._rec.itemsize \
@@ -732,7 +734,7 @@ class WarmTier(Tier):
         self._view = st
         self._view_gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
         if not keys:
-            return
+            return st
         recs = np.frombuffer(b"".join(vals), dtype=self._rec)
         karr = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
         order = np.argsort(recs["insert_us"], kind="stable")
@@ -752,11 +754,12 @@ class WarmTier(Tier):
         st.hits[slots] = recs["hits"]
         st.set_g("tick", max(int(recs["last_access_us"].max()), ix.now_us()))
         # Hits of this process not yet flushed to the records still count.
-        for raw, gens, pslots, ticks in self._pending:
+        for raw, _, pslots, ticks in self._pending:
             key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
             live = (st.resident[pslots] == 1) & (st.key64[pslots] == key64)
             np.maximum.at(st.last_access, pslots[live], ticks[live])
             np.add.at(st.hits, pslots[live], 1)
+        return st
 
     def _choose_victims(self, txn, need: int) -> list[tuple[int, bytes, np.ndarray]]:
         """Evict up to ``need`` blocks chosen by the policy; return ``(slot, key, record)`` of each.
@@ -771,16 +774,16 @@ class WarmTier(Tier):
             gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
             if gen - self._view_gen > max(16, self.n_slots // 4):
                 self._view = None
-        if self._view is None:
-            self._build_view(txn)
+        st = self._view
+        if st is None:
+            st = self._build_view(txn)
             rebuilt = True
         while len(out) < need:
-            st = self._view
             victims = policies.evict(self.policy, st, need - len(out))
             if not len(victims):
                 if rebuilt:
                     break
-                self._build_view(txn)
+                st = self._build_view(txn)
                 rebuilt = True
                 continue
             for s in victims.tolist():

@@ -37,7 +37,7 @@ def prompt(seed: int, n: int = 33) -> np.ndarray:
 # The writer uses the defaults only: TieredCache(spec, hot_bytes, warm_dir, warm_bytes). The hot tier is
 # large enough that nothing is evicted, so an eviction-time demotion could not explain a warm hit.
 WRITER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     import numpy as np
     sys.path.insert(0, {tests!r})
     from helpers import kv_for
@@ -49,6 +49,10 @@ WRITER = textwrap.dedent("""
     for tokens in prompts({first!r}):
         cache.store(tokens, kv_for(spec, tokens))
     mode = {mode!r}
+    if mode == "term":                  # what a server does: SIGTERM becomes a normal exit
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        print("stored", flush=True)
+        time.sleep(600)
     if mode == "exit":
         sys.exit(0)                     # no close(): the interpreter's exit must flush the queue
     if mode == "with":
@@ -92,6 +96,18 @@ def assert_restored(tmp_path, seg_name, seeds) -> None:
 @pytest.mark.parametrize("mode", ["with", "exit"])
 def test_clean_exit_writes_every_block_to_warm_then_a_reboot_finds_them(tmp_path, seg_name, mode):
     proc = run_writer(tmp_path, seg_name, mode)
+    assert proc.wait(timeout=120) == 0
+    reboot(seg_name)
+    assert_restored(tmp_path, seg_name, (1, 2, 3))
+
+
+@pytest.mark.procs
+def test_sigterm_turned_into_an_exit_writes_the_queue(tmp_path, seg_name):
+    proc = run_writer(tmp_path, seg_name, "term")
+    try:
+        assert proc.stdout.readline().strip() == "stored"
+    finally:
+        proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
     reboot(seg_name)
     assert_restored(tmp_path, seg_name, (1, 2, 3))

@@ -53,14 +53,19 @@ def one_line(err: str, *words: str) -> None:
     (["simulate", "--trace", "EMPTY"], ["no block accesses"]),
     (["simulate", "--trace", "MISSING/t.jsonl"], ["--trace", "no such file"]),
     (["simulate", "--synthetic", "0"], ["must be positive"]),
+    (["simulate", "--trace", "BADSTAMP"], ["'timestamp' must be a number"]),
+    (["estimate", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--prefix-tokens", "-1"],
+     ["--prefix-tokens must be >= 0"]),
 ])
 def test_a_mistake_is_one_line_and_a_nonzero_exit(capsys, tmp_path, argv, words):
     (tmp_path / "FILE").write_text("x")
     (tmp_path / "DIR").mkdir()
     (tmp_path / "BINARY.jsonl").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "EMPTY.jsonl").write_text("\n")
+    (tmp_path / "BADSTAMP.jsonl").write_text('{"timestamp": "noon", "hash_ids": [1, 2]}\n')
     subst = {"FILE": tmp_path / "FILE", "DIR": tmp_path / "DIR", "BINARY": tmp_path / "BINARY.jsonl",
-             "EMPTY": tmp_path / "EMPTY.jsonl", "MISSING": tmp_path / "missing"}
+             "EMPTY": tmp_path / "EMPTY.jsonl", "BADSTAMP": tmp_path / "BADSTAMP.jsonl",
+             "MISSING": tmp_path / "missing"}
     argv = [str(subst[a]) if a in subst else a.replace("MISSING", str(tmp_path / "missing")) for a in argv]
     status, out, err = run(capsys, *argv)
     assert status == 2, (status, out, err)

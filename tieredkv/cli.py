@@ -68,6 +68,10 @@ def _spec_from_args(args: argparse.Namespace) -> KVSpec:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from tieredkv.estimate import estimate
 
+    for flag in ("prefix_tokens", "prompt_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
     try:
         spec = _spec_from_args(args)
         doc = estimate(spec, prompt_tokens=args.prompt_tokens or args.prefix_tokens,

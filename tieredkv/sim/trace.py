@@ -102,8 +102,11 @@ def _read_jsonl(path: str) -> Trace:
             if not isinstance(ids, list):
                 raise FormatError(f"{path}:{lineno}: a request needs a 'hash_ids' (Mooncake) or "
                                   f"'blocks' list")
+            stamp = obj.get("timestamp", 0)
+            if isinstance(stamp, bool) or not isinstance(stamp, (int, float)):
+                raise FormatError(f"{path}:{lineno}: 'timestamp' must be a number of milliseconds, got {stamp!r}")
             requests.append(ids)
-            stamps.append(obj.get("timestamp", 0))
+            stamps.append(stamp)
     return Trace.from_requests(requests, name=os.path.basename(path), timestamps_ms=stamps)
 
 

@@ -106,7 +106,7 @@ def _read_jsonl(path: str) -> Trace:
             if isinstance(stamp, bool) or not isinstance(stamp, (int, float)):
                 raise FormatError(f"{path}:{lineno}: 'timestamp' must be a number of milliseconds, got {stamp!r}")
             requests.append(ids)
-            stamps.append(stamp)
+            stamps.append(int(stamp))
     return Trace.from_requests(requests, name=os.path.basename(path), timestamps_ms=stamps)
 
 

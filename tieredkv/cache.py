@@ -605,7 +605,9 @@ class TieredCache:
 
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
-        prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
+        prefix hit rate (hit tokens / prompt tokens), each tier's ``TierStats``, and
+        ``warm_queue_blocks``: blocks this process has queued for the warm tier and not written yet
+        (``warm_queued_blocks`` / ``warm_dropped_blocks`` are the per-host totals)."""
         if getattr(self, "hot", None) is None:
             raise InvalidInput("this TieredCache is closed")
         doc = self._counters().totals()

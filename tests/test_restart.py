@@ -274,3 +274,27 @@ def test_reused_payload_buffers_never_overwrite_a_queued_write(tmp_path, seg_nam
     finally:
         release.set()
         cache.close()
+
+
+def test_a_failing_warm_write_behind_is_counted_and_stores_go_on(tmp_path, seg_name, monkeypatch):
+    """Every warm write fails (a full disk) on the writer thread: each store still succeeds at once, the
+    failures are counted per host, the writer keeps running, and what the hot tier holds loads right."""
+    import errno
+
+    cache = TieredCache(SPEC, 8 * MiB, tmp_path / "warm", 4 * MiB, hot_name=seg_name)
+    monkeypatch.setattr(os, "pwritev", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    try:
+        for seed in (31, 32, 33):
+            tokens = prompt(seed)
+            assert cache.store(tokens, kv_for(SPEC, tokens)) == 8
+            assert cache.flush(60)                        # the writer survived the previous failure
+        st = cache.stats()
+        assert st["warm_errors"] >= 1 and st["warm_queued_blocks"] == 24 and st["warm_bytes_written"] == 0
+        assert cache.warm.stats().used_blocks == 0
+        tokens = prompt(33)
+        out = np.zeros((2, 2, 2, 33, 8), np.float16)
+        assert cache.load(cache.lookup(tokens), out) == 32
+        assert same_bytes(out[:, :, :, :32], kv_for(SPEC, tokens)[:, :, :, :32])
+    finally:
+        monkeypatch.undo()
+        cache.close()

@@ -490,10 +490,11 @@ def test_prometheus_exposes_the_remote_counters(spec, valkey_server, host):
 def test_remote_write_on_evict_sends_what_leaves_the_warm_tier(spec, valkey_server, host, tmp_path):
     from tieredkv.warm.slabs import slot_bytes_for
 
-    # 4 hot slots and 8 warm slots: 16 blocks stored push the oldest 4 out of the host.
+    # 4 hot slots and 8 warm slots: 16 blocks stored push the oldest 4 out of the host (blocks reach
+    # warm when hot evicts them: demotion="on_evict", so the count is exact).
     cache = TieredCache(spec, hot_blocks=4, hot_name=_seg(), warm_dir=tmp_path / "warm",
                         warm_bytes=8 * slot_bytes_for(spec.block_bytes), remote=generous(valkey_server.url),
-                        remote_write="on_evict")
+                        remote_write="on_evict", demotion="on_evict")
     try:
         prompts = [prompt(17, seed=200 + i) for i in range(4)]
         for p in prompts:

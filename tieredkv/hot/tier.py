@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import posix_ipc
 
-from tieredkv import counters, policies
+from tieredkv import counters, numa, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
@@ -157,6 +157,8 @@ class HotTier(Tier):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        if numa_node is not None:
+            numa.check_node(numa_node)
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
         self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
@@ -239,8 +241,11 @@ class HotTier(Tier):
                               f"({recorded!r}); remove it with `tieredkv rm {self.name}`") from None
         if policy is not None and self._policy.full_name() != wanted:
             self._map.close()
-            raise InvalidInput(f"segment {self.name} uses eviction policy {self._policy.full_name()!r}, not "
-                               f"{wanted!r}; pass the segment's policy (or policy=None to HotTier) to attach")
+            used = self._policy.full_name()
+            raise InvalidInput(f"segment {self.name} uses eviction policy {used!r}, not {wanted!r}; open it "
+                               f"with the same policy (TieredCache: eviction={used!r}; HotTier: policy={used!r}, "
+                               f"or policy=None for the segment's), or remove the segment (`tieredkv rm "
+                               f"{self.name}`) to start over with {wanted!r}")
         self._h = h = self._map.header
         self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
         self._index = HotIndex(region, self._slots["key"], self.name)

@@ -3,7 +3,7 @@
 ```
 lookup(tokens) --keys--> hot.contains_many --(misses)--> warm.contains_many --> PrefixHit
 load(hit, out)  : hot blocks copied straight from shared memory into ``out`` (one copy, pinned);
-                  warm blocks read into a staging buffer, scattered into ``out``, promoted from there
+                  warm blocks read into a kept staging buffer, copied into ``out``, promoted from there
 store(tokens,kv): new full chunks -> hot (evictions demoted to warm) [+ warm if write-through]
 ```
 
@@ -28,7 +28,7 @@ from tieredkv import policies
 from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import copy_into
+from tieredkv.layout import blocks_to_model, model_to_blocks
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
@@ -111,6 +111,8 @@ class TieredCache:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         self._lock = threading.Lock()
         self._staging_lock = threading.Lock()
+        self._warm_lock = threading.Lock()
+        self._staging: np.ndarray | None = None
         self._pinned = None
         self._warned = False
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -181,55 +183,64 @@ class TieredCache:
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
         promote: list[tuple[ChunkKeys, np.ndarray]] = []
-        i = 0
-        while i < hit.blocks:
-            j = i
-            tier = hit.where[i]
-            while j < hit.blocks and hit.where[j] == tier:
-                j += 1
-            run = hit.keys[i:j]
-            if tier == HOT:
-                got = self._load_hot(run, target, i)
-            else:
-                got = self._load_warm(run, target, i, promote)
-            loaded += got
-            if got < j - i:
-                break
-            i = j
-        finish(loaded * C)
-        # Promote only now: promoting mid-load could evict this very hit's hot blocks before they
-        # were read (a full hot tier), cutting the restore short.
-        for keys, payloads in promote:
-            self._promote(keys, payloads)
+        n_warm = hit.warm_blocks
+        with self._warm_lock if n_warm else contextlib.nullcontext():  # one kept staging buffer
+            staging = self._warm_staging(n_warm) if n_warm else None
+            staged = 0  # warm runs take consecutive staging rows: promotion reads them after the loop
+            edges = np.flatnonzero(np.diff(hit.where)) + 1
+            for i, j in zip([0, *edges.tolist()], [*edges.tolist(), hit.blocks]):
+                run = hit.keys[i:j]
+                if hit.where[i] == HOT:
+                    got = self._load_hot(run, target, i)
+                else:
+                    got = self._load_warm(run, target, i, staging[staged:staged + j - i], promote)
+                    staged += j - i
+                loaded += got
+                if got < j - i:
+                    break
+            finish(loaded * C)
+            # Promote only now: promoting mid-load could evict this very hit's hot blocks before they
+            # were read (a full hot tier), cutting the restore short.
+            for keys, payloads in promote:
+                self._promote(keys, payloads)
         self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
         return loaded * C
 
     def _load_hot(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
         C = self.spec.chunk_tokens
-        shape = self.spec.block_shape
 
-        def sink(i: int, block: np.ndarray) -> None:
-            at = (first + i) * C
-            copy_into(target[:, :, :, at:at + C, :], block.view(self.spec.numpy_dtype).reshape(shape))
+        def sink(i: int, rows: np.ndarray) -> None:  # one copy per run of adjacent slots
+            blocks_to_model(self.spec, rows, target, (first + i) * C)
 
-        got = self.hot.read_into(keys, sink)
+        got = self.hot.read_runs(keys, sink)
         self._count(hot_bytes_read=got * self.spec.block_bytes)
         return got
 
-    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int,
+    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int, staging: np.ndarray,
                    promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
+        """Read warm blocks into ``staging`` rows (checksummed there), then into ``target`` in one copy;
+        the staged bytes are kept for promotion."""
         C = self.spec.chunk_tokens
-        staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         corrupt_before = self.warm.corrupt_seen
         got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
         self._count(corrupt_blocks=self.warm.corrupt_seen - corrupt_before)
-        for i in range(got):
-            at = (first + i) * C
-            copy_into(target[:, :, :, at:at + C, :], staging[i])
-        self._count(warm_bytes_read=got * self.spec.block_bytes)
         if got:
+            blocks_to_model(self.spec, staging[:got], target, first * C)
             promote.append((keys[:got], staging[:got]))
+        self._count(warm_bytes_read=got * self.spec.block_bytes)
         return got
+
+    def _warm_staging(self, n_blocks: int) -> np.ndarray:
+        """``(n_blocks, block_bytes)`` rows of the kept staging buffer (call under ``_warm_lock``).
+
+        Kept and reused, never allocated per call: a fresh buffer costs a page fault per 4 KiB on
+        every load. It grows to the largest warm part of a hit and is released at ``close``.
+        """
+        need = n_blocks * self.spec.block_bytes
+        if self._staging is None or self._staging.size < need:
+            self._staging = None
+            self._staging = np.empty(need, dtype=np.uint8)
+        return self._staging[:need].reshape(n_blocks, self.spec.block_bytes)
 
     def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
         """Promote warm blocks just read, per the promotion rule, from the bytes in hand."""
@@ -271,8 +282,10 @@ class TieredCache:
             return 0
         new = keys.take(todo)
         payloads = np.empty((len(todo), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
-        for row, b in enumerate(todo.tolist()):
-            copy_into(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
+        # One gather per run of consecutive new chunks (all of them, for a fresh prompt).
+        edges = np.flatnonzero(np.diff(todo) != 1) + 1
+        for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(todo)]):
+            model_to_blocks(self.spec, src, int(todo[a]) * C, payloads[a:b])
         codes = self.hot.put_many(new, payloads)
         stored = int(np.count_nonzero(codes == PutResult.STORED))
         to_warm = None
@@ -429,6 +442,7 @@ class TieredCache:
         for tier in (self.hot, self.warm):
             if tier is not None:
                 tier.close()
+        self._staging = None
 
     def __enter__(self) -> "TieredCache":
         return self

@@ -36,6 +36,7 @@ import fcntl
 import os
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,14 @@ def _claim_live(slot: int, pid: int, start: int, claim_time: int) -> bool:
             return (slot, claim_time) in _OWN_CLAIMS
     return ix.owner_alive(pid, start)
 
+
+def _digests(rows: np.ndarray, which: np.ndarray) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(rows[i]) for i in which.tolist()]
+
+
+#: A verified read is split into groups of about this many bytes: one group is hashed on a helper
+#: thread while the next one is read, so checksums cost little beyond the read itself.
+READ_GROUP_BYTES = 8 << 20
 
 SYNC_MODES = ("none", "data", "full")
 VERIFY_MODES = ("always", "sampled", "never")
@@ -155,6 +164,7 @@ class WarmTier(Tier):
         self._pending_n = 0
         self._view: policies.SlotState | None = None
         self._view_gen = 0
+        self._hasher: ThreadPoolExecutor | None = None
 
     def _open(self, capacity_bytes: int | None, slab_bytes: int) -> None:
         path = str(self.path)
@@ -464,7 +474,10 @@ class WarmTier(Tier):
         """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
         run = len(recs)
         slots = recs["slot"].astype(np.int64)
-        complete = self._slabs.read(slots, rows)
+        check = np.full(run, self.verify != "never")
+        if self.verify == "sampled":
+            check &= self._rng.random(run) < self.sample_rate
+        complete, sums = self._read_hashing(slots, rows, check)
         # Re-check after the copy (see the module docstring): same slot and gen <=> bytes were stable.
         again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
         stable = found.copy()
@@ -472,18 +485,46 @@ class WarmTier(Tier):
         stable[:m] &= (again["slot"] == recs["slot"][:m]) & (again["gen"] == recs["gen"][:m])
         stable[m:] = False
         bad = stable & ~complete
-        if self.verify != "never":
-            check = stable & complete
-            if self.verify == "sampled":
-                check &= self._rng.random(run) < self.sample_rate
-            for i in np.flatnonzero(check):
-                if xxhash.xxh3_64_intdigest(rows[i]) != int(recs["checksum"][i]):
-                    bad[i] = True
+        bad |= stable & complete & check & (sums != recs["checksum"])
         end = np.flatnonzero(~stable | bad)
         good = int(end[0]) if len(end) else run
         if bad.any():
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))
         return good
+
+    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, hashing one group of blocks
+        on a helper thread while the next group is read (xxhash and preadv both release the GIL).
+
+        Returns:
+            ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
+        """
+        n = len(slots)
+        sums = np.zeros(n, dtype=np.uint64)
+        per_group = max(1, READ_GROUP_BYTES // self.block_bytes)
+        if n <= per_group or not check.any():
+            complete = self._slabs.read(slots, rows)
+            for i in np.flatnonzero(check & complete).tolist():
+                sums[i] = xxhash.xxh3_64_intdigest(rows[i])
+            return complete, sums
+        complete = np.zeros(n, dtype=bool)
+        hasher = self._hasher_pool()
+        pending = []
+        for b in range(0, n, per_group):
+            e = min(n, b + per_group)
+            complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
+            todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
+            if len(todo):
+                pending.append((todo, hasher.submit(_digests, rows, todo)))
+        for todo, fut in pending:
+            sums[todo] = fut.result()
+        return complete, sums
+
+    def _hasher_pool(self) -> ThreadPoolExecutor:
+        """This process's hashing thread (threads do not survive fork: made lazily per process)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-warm-hash")
+        return self._hasher
 
     def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
         """Count bad blocks and remove their records (if still the same gen) so they are never served."""
@@ -969,6 +1010,9 @@ class WarmTier(Tier):
                 self.flush()
             finally:
                 self._closed = True
+                if self._hasher is not None:
+                    self._hasher.shutdown(wait=True)
+                    self._hasher = None
                 self._index.close()
                 self._slabs.close()
 

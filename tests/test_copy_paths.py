@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import kv_for, payload_for, same_bytes
+
 from tieredkv import HotTier, KVSpec, PutResult, chunk_keys
 from tieredkv.layout import blocks_to_model, model_to_blocks, run_rows, slot_runs
 

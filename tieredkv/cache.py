@@ -88,6 +88,8 @@ class TieredCache:
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
         warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
+        hot_dir: the tmpfs directory of the hot segment (default ``$TIEREDKV_SHM_DIR`` or /dev/shm);
+            a tmpfs mounted with ``huge=always`` gives it huge pages (docs/tuning.md).
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
@@ -97,7 +99,7 @@ class TieredCache:
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
                  hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
-                 numa_node: int | None = None, lock_timeout_s: float = 10.0):
+                 numa_node: int | None = None, lock_timeout_s: float = 10.0, hot_dir=None):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -125,7 +127,7 @@ class TieredCache:
                 self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
                                      policy=eviction)
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
-                               lock_timeout_s=lock_timeout_s,
+                               lock_timeout_s=lock_timeout_s, shm_dir=hot_dir,
                                on_evict=self._demote if self.warm is not None else None)
         except BaseException:
             self.close()

@@ -114,15 +114,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
         warm = list_warm_tiers(args.warm_dir)
     nodes = numa.nodes()
+    from tieredkv.hot import segment as seg
+
+    where, huge = seg.shm_dir(), seg.huge_page_policy()
 
     def text() -> str:
         rows = [[d["name"], d.get("model_id") or "-", human(d.get("size_bytes", 0)),
                  f"{d.get('ready_slots', 0)}/{d.get('n_slots', 0)}", d.get("hits", 0), d.get("misses", 0),
                  f"{100 * d.get('prefix_hit_rate', 0):.1f}%", d.get("live_handles", 0),
-                 d["reason"] or ""] for d in segments]
-        out = "hot tier segments (/dev/shm):\n" + (_table(rows, ["segment", "model", "size", "used/slots", "hits",
-                                                                "misses", "prefix hit", "handles", "note"])
-                                                   if rows else "  none")
+                 d.get("huge_pages", "-"), d["reason"] or ""] for d in segments]
+        out = f"hot tier segments ({where}, huge pages: {huge}):\n" + (
+            _table(rows, ["segment", "model", "size", "used/slots", "hits", "misses", "prefix hit", "handles",
+                          "huge", "note"]) if rows else "  none")
         if args.warm_dir:
             wrows = [[w.get("path"), w.get("model") or "-", human(w.get("size_bytes") or 0),
                       f"{w.get('blocks', 0)}/{w.get('capacity_blocks', 0)}", w.get("error") or ""] for w in warm]
@@ -132,7 +135,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             out += f"\nNUMA: {len(nodes)} nodes; use one segment per node (docs/tuning.md, NUMA)"
         return out
 
-    _emit(args, {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()}}, text)
+    _emit(args, {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()},
+                 "shm_dir": str(where), "huge_pages": huge}, text)
     return 0
 
 
@@ -292,7 +296,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         name = seg.check_name(name)
         try:
             if args.dry_run:
-                os.stat(seg.SHM_DIR / name.lstrip("/"))
+                os.stat(seg._shm_path(name))
             else:
                 admin.remove(name)
             removed.append({"name": name, "reason": "named"})

@@ -73,7 +73,7 @@ def inspect(name: str) -> dict:
             "prefix_hit_rate": cache_counters["hit_tokens"] / prompt if prompt else 0.0,
             "lookup_hist": owners["lookup_hist"].sum(axis=0).tolist(),
             "load_hist": owners["load_hist"].sum(axis=0).tolist(),
-            "scrubs": int(h["scrubs"]),
+            "scrubs": int(h["scrubs"]), "huge_pages": seg.huge_page_policy(),
         })
         if not live:
             doc["stale"], doc["reason"] = True, "no process has it open"
@@ -84,10 +84,10 @@ def inspect(name: str) -> dict:
 
 
 def list_segments() -> list[dict]:
-    """Every tieredkv segment in /dev/shm, described by ``inspect``."""
+    """Every tieredkv segment in /dev/shm (or ``$TIEREDKV_SHM_DIR``), described by ``inspect``."""
     return [inspect(name) for name in seg.list_segment_names()]
 
 
 def remove(name: str) -> None:
     """Unlink a segment by name. Processes that map it keep their mapping until they close."""
-    posix_ipc.unlink_shared_memory(seg.check_name(name))
+    seg.unlink(seg.check_name(name))

@@ -38,7 +38,10 @@ from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
 LAYOUT_VERSION = 1
+#: Where POSIX shared memory lives on Linux; segments go here unless ``TIEREDKV_SHM_DIR`` (or a
+#: tier's ``shm_dir``) names another tmpfs, e.g. one mounted with ``huge=`` (docs/tuning.md).
 SHM_DIR = Path("/dev/shm")
+SHM_DIR_ENV = "TIEREDKV_SHM_DIR"
 PREFIX = "tieredkv-"
 HEADER_BYTES = 4096
 PAGE = 4096
@@ -178,8 +181,9 @@ class Mapping:
     Keep a ``Mapping`` open for as long as any view of it lives (a view over a closed mmap segfaults).
     """
 
-    def __init__(self, name: str, fd: int, size: int, writable: bool = True):
+    def __init__(self, name: str, fd: int, size: int, writable: bool = True, directory=None):
         self.name = name
+        self.directory = directory
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         self.mm = mmap.mmap(fd, size, access=access)
         # mmap keeps a dup of ``fd`` (same open file description) for its whole life. Locks are taken
@@ -221,8 +225,35 @@ class Mapping:
             self.fd = -1
 
 
-def _shm_path(name: str) -> Path:
-    return SHM_DIR / name.lstrip("/")
+def shm_dir(directory: str | os.PathLike | None = None) -> Path:
+    """The directory segments live in: ``directory``, else ``$TIEREDKV_SHM_DIR``, else /dev/shm."""
+    if directory is None:
+        directory = os.environ.get(SHM_DIR_ENV) or SHM_DIR
+    return Path(directory)
+
+
+def _shm_path(name: str, directory: str | os.PathLike | None = None) -> Path:
+    return shm_dir(directory) / name.lstrip("/")
+
+
+def _open_segment(name: str, flags: int, mode: int, directory) -> int:
+    """``shm_open`` (which on Linux is ``open`` under /dev/shm) for any directory.
+
+    Raises ``posix_ipc.ExistentialError`` for a missing name (or an existing one with ``O_EXCL``),
+    as ``posix_ipc.SharedMemory`` did, so callers keep one contract.
+    """
+    try:
+        return os.open(_shm_path(name, directory), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except (FileNotFoundError, FileExistsError) as e:
+        raise posix_ipc.ExistentialError(f"segment {name}: {e.strerror}") from None
+
+
+def unlink(name: str, directory: str | os.PathLike | None = None) -> None:
+    """Remove a segment's name. Raises ``posix_ipc.ExistentialError`` if there is none."""
+    try:
+        os.unlink(_shm_path(name, directory))
+    except FileNotFoundError:
+        raise posix_ipc.ExistentialError(f"no segment {name}") from None
 
 
 def _check_owner(fd: int, name: str) -> os.stat_result:
@@ -233,7 +264,8 @@ def _check_owner(fd: int, name: str) -> os.stat_result:
     return st
 
 
-def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> tuple[Mapping, bool]:
+def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init,
+                     directory: str | os.PathLike | None = None) -> tuple[Mapping, bool]:
     """Attach to segment ``name``, creating it with ``layout`` if it does not exist.
 
     Args:
@@ -244,19 +276,19 @@ def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, 
     """
     for _ in range(8):
         try:
-            return attach(spec, name), False
+            return attach(spec, name, directory=directory), False
         except posix_ipc.ExistentialError:
             pass
-        mapping = _create_private(spec, name, layout, policy_name, mode, init)
+        mapping = _create_private(spec, name, layout, policy_name, mode, init, directory)
         try:
-            os.link(_shm_path(mapping.name), _shm_path(name))
+            os.link(_shm_path(mapping.name, directory), _shm_path(name, directory))
         except FileExistsError:
             _discard(mapping)
             continue  # lost the race: attach to the winner's segment
         except OSError:
             _discard(mapping)
             raise
-        posix_ipc.unlink_shared_memory(mapping.name)
+        unlink(mapping.name, directory)
         mapping.name = name
         return mapping, True
     raise FormatError(f"segment {name} keeps appearing and vanishing; is another process removing it?")
@@ -266,37 +298,38 @@ def _discard(mapping: Mapping) -> None:
     tmp = mapping.name
     mapping.close()
     try:
-        posix_ipc.unlink_shared_memory(tmp)
+        unlink(tmp, mapping.directory)
     except posix_ipc.ExistentialError:
         pass
 
 
-def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> Mapping:
-    free = os.statvfs(SHM_DIR)
+def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init,
+                    directory=None) -> Mapping:
+    where = shm_dir(directory)
+    free = os.statvfs(where)
     room = free.f_bavail * free.f_frsize
     if layout.total_bytes > room:
-        raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {SHM_DIR} has "
+        raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {where} has "
                             f"{room / 2**20:.1f} MiB free; lower hot_bytes or enlarge /dev/shm")
     tmp = f"/{PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=mode)
-    fd = shm.fd
+    fd = _open_segment(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode, directory)
     try:
         os.fchmod(fd, mode)  # the umask may have narrowed it; never widened
         os.ftruncate(fd, layout.total_bytes)
         try:
             os.posix_fallocate(fd, 0, layout.total_bytes)
         except OSError as e:
-            raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIR} for "
+            raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {where} for "
                                 f"segment {name}: {os.strerror(e.errno)}") from None
     except BaseException:
         os.close(fd)
-        posix_ipc.unlink_shared_memory(tmp)
+        unlink(tmp, directory)
         raise
     try:
-        mapping = Mapping(tmp, fd, layout.total_bytes)
+        mapping = Mapping(tmp, fd, layout.total_bytes, directory=directory)
     except BaseException:
         os.close(fd)
-        posix_ipc.unlink_shared_memory(tmp)
+        unlink(tmp, directory)
         raise
     try:
         _init_header(mapping, spec, layout, policy_name, init)
@@ -395,15 +428,14 @@ def _check_geometry(mapping: Mapping) -> None:
                           f"geometry); remove it with `tieredkv rm {mapping.name}` and let a worker recreate it")
 
 
-def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:
+def attach(spec: KVSpec | None, name: str, writable: bool = True, directory: str | os.PathLike | None = None) -> Mapping:
     """Open an existing, published segment. Raises ``posix_ipc.ExistentialError`` if there is none."""
-    shm = posix_ipc.SharedMemory(name, 0 if writable else posix_ipc.O_RDONLY, read_only=not writable)
-    fd = shm.fd
+    fd = _open_segment(name, os.O_RDWR if writable else os.O_RDONLY, 0, directory)
     try:
         st = _check_owner(fd, name)
         if st.st_size < HEADER_BYTES:
             raise FormatError(f"segment {name} is {st.st_size} bytes: too small to be a tieredkv segment")
-        mapping = Mapping(name, fd, st.st_size, writable)
+        mapping = Mapping(name, fd, st.st_size, writable, directory=directory)
     except BaseException:
         os.close(fd)
         raise
@@ -415,7 +447,72 @@ def attach(spec: KVSpec | None, name: str, writable: bool = True) -> Mapping:
     return mapping
 
 
-def list_segment_names() -> list[str]:
-    if not SHM_DIR.is_dir():
+_HUGETLBFS_MAGIC = 0x958458F6
+
+
+def huge_page_policy(directory: str | os.PathLike | None = None) -> str:
+    """How the filesystem of ``directory`` backs files with huge pages, from its mount options.
+
+    Returns:
+        ``"always"`` / ``"within_size"`` / ``"advise"`` (a tmpfs mounted ``huge=`` that; the segment is
+        reserved at creation, so ``advise`` gets none), ``"never"`` (a tmpfs without ``huge=``, such as
+        a default /dev/shm; ``shmem_enabled=force`` overrides it), ``"hugetlbfs"`` (not usable for
+        segments: its sizes must be whole huge pages), or ``"unknown"``.
+    """
+    path = os.path.realpath(shm_dir(directory))
+    best, opts, fstype = "", "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fstype, opts = point, parts[2], parts[3]
+    except OSError:
+        return "unknown"
+    if fstype == "hugetlbfs":
+        return "hugetlbfs"
+    if fstype != "tmpfs":
+        return "unknown"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            forced = "[force]" in f.read()
+    except OSError:
+        forced = False
+    if forced:
+        return "always"
+    huge = [o.split("=", 1)[1] for o in opts.split(",") if o.startswith("huge=")]
+    return huge[0] if huge else "never"
+
+
+def huge_mapped_bytes(mapping: "Mapping") -> int:
+    """Bytes of ``mapping`` this process maps with huge (PMD) pages right now, from /proc/self/smaps.
+
+    Only pages this process has touched count; 0 when the kernel gives none (or smaps is unreadable).
+    """
+    base = np.frombuffer(mapping.mm, np.uint8, 1).__array_interface__["data"][0]
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= base < hi
+                elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+                    kib = int(line.split()[1])
+                    if kib:
+                        return kib * 1024
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
+def list_segment_names(directory: str | os.PathLike | None = None) -> list[str]:
+    where = shm_dir(directory)
+    if not where.is_dir():
         return []
-    return sorted("/" + p.name for p in SHM_DIR.iterdir() if p.name.startswith(PREFIX))
+    return sorted("/" + p.name for p in where.iterdir() if p.name.startswith(PREFIX))

@@ -59,6 +59,13 @@ def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int) 
         prompts = prompts_for(spec, n_prompts, batch)
         payload = np.ones((batch, spec.block_bytes), np.uint8)
         out = np.empty_like(payload)
+        # A segment in use, not a fresh one: fill it, free everything, then store the prompts (each in
+        # one call). Where slots come back matters: adjacent ones are read in one copy per run.
+        filler = prompts_for(spec, n_prompts + 1, batch, seed=2)
+        for ck in filler:
+            tier.put_many(ck, payload)
+        for ck in filler:
+            tier.remove(ck)
         for ck in prompts:
             tier.put_many(ck, payload)
         src = np.ones((n_prompts * batch, spec.block_bytes), np.uint8)  # private, same working set

@@ -220,14 +220,17 @@ class TieredCache:
 
     def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int, staging: np.ndarray,
                    promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
-        """Read warm blocks into ``staging`` rows (checksummed there), then into ``target`` in one copy;
-        the staged bytes are kept for promotion."""
+        """Read warm blocks into ``staging`` rows (checksummed there); each group read is copied into
+        ``target`` while the next one is read. The staged bytes are kept for promotion."""
         C = self.spec.chunk_tokens
+
+        def sink(i: int, rows: np.ndarray) -> None:  # runs while the warm tier reads the next group
+            blocks_to_model(self.spec, rows, target, (first + i) * C)
+
         corrupt_before = self.warm.corrupt_seen
-        got = self._warm_call(lambda: self.warm.get_many(keys, staging), default=0)
+        got = self._warm_call(lambda: self.warm.get_many(keys, staging, sink), default=0)
         self._count(corrupt_blocks=self.warm.corrupt_seen - corrupt_before)
         if got:
-            blocks_to_model(self.spec, staging[:got], target, first * C)
             promote.append((keys[:got], staging[:got]))
         self._count(warm_bytes_read=got * self.spec.block_bytes)
         return got

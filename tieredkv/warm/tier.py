@@ -71,8 +71,12 @@ def _claim_live(slot: int, pid: int, start: int, claim_time: int) -> bool:
     return ix.owner_alive(pid, start)
 
 
-def _digests(rows: np.ndarray, which: np.ndarray) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(rows[i]) for i in which.tolist()]
+def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int]:
+    """Checksum ``rows[which]`` and hand ``rows[b:e]`` to ``sink``; returns the digests."""
+    sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in which.tolist()]
+    if sink is not None:
+        sink(b, rows[b:e])
+    return sums
 
 
 #: A verified read is split into groups of about this many bytes: one group is hashed on a helper
@@ -437,13 +441,18 @@ class WarmTier(Tier):
             _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), False))
             return found
 
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+    def get_many(self, keys: ChunkKeys, out: np.ndarray, sink=None) -> int:
         """Copy the leading stored blocks into ``out`` and return how many were copied and verified.
 
         Args:
             keys: the blocks, in prompt order.
             out: a writable array with (at least) one row per key: ``(n, block_bytes)`` uint8 or the
                 spec's dtype shaped ``(n, *block_shape)``.
+            sink: ``sink(i, rows)`` is called with each group of rows (``(k, block_bytes)`` uint8,
+                blocks ``i .. i+k-1``) as soon as it is read, on a helper thread while the next group is
+                read, before the blocks are verified: use it to move bytes on (into a model layout, say)
+                without a second pass. As with ``out``, only the leading rows this call returns are
+                valid. An exception in ``sink`` is raised by ``get_many``.
 
         Returns:
             The length of the leading run returned. The run ends at the first block that is absent,
@@ -462,7 +471,7 @@ class WarmTier(Tier):
             recs, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, n, True))
             run = int(found.sum())
             if run:
-                run = self._copy_checked(raw, keys, recs[:run], rows)
+                run = self._copy_checked(raw, keys, recs[:run], rows, sink)
             self._counts["hits"] += run
             self._counts["misses"] += n - run
             self._counts["bytes_out"] += run * self.block_bytes
@@ -470,14 +479,14 @@ class WarmTier(Tier):
                 self._note_hits(raw[:run * KEY_BYTES], recs["gen"][:run], recs["slot"][:run])
             return run
 
-    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray) -> int:
+    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray, sink=None) -> int:
         """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
         run = len(recs)
         slots = recs["slot"].astype(np.int64)
         check = np.full(run, self.verify != "never")
         if self.verify == "sampled":
             check &= self._rng.random(run) < self.sample_rate
-        complete, sums = self._read_hashing(slots, rows, check)
+        complete, sums = self._read_hashing(slots, rows, check, sink)
         # Re-check after the copy (see the module docstring): same slot and gen <=> bytes were stable.
         again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
         stable = found.copy()
@@ -492,9 +501,11 @@ class WarmTier(Tier):
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))
         return good
 
-    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, hashing one group of blocks
-        on a helper thread while the next group is read (xxhash and preadv both release the GIL).
+    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray,
+                      sink=None) -> tuple[np.ndarray, np.ndarray]:
+        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, hashing (and handing to
+        ``sink``) one group of blocks on a helper thread while the next group is read (xxhash, numpy
+        copies and preadv all release the GIL).
 
         Returns:
             ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
@@ -502,21 +513,26 @@ class WarmTier(Tier):
         n = len(slots)
         sums = np.zeros(n, dtype=np.uint64)
         per_group = max(1, READ_GROUP_BYTES // self.block_bytes)
-        if n <= per_group or not check.any():
+        if n <= per_group or not (check.any() or sink is not None):
             complete = self._slabs.read(slots, rows)
-            for i in np.flatnonzero(check & complete).tolist():
-                sums[i] = xxhash.xxh3_64_intdigest(rows[i])
+            which = np.flatnonzero(check & complete)
+            sums[which] = _work(rows, which, sink, 0, n)
             return complete, sums
         complete = np.zeros(n, dtype=bool)
         hasher = self._hasher_pool()
         pending = []
-        for b in range(0, n, per_group):
-            e = min(n, b + per_group)
-            complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
-            todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
-            if len(todo):
-                pending.append((todo, hasher.submit(_digests, rows, todo)))
-        for todo, fut in pending:
+        try:
+            for b in range(0, n, per_group):
+                e = min(n, b + per_group)
+                complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
+                todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
+                pending.append((todo, hasher.submit(_work, rows, todo, sink, b, e)))
+        finally:
+            # Wait for every task, even after an error: none may touch ``rows`` once we return.
+            outcomes = [(todo, fut, fut.exception()) for todo, fut in pending]
+        for todo, fut, exc in outcomes:
+            if exc is not None:
+                raise exc
             sums[todo] = fut.result()
         return complete, sums
 

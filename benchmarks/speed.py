@@ -71,10 +71,10 @@ def main(argv=None) -> int:
     cases = {c["case"]: c for c in tr["cases"]}
     hot = cases["hot only"]
     _row(rows, f"restore a {tr['prefix_tokens']}-token prefix into model layout (x memcpy)",
-         f"{hot['lookup_load_ms']:.1f} ms", f"{tr['memcpy_ms']:.1f} ms", hot["speed_vs_memcpy"], "keep (~1)")
+         f"{hot['lookup_load_ms']:.1f} ms", f"{hot['memcpy_ms']:.1f} ms", hot["speed_vs_memcpy"], "keep (~1)")
     warm = cases["warm only"]
     _row(rows, f"restore a {tr['prefix_tokens']}-token prefix from the warm tier only (x page-cache read)",
-         f"{warm['lookup_load_ms']:.1f} ms", f"{tr['pagecache_ms']:.1f} ms", warm["speed_vs_pagecache"], ">= 0.8")
+         f"{warm['lookup_load_ms']:.1f} ms", f"{warm['pagecache_ms']:.1f} ms", warm["speed_vs_pagecache"], ">= 0.8")
 
     workdir = tempfile.mkdtemp(prefix="tieredkv-bench-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     try:
@@ -82,10 +82,10 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     for r in bw:
-        if r["op"] == "get_many" and r["mode"] == "verify=always":
-            _row(rows, f"warm get, page cache {r['cache']}, verify=\"always\" (x raw pread)",
+        if r["op"] == "get_many":  # verify="always" is the figure; "never" shows what hashing costs
+            _row(rows, f"warm get, page cache {r['cache']}, {r['mode']} (x raw pread)",
                  f"{r['gb_per_s']:.2f} GB/s", f"{r['baseline_gb_per_s']:.2f} GB/s", r["ratio"],
-                 ">= 0.9" if r["cache"] == "warm" else ">= 0.95")
+                 "" if r["mode"] != "verify=always" else ">= 0.9" if r["cache"] == "warm" else ">= 0.95")
 
     rp = restore_processes.run(16 if q else 64, 2 if q else 8, 3 if q else 5, 3 if q else 5, None, True)
     for s in rp["shared"]:

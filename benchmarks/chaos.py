@@ -47,6 +47,7 @@ import traceback
 import numpy as np
 
 from tieredkv import KVSpec, chunk_keys
+from tieredkv.hot import segment as seg
 from tieredkv.warm.admin import disk_bytes
 from tieredkv.warm.testing import payload_for
 
@@ -171,7 +172,7 @@ def held_bytes(seg_name: str, warm_root: str, worker_pids: set[int]) -> dict:
     stray = 0
     for entry in os.scandir("/dev/shm"):
         name = entry.name
-        if name == seg_name.lstrip("/") or any(name.startswith(f"tieredkv-tmp-{p}-") for p in worker_pids):
+        if name == seg_name.lstrip("/") or seg.temp_owner(name) in worker_pids:
             try:
                 shm += entry.stat().st_blocks * 512
             except FileNotFoundError:
@@ -245,7 +246,6 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
         The report dict; ``report["violations"]`` lists every failed check (empty: all good).
     """
     from tieredkv import TieredCache
-    from tieredkv.hot import segment as seg
     from tieredkv import policies
     from tieredkv.warm import admin
 

@@ -34,20 +34,20 @@ ghost, and in which list" costs O(1) and the whole thing works over shared memor
 - a list holds at most ``ghost_slots`` live keys; pushing onto a full list drops its oldest live key;
 - a ring entry whose key was removed (it became resident again) stays as a dead flag word until the
   head passes it; the ring is twice the list's capacity so dead entries rarely force out live ones;
-- the table maps key -> ring entry (``ref = list * R + index + 1``, 0 = empty) with linear probing and
-  backward-shift deletion (no tombstones), and is kept at most half full.
+- the table maps key -> ring entry (``list * R + index``); it is ``tieredkv.hashtable.ProbeTable``
+  (linear probing, backward-shift deletion, the hot tier's index uses the same), kept at most half full.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tieredkv.hashtable import ProbeTable
+
 COMMON_SLOT_FIELDS = ("resident", "key64", "last_access", "insert_tick", "hits", "parent",
                       "n_children", "position")
 COMMON_GLOBAL_FIELDS = ("tick", "n_resident")
 WORD = 8
-_M64 = (1 << 64) - 1
-_FIB = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing (Knuth, TAOCP vol. 3, 6.4)
 
 #: Ghost ring entry flags.
 GHOST_LIVE = 1
@@ -125,16 +125,11 @@ class SlotState:
         self._gring = words[at:at + L * R]
         self._gflag = words[at + L * R:at + 2 * L * R]
         at += 2 * L * R
-        self._tkey = words[at:at + T]
-        self._tref = words[at + T:at + 2 * T]
-        self._tbits = T.bit_length() - 1 if T else 0
-        # The same ghost words as a memoryview: the scalar paths below index it with Python ints,
-        # several times cheaper than numpy scalar indexing (one probe is a few word reads).
-        self._w = memoryview(words[:3 * L + 2 * L * R + 2 * T]).cast("B").cast("q")
+        self._table = ProbeTable(words[at:at + T], words[at + T:at + 2 * T]) if T else None
+        # The ring words as a memoryview: the scalar paths below index it with Python ints, several
+        # times cheaper than numpy scalar indexing.
+        self._w = memoryview(words[:3 * L + 2 * L * R]).cast("B").cast("q")
         self._o_flag = 3 * L + L * R
-        self._o_tkey = 3 * L + 2 * L * R
-        self._o_tref = self._o_tkey + T
-        self._shift = 64 - self._tbits
         self.n_slots = n
         #: Keys about to be inserted, while ``evict(..., incoming=...)`` runs (process-local).
         self.incoming: np.ndarray | None = None
@@ -158,8 +153,10 @@ class SlotState:
         for name in self.layout.slot_fields:
             getattr(self, name)[:] = 0
         self.parent[:] = -1
-        for a in (self._ghead, self._gtail, self._glive, self._gring, self._gflag, self._tkey, self._tref):
+        for a in (self._ghead, self._gtail, self._glive, self._gring, self._gflag):
             a[:] = 0
+        if self._table is not None:
+            self._table.clear()
 
     # ---- globals ------------------------------------------------------------------------------
     def g(self, name: str) -> int:
@@ -207,7 +204,7 @@ class SlotState:
         i = self._tfind(int(key64))
         if i < 0:
             return -1, 0
-        ref = self._w[self._o_tref + i] - 1
+        ref = self._table.value_at(i)
         return ref // self.layout.ghost_ring, self._w[self._o_flag + ref]
 
     def ghost_lookup(self, key64s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -215,34 +212,20 @@ class SlotState:
         keys = np.asarray(key64s).astype(np.int64, copy=False).reshape(-1)
         lists = np.full(len(keys), -1, dtype=np.int64)
         flags = np.zeros(len(keys), dtype=np.int64)
-        T = self.layout.ghost_table
-        if not T or not len(keys) or not self._glive.any():
+        if self._table is None or not len(keys) or not self._glive.any():
             return lists, flags
-        # Same probe sequence as _tfind, all keys at once: a few rounds of array ops.
-        idx = ((keys.view(np.uint64) * np.uint64(_FIB)) >> np.uint64(self._shift)).astype(np.int64)
-        pending = np.arange(len(keys))
-        while len(pending):
-            at = idx[pending]
-            ref = self._tref[at]
-            live = ref != 0
-            match = live & (self._tkey[at] == keys[pending])
-            if match.any():
-                ring = ref[match] - 1
-                lists[pending[match]] = ring // self.layout.ghost_ring
-                flags[pending[match]] = self._gflag[ring]
-            pending = pending[live & ~match]
-            idx[pending] = (idx[pending] + 1) & (T - 1)
+        ref = self._table.lookup(keys)
+        found = ref >= 0
+        lists[found] = ref[found] // self.layout.ghost_ring
+        flags[found] = self._gflag[ref[found]]
         return lists, flags
-
-    def ghost_contains(self, key64: int) -> bool:
-        return self._tfind(int(key64)) >= 0
 
     def ghost_mark(self, key64: int) -> bool:
         """Set ``GHOST_MARK`` on a live ghost entry. True if ``key64`` is a ghost."""
         i = self._tfind(int(key64))
         if i < 0:
             return False
-        at = self._o_flag + self._w[self._o_tref + i] - 1
+        at = self._o_flag + self._table.value_at(i)
         self._w[at] = self._w[at] | GHOST_MARK
         return True
 
@@ -270,7 +253,7 @@ class SlotState:
             ref = lst * R + tail % R
             w[3 * self.layout.ghost_lists + ref] = k
             w[o_flag + ref] = GHOST_LIVE
-            self._tinsert(k, ref + 1)
+            self._table.insert(k, ref)
             w[H + 1] = tail + 1
             w[H + 2] += 1
 
@@ -286,7 +269,7 @@ class SlotState:
                 w[H] = head
                 key = w[o_ring + ref]
                 w[o_flag + ref] = 0
-                self._tdelete(self._tfind(key))
+                self._table.delete_at(self._tfind(key))
                 w[H + 2] -= 1
                 return key
         w[H] = head
@@ -307,7 +290,7 @@ class SlotState:
         self._gring[new] = keys
         self._gflag[new] = flags
         for k, ref in zip(keys.tolist(), new.tolist()):
-            self._w[self._o_tref + self._tfind(k)] = ref + 1
+            self._table.set_value(self._tfind(k), ref)
         self._gtail[lst] = head + len(keys)
 
     def ghost_remove(self, key64: int) -> int:
@@ -318,51 +301,15 @@ class SlotState:
         if i < 0:
             return -1
         w = self._w
-        ref = w[self._o_tref + i] - 1
+        ref = self._table.value_at(i)
         lst = ref // self.layout.ghost_ring
         w[self._o_flag + ref] = 0
-        self._tdelete(i)
+        self._table.delete_at(i)
         w[3 * lst + 2] -= 1
         return lst
 
     def _tfind(self, key: int) -> int:
-        T = self.layout.ghost_table
-        if not T:
-            return -1
-        w, o_key, o_ref, mask = self._w, self._o_tkey, self._o_tref, T - 1
-        i = ((key & _M64) * _FIB & _M64) >> self._shift
-        while w[o_ref + i]:
-            if w[o_key + i] == key:
-                return i
-            i = (i + 1) & mask
-        return -1
-
-    def _tinsert(self, key: int, ref: int) -> None:
-        w, o_ref, mask = self._w, self._o_tref, self.layout.ghost_table - 1
-        i = ((key & _M64) * _FIB & _M64) >> self._shift
-        while w[o_ref + i]:
-            i = (i + 1) & mask
-        w[self._o_tkey + i] = key
-        w[o_ref + i] = ref
-
-    def _tdelete(self, i: int) -> None:
-        # Backward-shift deletion (Knuth, TAOCP vol. 3, 6.4, Algorithm R): move later entries of the
-        # probe run into the hole unless their home lies cyclically in (hole, entry].
-        w, o_key, o_ref = self._w, self._o_tkey, self._o_tref
-        mask, shift = self.layout.ghost_table - 1, self._shift
-        j = i
-        while True:
-            j = (j + 1) & mask
-            if not w[o_ref + j]:
-                break
-            key = w[o_key + j]
-            h = ((key & _M64) * _FIB & _M64) >> shift
-            if (i < j and i < h <= j) or (i > j and (h > i or h <= j)):
-                continue
-            w[o_key + i] = key
-            w[o_ref + i] = w[o_ref + j]
-            i = j
-        w[o_ref + i] = 0
+        return self._table.find(key) if self._table is not None else -1
 
 
 def _round(n: int, to: int) -> int:

@@ -1,6 +1,6 @@
 """The chaos harness (benchmarks/chaos.py), run briefly: 8 workers under a SIGKILL killer for ~25 s.
 
-The soak (600 s, RSS and /dev/shm flat) runs only on demand: ``pytest -m soak`` or TIERDKV_SOAK=1.
+The soak (600 s, RSS and /dev/shm flat) runs only on demand: ``pytest -m soak`` or TIEREDKV_SOAK=1.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def test_wrong_bytes_counter_counts_bytes():
 
 @pytest.mark.soak
 def test_chaos_soak_600s(request):
-    if not (os.environ.get("TIERDKV_SOAK") or "soak" in (request.config.getoption("-m") or "")):
-        pytest.skip("soak: run with -m soak or TIERDKV_SOAK=1")
+    if not (os.environ.get("TIEREDKV_SOAK") or "soak" in (request.config.getoption("-m") or "")):
+        pytest.skip("soak: run with -m soak or TIEREDKV_SOAK=1")
     chaos = _load()
     r = chaos.run_chaos(seconds=600, workers=8, seed=2)
     print(chaos.summary(r))

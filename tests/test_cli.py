@@ -19,6 +19,7 @@ from helpers import kv_for
 from tieredkv import KVSpec, TieredCache
 from tieredkv import cli
 from tieredkv.hot import admin
+from tieredkv.hot import segment as seg
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -175,7 +176,7 @@ def test_interval_deltas(spec, names):
 def test_stats_without_a_name_needs_exactly_one_segment(capsys, monkeypatch):
     from tieredkv.hot import segment as seg
 
-    monkeypatch.setattr(seg, "list_segment_names", lambda: ["/tieredkv-a", "/tieredkv-b"])
+    monkeypatch.setattr(seg, "list_segment_names", lambda **_: ["/tieredkv-a", "/tieredkv-b"])
     status, _, err = run(capsys, "stats")
     assert status == 2 and "2 segments exist; name one of: /tieredkv-a, /tieredkv-b" in err
 
@@ -233,7 +234,8 @@ def test_rm_stale_removes_foreign_unused_and_dead_leftovers_only(capsys, spec, n
     TieredCache(spec, hot_bytes=MiB, hot_name=names + "-closed").close()      # no process has it open
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()                                                               # a pid that is dead now
-    leftover = f"/tieredkv-tmp-{child.pid}-{secrets.token_hex(4)}"
+    leftover = f"/tieredkv-tmp-{child.pid}-{secrets.token_hex(4)}"  # the format seg.temp_name writes
+    assert seg.temp_owner(leftover) == child.pid
     _foreign(leftover)
     try:
         with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-live"):

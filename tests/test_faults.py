@@ -22,6 +22,7 @@ import pytest
 
 from helpers import kv_for, same_bytes
 from tieredkv import CapacityError, HotTier, KVSpec, TieredCache, chunk_keys
+from tieredkv.hot import segment as seg
 from tieredkv.warm import WarmTier, admin
 from tieredkv.warm.testing import check_index, payload_for
 
@@ -144,7 +145,7 @@ def test_dev_shm_fallocate_failure_is_a_capacity_error_and_leaves_nothing(seg_na
     with pytest.raises(CapacityError, match=r"cannot reserve .* /dev/shm"):
         TieredCache(SPEC, hot_bytes=4 * MiB, hot_name=seg_name, warm_dir=tmp_path / "w", warm_bytes=MiB)
     assert not os.path.exists("/dev/shm" + seg_name)
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"tieredkv-tmp-{os.getpid()}-")]
+    assert not [p for p in os.listdir("/dev/shm") if seg.temp_owner(p) == os.getpid()]
 
 
 _SMALL_SHM = r"""

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tieredkv import CorruptState, FormatError, HotTier, KVSpec, PutResult, chunk_keys
+from tieredkv.hashtable import ProbeTable
 from tieredkv.hot import segment as seg
 from tieredkv.keys import ChunkKeys, root_key
 from tieredkv.layout import as_block_bytes, block_view
@@ -337,3 +338,29 @@ def test_random_bytes_in_warm_files(tmp_path, target, cases):
     assert res["other"] == [], res["other"][:2]
     assert res["wrong"] == 0
     assert res["ok"] + res["refused"] == cases
+
+
+# ---- the one open-addressing table (hot index and ghost table) against a dict model -----------------------
+table_ops = st.lists(st.tuples(st.sampled_from(["insert", "insert", "delete", "rebuild"]), st.integers(-40, 40)),
+                     max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sequence=table_ops)
+def test_probe_table_matches_a_dict_model(sequence):
+    """Small signed keys in a 64-entry table: long runs, wrap-around at the end, deletions that shift."""
+    table = ProbeTable(np.zeros(64, np.int64), np.zeros(64, np.int64))
+    model: dict[int, int] = {}
+    for n, (op, key) in enumerate(sequence):
+        if op == "insert" and key not in model and len(model) < 32:
+            assert table.insert(key, n)
+            model[key] = n
+        elif op == "delete" and key in model:
+            table.delete_at(table.find(key))
+            del model[key]
+        elif op == "rebuild":
+            table.rebuild(np.array(list(model), dtype=np.int64), np.array(list(model.values()), dtype=np.int64))
+        probe = np.arange(-40, 41, dtype=np.int64)
+        assert table.lookup(probe).tolist() == [model.get(k, -1) for k in probe.tolist()]
+        assert [table.values_of(k) for k in probe.tolist()] == [[model[k]] if k in model else [] for k in probe.tolist()]
+        assert int(np.count_nonzero(table.refs)) == len(model)

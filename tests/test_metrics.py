@@ -12,7 +12,7 @@ import pytest
 
 from helpers import kv_for
 from tieredkv import KVSpec, TieredCache
-from tieredkv import metrics
+from tieredkv import counters, metrics
 from tieredkv.hot import segment as seg
 
 # The `metrics` extra is part of the test setup (.ci/setup): a missing prometheus_client fails here.
@@ -77,7 +77,7 @@ def test_scrape_matches_the_segment_counters(spec, seg_name, tmp_path):
     assert sum(st["load_hist"]) == 2
     for name, count in (("tieredkv_lookup_seconds", 3), ("tieredkv_load_seconds", 2)):
         buckets = [v for (n, labels), v in d.items() if n == name + "_bucket"]
-        assert len(buckets) == len(seg.LATENCY_BUCKETS_S)
+        assert len(buckets) == len(counters.LATENCY_BUCKETS_S)
         assert one(d, name + "_count") == count
         assert one(d, name + "_bucket", le="+Inf") == count
         assert one(d, name + "_sum") > 0

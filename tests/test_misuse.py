@@ -9,9 +9,7 @@ import pytest
 
 from helpers import kv_for, same_bytes
 from helpers import payload_for as kv_payload
-from tieredkv import (HotTier, InvalidInput, InvalidPayload, KVSpec, TieredCache, TieredKVError, WarmTier,
-                      chunk_keys)
-from tieredkv.warm.testing import payload_for
+from tieredkv import (HotTier, InvalidInput, InvalidPayload, KVSpec, TieredCache, TieredKVError, chunk_keys)
 
 SPEC = KVSpec(model_id="test/misuse", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=4)
 MiB = 1 << 20
@@ -153,28 +151,8 @@ def test_bad_constructor_arguments(seg_name, tmp_path):
         KVSpec(model_id="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float64")
 
 
-def test_tier_level_misuse(seg_name, tmp_path):
-    keys = chunk_keys(SPEC, TOKENS[:24])
-    good = payload_for(keys, SPEC.block_bytes)
-    with HotTier(SPEC, n_slots=8, name=seg_name) as hot, WarmTier(SPEC, tmp_path, capacity_bytes=MiB) as warm:
-        for tier in (hot, warm):
-            with pytest.raises(InvalidPayload, match="must hold 6 blocks"):
-                tier.put_many(keys, good[:3])
-            with pytest.raises(InvalidPayload, match="C-contiguous"):
-                tier.put_many(keys, np.asfortranarray(good.reshape(6, -1, 2)[:, :, 0].repeat(2, axis=1)))
-            with pytest.raises(InvalidInput, match="ChunkKeys"):
-                tier.contains_many([bytes(16)])
-            with pytest.raises(InvalidPayload, match="read-only"):
-                ro = np.zeros_like(good)
-                ro.flags.writeable = False
-                tier.get_many(keys, ro)
-            assert (tier.put_many(keys, good) == 0).all()
-        with pytest.raises(InvalidInput, match="non-negative integer"):
-            hot.evict(-1)
-
-
 def test_unknown_policy_names_are_invalid_input_listing_the_valid_ones(tmp_path, seg_name):
-    from tieredkv import HotTier, InvalidInput, KVSpec
+    from tieredkv import InvalidInput, KVSpec
     from tieredkv.warm import WarmTier
 
     spec = KVSpec(model_id="test/policy-name", num_layers=1, num_kv_heads=1, head_dim=8, chunk_tokens=4)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tieredkv import policies
+from tieredkv import counters, policies
 from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
@@ -32,7 +32,7 @@ from tieredkv.layout import blocks_to_model, model_to_blocks
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
-from tieredkv.tier import Evicted, PutResult
+from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM = 0, 1
 
@@ -118,8 +118,9 @@ class TieredCache:
         self._pinned = None
         self._warned = False
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-        self.warm = None
-        self.hot = None
+        self._private_counters = counters.private()
+        self.warm: Tier | None = None
+        self.hot: Tier | None = None
         try:
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
@@ -313,8 +314,7 @@ class TieredCache:
         """The hot tier's on_evict hook: write evicted blocks to warm per the demotion rule."""
         if evicted.payloads is None or not len(evicted.keys):
             return
-        hits = evicted.hits if evicted.hits is not None else np.zeros(len(evicted.keys), dtype=np.int64)
-        chosen = np.flatnonzero(self.demotion.should_demote(hits))
+        chosen = np.flatnonzero(self.demotion.should_demote(evicted.hits))
         if not len(chosen):
             return
         codes = self._warm_call(lambda: self.warm.put_many(evicted.keys.take(chosen), evicted.payloads[chosen]),
@@ -409,25 +409,36 @@ class TieredCache:
         return _numpy_of(kv.detach(), self.spec.numpy_dtype)
 
     # ---- introspection ------------------------------------------------------------------------------
+    def _counters(self) -> counters.CacheCounters:
+        """Where this cache counts: the first tier that keeps a shared row (the hot tier: one row
+        per handle in its segment, summed per host), else a private row. Asked on every call: a
+        tier that reattached (after fork, or a recreated segment) hands out its new row."""
+        for tier in (self.hot, self.warm):
+            if tier is not None:
+                row = tier.cache_counters()
+                if row is not None:
+                    return row
+        return self._private_counters
+
     def _count(self, **deltas: int) -> None:
-        """Add to this handle's counter row in the hot segment (summed over rows: per host)."""
+        """Add to this handle's counter row (see ``_counters``)."""
         with self._lock:
-            counters = self.hot.counters
+            row = self._counters()
             for name, n in deltas.items():
                 if n:
-                    counters.add(name, n)
+                    row.add(name, n)
 
     def _observe(self, what: str, seconds: float) -> None:
         with self._lock:
-            self.hot.counters.observe(what, seconds)
+            self._counters().observe(what, seconds)
 
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
         prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
         if self.hot is None:
             raise InvalidInput("this TieredCache is closed")
-        doc = self.hot.host_counters()
-        doc["prefix_hit_rate"] = doc["hit_tokens"] / doc["prompt_tokens"] if doc["prompt_tokens"] else 0.0
+        doc = self._counters().totals()
+        doc["prefix_hit_rate"] = counters.prefix_hit_rate(doc)
         doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
         return doc
@@ -438,7 +449,7 @@ class TieredCache:
         Processes that still map the segment keep using it until they close; the next TieredCache
         creates a fresh, empty segment. The warm tier is untouched.
         """
-        if self.hot is not None:
+        if isinstance(self.hot, HotTier):
             self.hot.unlink()
         self.close()
 

@@ -145,7 +145,7 @@ def _pick_segment(name: str | None) -> str:
 
     if name:
         return seg.check_name(name)
-    names = [n for n in seg.list_segment_names() if "-tmp-" not in n]
+    names = seg.list_segment_names(published_only=True)
     if len(names) != 1:
         raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
     return names[0]
@@ -153,7 +153,7 @@ def _pick_segment(name: str | None) -> str:
 
 def _quantile_bound(hist: list[int], q: float) -> float | None:
     """Upper bound (seconds) of the histogram bucket holding the ``q`` quantile; None when empty."""
-    from tieredkv.hot.segment import LATENCY_BUCKETS_S
+    from tieredkv.counters import LATENCY_BUCKETS_S
 
     total = sum(hist)
     if not total:

@@ -146,11 +146,3 @@ def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b
         append(prev)
     chain = np.frombuffer(b"".join(digests), dtype="<u8").reshape(n + 1, 2)
     return ChunkKeys(chain[1:], chain[:-1], table)
-
-
-def keys_from_bytes(keys: Sequence[bytes]) -> np.ndarray:
-    """``(n, 2)`` uint64 array from 16-byte keys (for callers holding raw keys)."""
-    for k in keys:
-        if len(k) != KEY_BYTES:
-            raise InvalidInput(f"a key is {KEY_BYTES} bytes, got {len(k)}")
-    return np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), 2)

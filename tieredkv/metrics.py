@@ -51,24 +51,22 @@ def _segment_names(names: Sequence[str] | None) -> list[str]:
     if names:
         return [seg.check_name(n) for n in names]
     # Temporary names belong to creators that are still building (or died building): not a segment yet.
-    return [n for n in seg.list_segment_names() if "-tmp-" not in n]
+    return seg.list_segment_names(published_only=True)
 
 
 def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     """``list_warm_tiers`` rows plus each tier's lifetime count of corrupt blocks (from its index)."""
     if warm_dir is None:
         return []
+    from tieredkv.warm import files
     from tieredkv.warm import index as ix
-    from tieredkv.warm import meta as mt
     from tieredkv.warm.admin import list_warm_tiers
 
     rows = list_warm_tiers(warm_dir)
     for row in rows:
         row["corrupt_total"] = None
         try:
-            # Read-only and tiny map: reading must neither grow nor lock out the writers' index.
-            index = ix.Index(os.path.join(row["path"], mt.INDEX_NAME), sync="none", map_size=1 << 20,
-                             map_max=1 << 40, readonly=True)
+            index = files.open_index(row["path"])
             try:
                 row["corrupt_total"] = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT))
             finally:
@@ -131,7 +129,7 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
     Returns:
         A list of ``prometheus_client`` metric families.
     """
-    from tieredkv.hot import segment as seg
+    from tieredkv.counters import LATENCY_BUCKETS_S
 
     core = core or _prometheus()
     G, C, H = core.GaugeMetricFamily, core.CounterMetricFamily, core.HistogramMetricFamily
@@ -163,7 +161,7 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
     seg_bytes = G("tieredkv_hot_segment_bytes", "size of the shared-memory segment", labels=L)
     block_bytes = G("tieredkv_block_bytes", "bytes per cached block", labels=L)
     handles = G("tieredkv_live_handles", "handles (worker processes) attached now", labels=L)
-    bounds = [("+Inf" if b == float("inf") else repr(b)) for b in seg.LATENCY_BUCKETS_S]
+    bounds = [("+Inf" if b == float("inf") else repr(b)) for b in LATENCY_BUCKETS_S]
     lookup_h = H("tieredkv_lookup_seconds", "TieredCache.lookup latency", labels=L)
     load_h = H("tieredkv_load_seconds", "TieredCache.load latency", labels=L)
 

@@ -1,7 +1,50 @@
-"""The block interface both tiers implement (design.md section 5). Batch calls are primary.
+"""The block interface every tier implements, and the contract each call keeps.
 
-A tier stores fixed-size blocks named by chained keys (``ChunkKeys``). Every call that reads confirms a
-block by its stored parent key and chunk tokens; a mismatch is a miss.
+A tier stores fixed-size blocks (``spec.block_bytes`` bytes each) named by chained keys (``ChunkKeys``).
+``TieredCache`` speaks to its tiers only through this class, and ``tests/test_tier_contract.py`` runs
+one suite of cases against every tier, so a new tier (a remote store, say) is pluggable by
+subclassing ``Tier`` and adding itself to that suite's list of tier factories.
+
+The contract, call by call (batch calls are primary; a 4k-token prompt is one call, not 64):
+
+========================  ==========================================================================
+``match(keys)``           how many *leading* keys are resident and confirmed; stops at the first miss
+``contains_many(keys)``   bool per key, resident and confirmed; blocks still being written are absent
+``get_many(keys, out)``   copy the leading resident blocks into ``out`` (row ``i`` for key ``i``) and
+                          return how many were copied *and* verified; a block removed, recycled,
+                          torn or corrupt meanwhile ends the run: it is never returned
+``read_into(keys, sink)`` like ``get_many``, but hand each block to ``sink(i, block_bytes)``
+``put_many(keys, blks)``  store; one ``PutResult`` per key (``STORED`` / ``EXISTS`` / ``NO_SPACE``);
+                          never waits on another writer; a full tier evicts by its policy
+``remove(keys)``          drop the resident blocks among ``keys``; return how many were dropped
+``evict(n)``              evict up to ``n`` blocks chosen by the policy; hand them back (``Evicted``)
+``stats()``               ``TierStats``: counters and residency
+``close()``               idempotent; releases handles, never deletes shared or persistent state
+========================  ==========================================================================
+
+Rules every tier keeps:
+
+- **Confirmed hits.** A key is resident only if the stored block carries the same parent key and the
+  same chunk tokens as ``keys`` says (a hash collision is a miss, never wrong KV).
+- **Keys of another chunk size** (``keys.tokens.shape[1] != spec.chunk_tokens``) are a caller error:
+  every call that takes keys raises ``InvalidInput``. Anything but a ``ChunkKeys`` does too.
+- **Rows of ``out``.** ``out`` holds *at least* ``len(keys)`` blocks: ``(m, block_bytes)`` uint8 or the
+  spec's dtype shaped ``(m, *block_shape)`` with ``m >= len(keys)``; rows past ``len(keys)`` are never
+  written; rows past the returned count hold unspecified bytes. A read-only or too small ``out``, or
+  one of another dtype, raises ``InvalidPayload``. ``put_many``'s ``payloads`` hold exactly one block
+  per key.
+- **``evict(n)``**: ``n`` is a non-negative ``int`` (numpy integers too; not ``bool``, not ``str``),
+  else ``InvalidInput``. ``evict(0)`` evicts nothing.
+- **``Evicted``** carries, per evicted block: its key, parent key, chunk tokens and position
+  (``keys``), its payload bytes (``payloads``, ``(m, block_bytes)`` uint8, or ``None`` when the caller
+  asked for keys only), and its hit count while resident (``hits``, int64).
+- **Counters** (``stats()``): ``get_many`` and ``read_into`` add the returned count to ``hits``, the rest
+  of ``len(keys)`` to ``misses`` and ``hits * block_bytes`` to ``bytes_out``; ``put_many`` adds the
+  ``STORED`` count to ``puts`` and ``STORED * block_bytes`` to ``bytes_in``; every block evicted (by
+  ``evict`` or to make room in ``put_many``) adds one to ``evictions``; ``match``, ``contains_many``
+  and ``remove`` change none of these. A tier states the scope of its counters in ``TierStats``'s
+  docstring of its own ``stats`` (the hot tier's are per host, the warm tier's per handle).
+- **Errors** are ``TieredKVError`` subclasses; running out of room is ``NO_SPACE``, not an exception.
 """
 
 from __future__ import annotations
@@ -9,10 +52,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+from typing import Any, Callable
 
 import numpy as np
 
+from tieredkv.counters import CacheCounters
+from tieredkv.errors import InvalidInput
 from tieredkv.keys import ChunkKeys
+from tieredkv.layout import as_block_bytes
+from tieredkv.spec import KVSpec
 
 
 class PutResult(enum.IntEnum):
@@ -25,7 +73,7 @@ class PutResult(enum.IntEnum):
 
 @dataclasses.dataclass
 class TierStats:
-    """Counters of one tier. For the hot tier they are per host (they live in shared memory)."""
+    """Counters of one tier (see the module docstring for which call bumps which)."""
 
     name: str
     capacity_blocks: int
@@ -42,10 +90,12 @@ class TierStats:
 
     @property
     def hit_ratio(self) -> float:
+        """Hits over hits + misses (0.0 before any read)."""
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
 
     def to_dict(self) -> dict:
+        """The counters as a plain dict, ``hit_ratio`` included."""
         doc = dataclasses.asdict(self)
         doc["hit_ratio"] = self.hit_ratio
         return doc
@@ -55,21 +105,66 @@ class TierStats:
 class Evicted:
     """Blocks a tier evicted, handed back so the caller may demote them.
 
-    ``payloads`` is ``None`` when the tier could not keep the bytes (the caller then only learns keys);
-    ``hits`` (when the tier tracks them) is each block's hit count while it was resident.
+    Attributes:
+        keys: key, parent key, chunk tokens and position of each evicted block.
+        payloads: ``(len(keys), block_bytes)`` uint8, or ``None`` when the caller asked for keys only.
+        hits: each block's hit count while it was resident (int64), for demotion rules.
     """
 
     keys: ChunkKeys
     payloads: np.ndarray | None
-    hits: np.ndarray | None = None
+    hits: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.hits) != len(self.keys):
+            raise InvalidInput(f"Evicted: {len(self.hits)} hit counts for {len(self.keys)} keys")
+
+
+def check_keys(spec: KVSpec, keys: Any) -> ChunkKeys:
+    """Return ``keys`` if it is a ``ChunkKeys`` made with ``spec``'s chunk size, else raise.
+
+    Raises:
+        InvalidInput: not a ``ChunkKeys``, or keys of another chunk size.
+    """
+    if not isinstance(keys, ChunkKeys):
+        raise InvalidInput(f"keys must be a ChunkKeys (from tieredkv.chunk_keys), got {type(keys).__name__}")
+    if keys.tokens.shape[1:] != (spec.chunk_tokens,):
+        raise InvalidInput(f"keys were made with chunk_tokens={keys.tokens.shape[1]}, this tier's spec has "
+                           f"{spec.chunk_tokens}; make them with tieredkv.chunk_keys(spec, tokens)")
+    return keys
+
+
+def check_count(n: Any, what: str = "n") -> int:
+    """Return ``n`` as an int if it is a non-negative integer (not a bool), else raise ``InvalidInput``."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise InvalidInput(f"{what} must be a non-negative integer, got {n!r}")
+    return int(n)
+
+
+def out_rows(spec: KVSpec, out: Any, n: int) -> np.ndarray:
+    """The first ``n`` rows of ``out`` as an ``(n, block_bytes)`` uint8 view (see "Rows of ``out``").
+
+    Raises:
+        InvalidPayload: ``out`` is not a writable array of the spec's dtype (or uint8) with at least
+            ``n`` C-contiguous blocks.
+    """
+    if isinstance(out, np.ndarray) and out.ndim and out.shape[0] > n:
+        out = out[:n]
+    return as_block_bytes(spec, out, n, what="out", writable=True)
 
 
 class Tier(abc.ABC):
-    """A store of blocks. See design.md section 5 for the contract of each call."""
+    """A store of blocks. See the module docstring for the contract of each call.
+
+    Attributes:
+        spec: the KV spec (geometry and namespace) of every block this tier holds.
+    """
+
+    spec: KVSpec
 
     @abc.abstractmethod
     def match(self, keys: ChunkKeys) -> int:
-        """How many leading keys are resident (stops at the first miss)."""
+        """How many leading keys are resident and confirmed (stops at the first miss)."""
 
     @abc.abstractmethod
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
@@ -78,6 +173,24 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
         """Copy leading blocks into ``out`` (row per key); return how many were copied and verified."""
+
+    def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
+        """Deliver the leading resident blocks one by one: ``sink(i, block)`` for ``i`` in ``0..n-1``.
+
+        ``block`` is a ``(block_bytes,)`` uint8 array valid only during the call: copy it where it
+        belongs (a strided slice of a model's cache, say). This default reads through ``get_many``
+        into a staging buffer; a tier that can hand out its own memory safely (the hot tier, while the
+        block is pinned) overrides it to save that copy.
+
+        Returns:
+            How many leading blocks were delivered (the same count ``get_many`` would return).
+        """
+        keys = check_keys(self.spec, keys)
+        staging = np.empty((len(keys), self.spec.block_bytes), dtype=np.uint8)
+        got = self.get_many(keys, staging)
+        for i in range(got):
+            sink(i, staging[i])
+        return got
 
     @abc.abstractmethod
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
@@ -94,6 +207,21 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> TierStats:
         """Counters and residency."""
+
+    @property
+    @abc.abstractmethod
+    def corrupt_seen(self) -> int:
+        """Blocks this handle found damaged and dropped instead of returning them (cheap to read:
+        ``TieredCache`` reads it around every load to count corrupt blocks)."""
+
+    def cache_counters(self) -> CacheCounters | None:
+        """A row for the cache's own counters that this tier keeps where every process sees it.
+
+        ``TieredCache`` counts lookups, hit tokens, promotions, ... in the first of its tiers that
+        returns one (the hot tier keeps one row per handle in shared memory, so the totals are per
+        host), and in private memory if none does. Default: ``None``.
+        """
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import numpy as np
 import posix_ipc
 
+from tieredkv import counters
 from tieredkv.errors import TieredKVError
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 
-_TMP_RE = re.compile(r"^/" + re.escape(seg.PREFIX) + r"tmp-(\d+)-[0-9a-f]+$")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -39,9 +38,9 @@ def inspect(name: str) -> dict:
         doc["size_bytes"] = os.stat(seg._shm_path(name)).st_size
     except OSError as e:
         return {**doc, "error": str(e)}
-    tmp = _TMP_RE.match(name)
-    if tmp:
-        alive = _pid_alive(int(tmp.group(1)))
+    creator = seg.temp_owner(name)
+    if creator is not None:
+        alive = _pid_alive(creator)
         return {**doc, "stale": not alive, "reason": None if alive else "leftover of a creator that died"}
     try:
         mapping = seg.attach(None, name)
@@ -58,21 +57,19 @@ def inspect(name: str) -> dict:
             spec = {}
         state = slots["state"]
         stats = owners["stats"].sum(axis=0)
-        cache = owners["cache"].sum(axis=0)
-        counters = {n: int(stats[i]) for i, n in enumerate(seg.STAT_FIELDS)}
-        cache_counters = {n: int(cache[i]) for i, n in enumerate(seg.CACHE_FIELDS)}
-        prompt = cache_counters["prompt_tokens"]
+        tier_counters = {n: int(stats[i]) for i, n in enumerate(seg.STAT_FIELDS)}
+        totals = counters.totals(owners)
+        cache_counters = {n: totals[n] for n in counters.CACHE_FIELDS}
         doc.update({
             "model_id": spec.get("model_id"), "spec": spec, "fingerprint": h["fingerprint"].decode(),
             "policy": h["policy"].decode(), "n_slots": int(h["n_slots"]), "block_bytes": int(h["block_bytes"]),
             "ready_slots": int(np.count_nonzero(state == seg.READY)),
             "writing_slots": int(np.count_nonzero(state == seg.WRITING)),
             "live_handles": len(live), "live_pids": [int(owners["pid"][i]) for i in live],
-            "hits": counters["hits"], "misses": counters["misses"], "counters": counters,
+            "hits": tier_counters["hits"], "misses": tier_counters["misses"], "counters": tier_counters,
             "cache": cache_counters,
-            "prefix_hit_rate": cache_counters["hit_tokens"] / prompt if prompt else 0.0,
-            "lookup_hist": owners["lookup_hist"].sum(axis=0).tolist(),
-            "load_hist": owners["load_hist"].sum(axis=0).tolist(),
+            "prefix_hit_rate": counters.prefix_hit_rate(totals),
+            "lookup_hist": totals["lookup_hist"], "load_hist": totals["load_hist"],
             "scrubs": int(h["scrubs"]), "huge_pages": seg.huge_page_policy(),
         })
         if not live:

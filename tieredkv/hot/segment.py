@@ -4,8 +4,8 @@ Layout (offsets from the segment base only; every process maps it at a different
 
     +-----------+------------------+---------------+-------------+--------------+----------+--------+
     | header    | owner table      | slot table    | chunk tokens| hash index   | policy   | data   |
-    | 4 KiB     | MAX_OWNERS recs  | n_slots recs  | n x C x u32 | 2^k x int64  | state    | n x    |
-    |           | (+ pins, stats)  | (seqlocked)   |             | linear probe | (SoA)    | slot_b |
+    | 4 KiB     | MAX_OWNERS recs  | n_slots recs  | n x C x u32 | 2 x 2^k i64  | state    | n x    |
+    |           | (+ pins, stats)  | (seqlocked)   |             | (index.py)   | (SoA)    | slot_b |
     +-----------+------------------+---------------+-------------+--------------+----------+--------+
 
 Every region starts on a 4 KiB boundary, every slot's data on a 4 KiB boundary (memcpy speed, O_DIRECT
@@ -33,11 +33,13 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 
+from tieredkv import counters
 from tieredkv.errors import CapacityError, FormatError, InvalidName, PermissionDenied, SpecMismatch
+from tieredkv.hot.index import index_slots_for
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the hash index holds (key word, slot) entries (hot/index.py)
 #: Where POSIX shared memory lives on Linux; segments go here unless ``TIEREDKV_SHM_DIR`` (or a
 #: tier's ``shm_dir``) names another tmpfs, e.g. one mounted with ``huge=`` (docs/tuning.md).
 SHM_DIR = Path("/dev/shm")
@@ -51,7 +53,6 @@ MAX_PINS = 512
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 FREE, WRITING, READY = 0, 1, 2
-EMPTY = -1  # an index entry holding no slot
 
 STAT_FIELDS = ("lookups", "hits", "misses", "bytes_in", "bytes_out", "puts", "exists", "no_space",
                "evictions", "removed", "recoveries", "reclaimed", "torn_reads")
@@ -78,23 +79,12 @@ SLOT_DTYPE = np.dtype([
     ("position", "<u8"), ("length", "<u8"), ("_pad", "<u8"),
 ])
 
-#: TieredCache counters, kept in the hot segment so that their sum over owners is per host.
-CACHE_FIELDS = ("lookups", "prompt_tokens", "hit_tokens", "hot_hit_tokens", "warm_hit_tokens",
-                "prefill_tokens", "loaded_tokens", "lost_blocks", "stored_blocks", "hot_bytes_read",
-                "warm_bytes_read", "hot_bytes_written", "warm_bytes_written", "promotions", "demotions",
-                "warm_errors", "corrupt_blocks", "lookup_ns", "load_ns")
-#: Upper bounds (seconds) of the lookup/load latency histogram buckets; the last bucket is +inf.
-LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
-                     5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))
-
 # One row per open handle. Each row is written only by its owner (no lock needed for counters);
 # a row outlives its owner, so sums over rows stay cumulative for the segment's life.
 OWNER_DTYPE = np.dtype([
     ("token", "<u8"), ("pid", "<u8"), ("start_time", "<u8"), ("n_pins", "<u8"),
     ("stats", "<u8", (len(STAT_FIELDS),)),
-    ("cache", "<u8", (len(CACHE_FIELDS),)),
-    ("lookup_hist", "<u8", (len(LATENCY_BUCKETS_S),)),
-    ("load_hist", "<u8", (len(LATENCY_BUCKETS_S),)),
+    *counters.ROW_FIELDS,  # the TieredCache counters of this handle: summed over rows, per host
     ("pins", "<i8", (MAX_PINS,)),
 ])
 
@@ -131,9 +121,7 @@ class Layout:
     @classmethod
     def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
         slot_bytes = slot_bytes_for(spec)
-        # Load factor <= 1/4, and deletion shifts entries back (no tombstones): probe runs stay short,
-        # and a batch lookup is as slow as its longest run.
-        index_slots = 1 << max(4, (4 * n_slots - 1).bit_length())
+        index_slots = index_slots_for(n_slots)
         off = HEADER_BYTES
         owners_off = off
         off = _round(off + MAX_OWNERS * OWNER_DTYPE.itemsize)
@@ -142,7 +130,7 @@ class Layout:
         tokens_off = off
         off = _round(off + n_slots * spec.chunk_tokens * 4)
         index_off = off
-        off = _round(off + index_slots * 8)
+        off = _round(off + index_slots * 16)  # key words, then refs
         policy_off = off
         off = _round(off + policy_bytes)
         free_off = off
@@ -155,11 +143,29 @@ class Layout:
     @classmethod
     def slots_for(cls, spec: KVSpec, capacity_bytes: int, policy_bytes_of) -> int:
         """The most slots whose whole segment fits in ``capacity_bytes``."""
-        per_slot = slot_bytes_for(spec) + SLOT_DTYPE.itemsize + spec.chunk_tokens * 4 + 32 + 8 + 64
+        # data, slot record, tokens, index (>= 4 entries of 16 bytes), free stack, policy state
+        per_slot = slot_bytes_for(spec) + SLOT_DTYPE.itemsize + spec.chunk_tokens * 4 + 64 + 8 + 64
         n = max(1, capacity_bytes // per_slot)
         while n > 1 and cls.compute(spec, n, policy_bytes_of(n)).total_bytes > capacity_bytes:
             n = int(n * 0.98)
         return n
+
+
+_TEMP_RE = re.compile(r"^/" + re.escape(PREFIX) + r"tmp-(\d+)-[0-9a-f]+$")
+
+
+def temp_name() -> str:
+    """A fresh private name for a segment being built: ``/tieredkv-tmp-<creator pid>-<random>``.
+
+    The format is defined here only; ``temp_owner`` parses it back.
+    """
+    return f"/{PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def temp_owner(name: str) -> int | None:
+    """The creator's pid if ``name`` (with or without its leading ``/``) is a temporary name, else None."""
+    m = _TEMP_RE.match("/" + name.lstrip("/"))
+    return int(m.group(1)) if m else None
 
 
 def check_name(name: str) -> str:
@@ -207,7 +213,7 @@ class Mapping:
         slots = np.frombuffer(buf, SLOT_DTYPE, n, int(h["slots_off"]))
         tokens = np.frombuffer(buf, "<u4", n * int(h["chunk_tokens"]), int(h["tokens_off"])).reshape(
             n, int(h["chunk_tokens"]))
-        index = np.frombuffer(buf, "<i8", int(h["index_slots"]), int(h["index_off"]))
+        index = np.frombuffer(buf, "<i8", 2 * int(h["index_slots"]), int(h["index_off"])).reshape(2, -1)
         free = np.frombuffer(buf, "<i8", n, int(h["free_off"]))
         data = np.frombuffer(buf, np.uint8, n * int(h["slot_bytes"]), int(h["data_off"])).reshape(
             n, int(h["slot_bytes"]))[:, : int(h["block_bytes"])]
@@ -311,7 +317,7 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
     if layout.total_bytes > room:
         raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {where} has "
                             f"{room / 2**20:.1f} MiB free; lower hot_bytes or enlarge /dev/shm")
-    tmp = f"/{PREFIX}tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_name()
     fd = _open_segment(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode, directory)
     try:
         os.fchmod(fd, mode)  # the umask may have narrowed it; never widened
@@ -511,8 +517,16 @@ def huge_mapped_bytes(mapping: "Mapping") -> int:
     return 0
 
 
-def list_segment_names(directory: str | os.PathLike | None = None) -> list[str]:
+def list_segment_names(directory: str | os.PathLike | None = None, *, published_only: bool = False) -> list[str]:
+    """Names of every tieredkv segment in ``directory`` (default: see ``shm_dir``), sorted.
+
+    Args:
+        directory: where to look; default ``$TIEREDKV_SHM_DIR`` or /dev/shm.
+        published_only: leave out temporary names (segments still being built, or leftovers of a
+            creator that died building one).
+    """
     where = shm_dir(directory)
     if not where.is_dir():
         return []
-    return sorted("/" + p.name for p in where.iterdir() if p.name.startswith(PREFIX))
+    names = sorted("/" + p.name for p in where.iterdir() if p.name.startswith(PREFIX))
+    return [n for n in names if temp_owner(n) is None] if published_only else names

@@ -30,15 +30,16 @@ from typing import Callable
 import numpy as np
 import posix_ipc
 
-from tieredkv import policies
+from tieredkv import counters, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
-from tieredkv.hot.segment import EMPTY, FREE, READY, STAT_FIELDS, WRITING
+from tieredkv.hot.index import HotIndex
+from tieredkv.hot.segment import FREE, READY, STAT_FIELDS, WRITING
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import address, as_block_bytes, copy_rows, run_rows, slot_runs
 from tieredkv.spec import KVSpec
-from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
 
 _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 
@@ -62,27 +63,6 @@ def _drop_inherited_descriptors() -> None:
 
 os.register_at_fork(after_in_child=_drop_inherited_descriptors)
 _STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(PutResult.NO_SPACE)
-
-
-class OwnerCounters:
-    """This handle's row of TieredCache counters in the segment. Only its owner writes it."""
-
-    _INDEX = {name: i for i, name in enumerate(seg.CACHE_FIELDS)}
-    _BOUNDS = np.asarray(seg.LATENCY_BUCKETS_S)
-
-    def __init__(self, row):
-        self.values = row["cache"]
-        self.lookup_hist = row["lookup_hist"]
-        self.load_hist = row["load_hist"]
-
-    def add(self, name: str, n: int) -> None:
-        self.values[self._INDEX[name]] += n
-
-    def observe(self, what: str, seconds: float) -> None:
-        """Record a lookup or load latency (``what`` is ``"lookup"`` or ``"load"``)."""
-        hist = self.lookup_hist if what == "lookup" else self.load_hist
-        hist[int(np.searchsorted(self._BOUNDS, seconds))] += 1
-        self.values[self._INDEX[what + "_ns"]] += int(seconds * 1e9)
 
 
 class HotTier(Tier):
@@ -133,7 +113,6 @@ class HotTier(Tier):
                           create=create)
         self._tlock = threading.Lock()
         self._read_lock = threading.Lock()
-        self._hooks: dict[str, Callable[[], None]] = {}
         self._closed = True
         self._open(**self._args)
 
@@ -182,9 +161,9 @@ class HotTier(Tier):
             raise FormatError(f"segment {self.name} names an eviction policy this tieredkv does not know "
                               f"({seg_policy!r}); remove it with `tieredkv rm {self.name}`") from None
         self._h = h = self._map.header
-        self._owners, self._slots, self._tokens, self._index, self._free, self._data = self._map.views()
+        self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
+        self._index = HotIndex(region, self._slots["key"], self.name)
         self.n_slots = int(h["n_slots"])
-        self._mask = int(h["index_slots"]) - 1
         self._state = policies.SlotState.over(self._policy, self.n_slots, self._map.mm, int(h["policy_off"]))
         if self._state.layout.nbytes != int(h["policy_bytes"]):
             self._drop_mapping()
@@ -203,7 +182,7 @@ class HotTier(Tier):
     @staticmethod
     def _init_segment(mapping: seg.Mapping, engine) -> None:
         owners, slots, tokens, index, free, data = mapping.views()
-        index[:] = EMPTY
+        index[:] = 0  # every entry empty (hot/index.py)
         n = len(slots)
         free[:] = np.arange(n - 1, -1, -1)  # pop from the end: slot 0 first
         mapping.header["free_top"] = n
@@ -224,7 +203,7 @@ class HotTier(Tier):
                     rec["pid"] = self._pid
                     rec["n_pins"] = 0
                     self._stats = rec["stats"]
-                    self.counters = OwnerCounters(rec)
+                    self.counters = counters.CacheCounters(rec, self._owners)
                     return
         self._drop_mapping()  # never registered: close() must not touch anybody's row
         raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
@@ -301,17 +280,11 @@ class HotTier(Tier):
                 if int(h["dirty"]):
                     self._scrub()
                 h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
-                self._hook("critical")
                 yield
                 # Reached only if the body finished: an exception (or a death) leaves it dirty.
                 h["dirty"] = 0
             finally:
                 locks.unlock(self._fd, locks.META_LOCK_BYTE)
-
-    def _hook(self, name: str) -> None:
-        fn = self._hooks.get(name)
-        if fn is not None:
-            fn()
 
     # ---- liveness and recovery -----------------------------------------------------------------
     def _owner_alive(self, i: int, token: int) -> bool:
@@ -389,7 +362,7 @@ class HotTier(Tier):
         free = np.flatnonzero(slots["state"] == FREE)[::-1]
         self._free[: len(free)] = free
         self._h["free_top"] = len(free)
-        self._rebuild_index(self._indexed_slots())
+        self._index.rebuild(self._indexed_slots())
         # Policy residency must equal READY.
         st, engine = self._state, self._policy
         ready = slots["state"] == READY
@@ -413,87 +386,13 @@ class HotTier(Tier):
     def _find(self, keys: np.ndarray) -> np.ndarray:
         """Slot holding each key (WRITING or READY) or -1. Lock-free; the answer is a hint that
         callers confirm against the slot (its key, state and generation)."""
-        n = len(keys)
-        out = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return out
-        index, slots_key, mask = self._index, self._slots["key"], self._mask
-        lo, hi = keys[:, 0], keys[:, 1]
-        pos = (lo & np.uint64(mask)).astype(np.int64)
-        active = np.arange(n)
-        for _ in range(mask + 1):  # bounded even if a racing writer fills the index meanwhile
-            entry = index[pos]
-            live = entry >= 0
-            cand = np.where(live, entry, 0)
-            hit = live & (slots_key[cand, 0] == lo[active]) & (slots_key[cand, 1] == hi[active])
-            out[active[hit]] = entry[hit]
-            go_on = ~(hit | (entry == EMPTY))
-            if not go_on.any():
-                break
-            active, pos = active[go_on], (pos[go_on] + 1) & mask
-        return out
-
-    def _index_insert(self, slot: int, lo: int) -> None:
-        index, mask = self._index, self._mask
-        pos = lo & mask
-        for _ in range(mask + 1):
-            if int(index[pos]) == EMPTY:
-                index[pos] = slot
-                return
-            pos = (pos + 1) & mask
-        raise CorruptState(f"segment {self.name}: hash index is full")  # impossible at load <= 1/4
-
-    def _index_remove(self, slots: np.ndarray, key_lo: np.ndarray) -> None:
-        """Delete the entries of ``slots`` (whose keys' low words are ``key_lo``) by backward shift.
-
-        No tombstones: the entries after the hole that may move closer to their home position do
-        so, and the run ends in an empty entry again. Every entry's slot must still hold the key it
-        was indexed under (callers zero a victim's key only after this). A lock-free reader racing
-        with a shift can miss an entry that is being moved: a miss, never a wrong block.
-        """
-        index, mask, keys = self._index, self._mask, self._slots["key"]
-        for s, lo in zip(slots.tolist(), key_lo.tolist()):
-            pos = lo & mask
-            for _ in range(mask + 1):
-                e = int(index[pos])
-                if e == s or e == EMPTY:
-                    break
-                pos = (pos + 1) & mask
-            if e != s:
-                continue  # not indexed (a detached victim reclaimed, say)
-            hole, j = pos, (pos + 1) & mask
-            for _ in range(mask + 1):
-                e = int(index[j])
-                if e == EMPTY:
-                    break
-                home = int(keys[e, 0]) & mask
-                if (j - home) & mask >= (j - hole) & mask:  # the hole lies between home and j
-                    index[hole] = e
-                    hole = j
-                j = (j + 1) & mask
-            index[hole] = EMPTY
+        return self._index.find(keys)
 
     def _indexed_slots(self) -> np.ndarray:
         """Slots the index must hold: READY or WRITING with a key. Victims detached from their old
         key (zeroed, see ``_choose_victims``) and FREE slots are not indexed."""
         rec = self._slots
         return np.flatnonzero((rec["state"] != FREE) & (rec["key"] != 0).any(axis=1))
-
-    def _rebuild_index(self, used: np.ndarray) -> None:
-        """Re-place every used slot, vectorised: one numpy pass per probe distance."""
-        index, mask = self._index, self._mask
-        index[:] = EMPTY
-        pending = np.asarray(used, dtype=np.int64)
-        pos = (self._slots["key"][pending, 0] & np.uint64(mask)).astype(np.int64)
-        while len(pending):
-            empty = index[pos] == EMPTY
-            cand_pos = pos[empty]
-            uniq, first = np.unique(cand_pos, return_index=True)
-            placed = np.flatnonzero(empty)[first]
-            index[uniq] = pending[placed]
-            keep = np.ones(len(pending), dtype=bool)
-            keep[placed] = False
-            pending, pos = pending[keep], (pos[keep] + 1) & mask
 
     # ---- slot bookkeeping (under the lock) -------------------------------------------------------
     def _free_slots(self, slots: np.ndarray) -> None:
@@ -506,7 +405,7 @@ class HotTier(Tier):
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
         rec["state"][slots] = FREE
-        self._index_remove(slots, rec["key"][slots, 0])
+        self._index.remove(slots, rec["key"][slots])
         self._push_free(slots)
 
     def _push_free(self, slots: np.ndarray) -> None:
@@ -535,7 +434,7 @@ class HotTier(Tier):
                       None, self._state.hits[victims].copy())  # remove() leaves hits: demotion rules use them
         if len(victims):
             self._claim(victims)
-            self._index_remove(victims, old.keys.keys[:, 0])
+            self._index.remove(victims, old.keys.keys)
             rec["key"][victims] = 0
             self._stats[_STAT["evictions"]] += len(victims)
         return victims, old
@@ -549,7 +448,8 @@ class HotTier(Tier):
 
     # ---- the block interface -------------------------------------------------------------------
     def _confirmed(self, keys: ChunkKeys, found: np.ndarray) -> np.ndarray:
-        """Bool per key: slot ``found`` holds it READY with the same parent and chunk tokens."""
+        """Bool per key: slot ``found`` (from ``_find``: it held the key) holds it READY with the same
+        parent and chunk tokens."""
         ok = found >= 0
         s = np.where(ok, found, 0)
         rec = self._slots
@@ -559,11 +459,7 @@ class HotTier(Tier):
         return ok
 
     def _check_keys(self, keys: ChunkKeys) -> None:
-        if not isinstance(keys, ChunkKeys):
-            raise InvalidInput("keys must be a ChunkKeys (from tieredkv.chunk_keys)")
-        if keys.tokens.shape[1:] != (self.spec.chunk_tokens,):
-            raise InvalidInput(f"keys were made with chunk_tokens={keys.tokens.shape[1]}, "
-                               f"this tier's spec has {self.spec.chunk_tokens}")
+        check_keys(self.spec, keys)
 
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         self._check()
@@ -581,12 +477,12 @@ class HotTier(Tier):
     def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
-        ``out``: the spec's dtype (or uint8) holding ``len(keys)`` blocks. Rows past the returned count
-        are untouched or partially written; never use them.
+        ``out``: the spec's dtype (or uint8) holding at least ``len(keys)`` blocks. Rows past the
+        returned count are untouched or partially written; never use them.
         """
         self._check()
         self._check_keys(keys)
-        dst = as_block_bytes(self.spec, out, len(keys), what="out", writable=True)
+        dst = out_rows(self.spec, out, len(keys))
         data = self._data
         # Alignment is decided once per call: slot strides are multiples of 64, so every row pair has
         # the same skew when the destination's row stride is one too (else per run, by arithmetic).
@@ -672,7 +568,6 @@ class HotTier(Tier):
             me["pins"][:n] = slots
             me["n_pins"] = n
         try:
-            self._hook("copy")
             copy(first, slots)
             # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
             # on a broken invariant (checked after unpinning, a legitimate eviction would trip it).
@@ -752,15 +647,13 @@ class HotTier(Tier):
             rec["parent"][use] = keys.parents[stored]
             rec["position"][use] = keys.positions[stored]
             rec["length"][use] = self.spec.block_bytes
-            for s, lo in zip(use.tolist(), keys.keys[stored, 0].tolist()):
-                self._index_insert(s, lo)
+            self._index.insert(use, keys.keys[stored])
         evicted = None
         try:
             if len(victims):
                 # The victims are WRITING by us: nobody else touches their bytes until we publish.
                 payload = self._data[victims].copy() if self.on_evict is not None else None
                 evicted = Evicted(old.keys, payload, old.hits)
-            self._hook("write")
             self._tokens[use] = keys.tokens[stored]
             self._write_rows(use, src, stored)
         except BaseException:
@@ -842,10 +735,9 @@ class HotTier(Tier):
     def evict(self, n: int) -> Evicted:
         """Evict up to ``n`` blocks chosen by the policy; returns their keys and bytes."""
         self._check()
-        if not isinstance(n, (int, np.integer)) or n < 0:
-            raise InvalidInput(f"n must be a non-negative integer, got {n!r}")
+        n = check_count(n)
         with self._critical():
-            victims, old = self._choose_victims(int(n))
+            victims, old = self._choose_victims(n)
         try:
             payloads = self._data[victims].copy()
         finally:
@@ -870,16 +762,20 @@ class HotTier(Tier):
                    "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
                    **{k: s[k] for k in ("lookups", "exists", "no_space", "removed", "reclaimed", "torn_reads")}})
 
+    def cache_counters(self) -> counters.CacheCounters | None:
+        """This handle's row of the cache's counters, in the segment (totals: per host)."""
+        self._check()
+        return self.counters
+
+    @property
+    def corrupt_seen(self) -> int:
+        """Blocks this handle saw change under a pinned read (a broken invariant; never returned)."""
+        return int(self._stats[_STAT["torn_reads"]]) if self._stats is not None else 0
+
     def host_counters(self) -> dict:
         """TieredCache counters and latency histograms summed over every handle: per host."""
         self._check()
-        owners = self._owners
-        totals = owners["cache"].sum(axis=0)
-        doc = {name: int(totals[i]) for i, name in enumerate(seg.CACHE_FIELDS)}
-        doc["lookup_hist"] = owners["lookup_hist"].sum(axis=0).tolist()
-        doc["load_hist"] = owners["load_hist"].sum(axis=0).tolist()
-        doc["latency_buckets_s"] = list(seg.LATENCY_BUCKETS_S)
-        return doc
+        return counters.totals(self._owners)
 
     def live_handles(self) -> int:
         """Open handles (processes, or several handles in one process) attached right now."""

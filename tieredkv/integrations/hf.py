@@ -38,12 +38,6 @@ except ImportError:  # pragma: no cover - older releases
     from transformers.cache_utils import DynamicCache
     DynamicLayer = None
 
-#: Adopt the restored tensors as a fresh layer's keys/values instead of calling ``update`` (which
-#: concatenates onto an empty tensor: one more full copy of the prefix). Same result; a module flag so
-#: tests can run the ``update`` path too.
-ADOPT_RESTORED = True
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefillResult:
     """What ``CachedPrefill.prefill`` returns.
@@ -123,7 +117,7 @@ def _restore_layer(cache: Any, layer: int, keys: torch.Tensor, values: torch.Ten
     an empty tensor, copying the whole prefix once more); any other layer type goes through ``update``.
     """
     layers = getattr(cache, "layers", None)
-    if (ADOPT_RESTORED and DynamicLayer is not None and layers is not None and layer < len(layers)
+    if (DynamicLayer is not None and layers is not None and layer < len(layers)
             and type(layers[layer]) is DynamicLayer and not layers[layer].is_initialized):
         target = layers[layer]
         target.lazy_initialization(keys, values)

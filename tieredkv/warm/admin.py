@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from tieredkv.errors import FormatError, TieredKVError
+from tieredkv.warm import files
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
 from tieredkv.warm.slabs import slab_name
@@ -32,11 +33,6 @@ def _tier_dirs(root: str) -> list[str]:
         return []
     return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))
             and _is_tier(os.path.join(root, n))]
-
-
-def _open_index(path: str, *, write: bool) -> ix.Index:
-    return ix.Index(os.path.join(path, mt.INDEX_NAME), sync="full" if write else "none",
-                    map_size=1 << 20, map_max=1 << 40, readonly=not write)
 
 
 def _load_meta(path: str, index: ix.Index | None) -> tuple[dict | None, str, dict | None]:
@@ -97,8 +93,20 @@ def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": path, "namespace": None, "model": None, "ok": False, "meta": "?",
                               "slabs": [], "blocks_checked": 0, "blocks_ok": 0, "bad_blocks": [],
                               "dead_claims": 0, "repaired": False, "removed": 0, "error": None}
+    if repair:
+        try:
+            files.check_access(path)  # the same refusal as opening the tier: we are about to write
+        except TieredKVError as exc:
+            report["error"] = str(exc)
+            return report
+        with files.init_lock(path):  # the lock WarmTier holds while it creates or repairs at open
+            return _verify_open(path, repair, report)
+    return _verify_open(path, repair, report)
+
+
+def _verify_open(path: str, repair: bool, report: dict[str, Any]) -> dict[str, Any]:
     try:
-        index = _open_index(path, write=repair)
+        index = files.open_index(path, write=repair)
     except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
         index = None
         report["error"] = f"cannot open the index: {exc}"
@@ -228,15 +236,10 @@ def _repair(path: str, meta: dict, index: ix.Index, report: dict) -> None:
         return removed
 
     report["removed"] = index.write(fix)
-    per, slot_bytes = meta["slots_per_slab"], meta["slot_bytes"]
-    for i, s in enumerate(report["slabs"]):
-        if s["status"] != "ok":
-            # Every record in this slab was reported bad and dropped above: restore the file's size.
-            fd = os.open(os.path.join(path, s["name"]), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, min(per, meta["n_slots"] - i * per) * slot_bytes)
-            finally:
-                os.close(fd)
+    # The records of lost bytes are dropped above; the tier's own repair restores the files (and drops
+    # anything the scrub did not see, e.g. a block stored into a short slab since).
+    _, dropped = files.repair_slabs(index, files.slabs_of(path, meta))
+    report["removed"] += dropped
 
 
 def _public(report: dict) -> dict:
@@ -274,7 +277,7 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
         except (OSError, TieredKVError) as exc:
             row["error"] = f"meta.json: {exc}"
         try:
-            index = _open_index(path, write=False)
+            index = files.open_index(path)
             try:
                 row["blocks"] = int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
             finally:
@@ -288,8 +291,8 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
 def disk_bytes(path: str) -> int:
     """Bytes the files under ``path`` occupy on disk (allocated blocks, not apparent sizes)."""
     total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
+    for dirpath, _, names in os.walk(path):
+        for f in names:
             try:
                 total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
             except FileNotFoundError:

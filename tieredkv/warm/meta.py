@@ -115,7 +115,3 @@ def check_spec(meta: dict[str, Any], spec: KVSpec, where: str) -> None:
     what = "; ".join(diffs) or f"fingerprint: stored {meta['fingerprint']}, given {spec.fingerprint}"
     raise SpecMismatch(f"the warm tier at {where} was made for a different KV spec ({what}); "
                        f"open it with the spec it was made for, or use another directory")
-
-
-def spec_of(meta: dict[str, Any]) -> KVSpec:
-    return KVSpec.from_dict(meta["spec"])

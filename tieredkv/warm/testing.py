@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
 from tieredkv.keys import ChunkKeys
+from tieredkv.warm import files
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
 
@@ -32,8 +32,7 @@ def check_index(tier_dir: str, *, allow_claims: bool = False) -> dict:
         ``{"used", "free", "claimed", "never_used", "n_slots"}`` counts.
     """
     meta = mt.read_meta(tier_dir)
-    index = ix.Index(os.path.join(tier_dir, mt.INDEX_NAME), sync="none", map_size=1 << 20,
-                     map_max=1 << 40, readonly=True)
+    index = files.open_index(tier_dir)
     rec = ix.record_dtype(meta["spec"]["chunk_tokens"])
     try:
         txn = index.begin_read()

@@ -31,8 +31,6 @@ costs a write transaction or an fsync.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import threading
 import warnings
@@ -46,15 +44,15 @@ import xxhash
 from numpy.random import default_rng  # at import: a lazy numpy.random import costs ~20 ms at open
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, PermissionDenied, TieredKVError,
+from tieredkv.errors import (CorruptState, FormatError, InvalidInput, TieredKVError,
                              WarmTierUnavailable)
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
-from tieredkv.tier import Evicted, PutResult, Tier, TierStats
+from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
+from tieredkv.warm import files
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
-from tieredkv.warm.slabs import Slabs, slot_bytes_for
 
 #: Claims this process holds right now, as (slot, claim time): a claim in the index that names this
 #: process is live only if it is here. Several WarmTier handles in one process share the LMDB
@@ -173,62 +171,12 @@ class WarmTier(Tier):
     def _open(self, capacity_bytes: int | None, slab_bytes: int) -> None:
         path = str(self.path)
         if not self.readonly:
-            try:
-                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-                if not self.path.exists():
-                    self.path.mkdir(mode=0o700, exist_ok=True)
-                    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
-            except OSError as exc:
-                if not self.path.is_dir():
-                    raise WarmTierUnavailable(f"cannot create the warm tier directory {path}: {exc}") from exc
+            files.make_dir(self.root, self.path)
         if not self.path.is_dir():
             raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)")
-        st = os.stat(path)
-        if st.st_uid != os.geteuid():
-            raise PermissionDenied(f"the warm tier directory {path} belongs to uid {st.st_uid}, not to "
-                                   f"this process (uid {os.geteuid()}); a KV cache holds users' prompts, "
-                                   f"so tieredkv does not share one across users")
-        self._check_entries(path)
-        lock_fd = self._init_lock(path)
-        try:
+        files.check_access(path)
+        with files.init_lock(path):
             self._open_locked(path, capacity_bytes, slab_bytes)
-        finally:
-            if lock_fd is not None:
-                os.close(lock_fd)  # releases the flock
-
-    @staticmethod
-    def _check_entries(path: str) -> None:
-        """Refuse a tier whose files (or index files) belong to another user or are symlinks.
-
-        The directory being ours is not enough: a file planted in it (while its mode was wider, or by a
-        bind mount) would let another user read the prompts we write or feed us KV of their choosing,
-        and a symlink would redirect our writes anywhere we may write.
-        """
-        me = os.geteuid()
-        for where in (path, os.path.join(path, mt.INDEX_NAME)):
-            try:
-                entries = list(os.scandir(where))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for entry in entries:
-                st = entry.stat(follow_symlinks=False)
-                if entry.is_symlink() or st.st_uid != me:
-                    what = "is a symbolic link" if entry.is_symlink() else f"belongs to uid {st.st_uid}"
-                    raise PermissionDenied(f"{entry.path} {what}, not a file of this user (uid {me}); "
-                                           f"remove it, or use a warm directory only this user writes to")
-
-    def _init_lock(self, path: str) -> int | None:
-        """flock the tier's lock file for the duration of open (creation, repair). Freed on death."""
-        lock_path = os.path.join(path, mt.LOCK_NAME)
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            try:
-                fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                return None  # read-only directory without a lock file: nobody can create or repair
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
 
     def _open_locked(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> None:
         index_path = os.path.join(path, mt.INDEX_NAME)
@@ -238,7 +186,9 @@ class WarmTier(Tier):
             if os.path.exists(index_path):
                 raise FormatError(f"{path}/{mt.META_NAME} is missing but the index exists; run "
                                   f"`tieredkv verify --repair {path}` to restore it") from None
-            meta = self._create(path, capacity_bytes, slab_bytes)
+            if self.readonly:
+                raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)") from None
+            meta = files.create(path, self.spec, capacity_bytes, slab_bytes, self._map_size, self._map_max)
         mt.check_spec(meta, self.spec, path)
         if capacity_bytes is not None and capacity_bytes // meta["slot_bytes"] != meta["n_slots"]:
             warnings.warn(f"warm tier {path} keeps its capacity of {meta['n_slots']} slots "
@@ -249,8 +199,7 @@ class WarmTier(Tier):
         self.slot_bytes = int(meta["slot_bytes"])
         self.block_bytes = self.spec.block_bytes
         self._rec = ix.record_dtype(self.spec.chunk_tokens)
-        self._slabs = Slabs(path, self.n_slots, int(meta["slots_per_slab"]), self.slot_bytes,
-                            self.block_bytes, readonly=self.readonly)
+        self._slabs = files.slabs_of(path, meta, readonly=self.readonly)
         self._open_index()
         if not self.readonly:
             n_slots = self._index.read(lambda txn: ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS))
@@ -271,10 +220,7 @@ class WarmTier(Tier):
             self._reap_claims(only_if_any=True)
 
     def _index_sizes(self) -> tuple[int, int]:
-        # Per block: the record, the reverse map, a free-list entry, B-tree overhead: ~3x is ample.
-        per_block = 3 * (self._rec.itemsize + 3 * KEY_BYTES + 64)
-        size = self._map_size or max(16 << 20, self.n_slots * per_block)
-        return size, self._map_max or max(size * 16, 1 << 30)
+        return files.index_sizes(self.n_slots, self._rec.itemsize, self._map_size, self._map_max)
 
     def _open_index(self) -> None:
         size, limit = self._index_sizes()
@@ -290,83 +236,13 @@ class WarmTier(Tier):
                                    map_size=size, map_max=limit, readonly=True)
         self._index.reader_check()
 
-    def _create(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> dict[str, Any]:
-        if self.readonly:
-            raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)")
-        if capacity_bytes is None:
-            raise InvalidInput(f"no warm tier at {path} yet: pass capacity_bytes to create one")
-        slot_bytes = slot_bytes_for(self.spec.block_bytes)
-        n_slots = int(capacity_bytes) // slot_bytes
-        if n_slots < 1:
-            raise InvalidInput(f"capacity_bytes={capacity_bytes} holds no slot of {slot_bytes} bytes")
-        if n_slots >= 2**32:
-            raise InvalidInput(f"capacity_bytes={capacity_bytes} makes {n_slots} slots; at most 2**32-1")
-        per_slab = max(1, min(n_slots, int(slab_bytes) // slot_bytes))
-        meta = mt.make_meta(self.spec, n_slots=n_slots, slots_per_slab=per_slab, slot_bytes=slot_bytes)
-        self.n_slots = n_slots
-        self._rec = ix.record_dtype(self.spec.chunk_tokens)
-        Slabs(path, n_slots, per_slab, slot_bytes, self.spec.block_bytes).create_missing()
-        index_path = os.path.join(path, mt.INDEX_NAME)
-        os.makedirs(index_path, mode=0o700, exist_ok=True)
-        size, limit = self._index_sizes()
-        index = ix.Index(index_path, sync="full", map_size=size, map_max=limit)
-        try:
-            def init(txn):
-                # A half-made earlier attempt may have left an index: keep what it holds.
-                if txn.get(ix.INFO_N_SLOTS, db=index.info) is None:
-                    ix.put_u64(txn, index.info, ix.INFO_N_SLOTS, n_slots)
-                    ix.put_u64(txn, index.info, ix.INFO_HWM, 0)
-                    ix.put_u64(txn, index.info, ix.INFO_GEN, 0)
-                txn.put(ix.INFO_META, mt.encode_meta(meta), db=index.info)
-            index.write(init)
-        finally:
-            index.close()
-        mt.write_meta(path, meta)  # last: its presence means slabs and index are complete
-        return meta
-
     def _repair_slabs(self) -> None:
-        """A missing or truncated slab: drop the records whose bytes are gone, then restore the file.
-
-        Runs at open under the init lock and inside one write transaction, so two processes opening
-        at once repair once; blocks in the intact part of a truncated slab are kept.
-        """
-        damaged = self._slabs.damaged()
-        if not damaged:
-            return
-        per = self._slabs.slots_per_slab
-
-        def purge(txn):
-            dropped = 0
-            for slab, (_, size) in damaged.items():
-                # Slots whose payload extends past the end of the file lost their bytes.
-                intact = (size - self.block_bytes) // self.slot_bytes + 1 if size >= self.block_bytes else 0
-                lo = slab * per + intact
-                hi = min(self.n_slots, (slab + 1) * per)
-                cur = txn.cursor(db=self._index.slots)
-                if not cur.set_range(ix.slot_key(lo)):
-                    continue
-                victims = []
-                for sk, key in cur:
-                    if ix.SLOT_KEY.unpack(sk)[0] >= hi:
-                        break
-                    victims.append((sk, key))
-                for sk, key in victims:
-                    txn.delete(sk, db=self._index.slots)
-                    txn.delete(key, db=self._index.blocks)
-                    txn.put(sk, b"", db=self._index.free)
-                dropped += len(victims)
-            corrupt = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
-            ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, corrupt)
-            return dropped
-
-        dropped = self._index.write(purge)
-        for slab in damaged:
-            self._slabs.restore_size(slab)
-        self._counts["corrupt"] += dropped
-        self._counts["recoveries"] += len(damaged)
-        warnings.warn(f"warm tier {self.path}: slab(s) {sorted(damaged)} were "
-                      f"{sorted({v[0] for v in damaged.values()})}; dropped {dropped} block(s) whose bytes "
-                      f"were lost and restored the files", stacklevel=5)
+        """Missing or truncated slabs: drop the blocks whose bytes are gone, restore the files."""
+        damaged, dropped = files.repair_slabs(self._index, self._slabs)
+        if damaged:
+            self._counts["corrupt"] += dropped
+            self._counts["recoveries"] += len(damaged)
+            files.warn_repaired(str(self.path), damaged, dropped, stacklevel=6)
 
     # ================================================================================== guards
     def _check(self) -> None:
@@ -419,10 +295,9 @@ class WarmTier(Tier):
             found[int(np.argmin(found)):] = False
         return recs, found
 
-    @staticmethod
-    def _raw(keys: ChunkKeys) -> bytes:
-        if not isinstance(keys, ChunkKeys):
-            raise InvalidInput(f"keys must be a ChunkKeys (from tieredkv.chunk_keys), got {type(keys).__name__}")
+    def _raw(self, keys: ChunkKeys) -> bytes:
+        """The keys as LMDB key bytes, 16 per key, after checking them against the spec."""
+        check_keys(self.spec, keys)
         return np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
 
     def match(self, keys: ChunkKeys) -> int:
@@ -446,8 +321,8 @@ class WarmTier(Tier):
 
         Args:
             keys: the blocks, in prompt order.
-            out: a writable array with (at least) one row per key: ``(n, block_bytes)`` uint8 or the
-                spec's dtype shaped ``(n, *block_shape)``.
+            out: a writable array with at least one row per key: ``(m, block_bytes)`` uint8 or the
+                spec's dtype shaped ``(m, *block_shape)``, ``m >= len(keys)``.
             sink: ``sink(i, rows)`` is called with each group of rows (``(k, block_bytes)`` uint8,
                 blocks ``i .. i+k-1``) as soon as it is read, on a helper thread while the next group is
                 read, before the blocks are verified: use it to move bytes on (into a model layout, say)
@@ -463,9 +338,7 @@ class WarmTier(Tier):
             self._check()
             n = len(keys)
             raw = self._raw(keys)
-            if isinstance(out, np.ndarray) and out.ndim and out.shape[0] > n:
-                out = out[:n]
-            rows = as_block_bytes(self.spec, out, n, what="out", writable=True)
+            rows = out_rows(self.spec, out, n)
             if n == 0:
                 return 0
             recs, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, n, True))
@@ -956,14 +829,15 @@ class WarmTier(Tier):
                 is dropped and counted as corrupt) before their slots are freed.
 
         Returns:
-            ``Evicted(keys, payloads)``: ``keys`` carries each block's key, parent key and tokens
-            (``start`` is 0: positions are not kept per key); ``payloads`` is ``(m, block_bytes)``
-            uint8, or None without ``with_payloads``.
+            ``Evicted(keys, payloads, hits)``: ``keys`` carries each block's key, parent key, tokens
+            and position; ``payloads`` is ``(m, block_bytes)`` uint8, or None without
+            ``with_payloads``; ``hits`` counts each block's hits (the flushed ones and this
+            process's pending ones).
         """
         with self._lock:
             self._check()
+            n = check_count(n)
             self._require_writable()
-            n = int(n)
             chunk = self.spec.chunk_tokens
 
             def ev(txn):
@@ -985,11 +859,27 @@ class WarmTier(Tier):
             self._counts["corrupt"] += int((~keep).sum())
             kept = [v for v, k in zip(victims, keep) if k]
             m = len(kept)
-            karr = np.frombuffer(b"".join(v[1] for v in kept), dtype="<u8").reshape(m, 2)
-            parents = np.array([v[2]["parent"] for v in kept], dtype=np.uint64).reshape(m, 2)
-            tokens = np.array([v[2]["tokens"] for v in kept], dtype=np.uint32).reshape(m, chunk)
+            raw = b"".join(v[1] for v in kept)
+            karr = np.frombuffer(raw, dtype="<u8").reshape(m, 2)
+            recs = np.array([v[2] for v in kept], dtype=self._rec).reshape(m)
+            keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
+                             recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
+                             recs["position"].astype(np.int64))
+            hits = recs["hits"].astype(np.int64) + self._pending_hits(raw, recs["gen"])
             payloads = rows[keep] if rows is not None else None
-            return Evicted(keys=ChunkKeys(karr, parents, tokens), payloads=payloads)
+            return Evicted(keys, payloads, hits)
+
+    def _pending_hits(self, raw: bytes, gens: np.ndarray) -> np.ndarray:
+        """Hits this process noted for each (key, gen) but has not flushed into the records yet."""
+        out = np.zeros(len(gens), dtype=np.int64)
+        if not self._pending or not len(gens):
+            return out
+        want = np.frombuffer(raw, dtype="V16")
+        seen = np.frombuffer(b"".join(p[0] for p in self._pending), dtype="V16")
+        seen_gens = np.concatenate([p[1] for p in self._pending])
+        for i in range(len(want)):
+            out[i] = int(np.count_nonzero((seen == want[i]) & (seen_gens == gens[i])))
+        return out
 
     # ================================================================================== stats, close
     def stats(self) -> TierStats:

@@ -1,0 +1,219 @@
+"""A warm tier's directory on disk: create it, check who owns it, lock it, repair its slabs.
+
+``WarmTier`` (at open) and ``tieredkv verify --repair`` (offline) both go through these functions, so
+an offline repair restores exactly what opening the tier would, with the same fallbacks (a filesystem
+without ``fallocate`` gets a sparse file in both), under the same lock, after the same ownership
+checks::
+
+    <root>/<namespace>/          0700, owned by the user of the cache
+        meta.json                written last at creation: its presence means the rest is complete
+        slab-0000.bin ...        preallocated slot files (slabs.py)
+        index.lmdb/              the LMDB index (index.py)
+        lock                     flock'd while a process creates or repairs the tier
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import warnings
+from typing import Any, Iterator
+
+from tieredkv.errors import InvalidInput, PermissionDenied, WarmTierUnavailable
+from tieredkv.keys import KEY_BYTES
+from tieredkv.spec import KVSpec
+from tieredkv.warm import index as ix
+from tieredkv.warm import meta as mt
+from tieredkv.warm.slabs import Slabs, slot_bytes_for
+
+
+def make_dir(root: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Create ``root`` and the tier directory ``path`` (0700, whatever the umask) if missing.
+
+    Raises:
+        WarmTierUnavailable: the directory cannot be created and does not exist.
+    """
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        if not os.path.exists(path):
+            os.mkdir(path, mode=0o700)
+            os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+    except FileExistsError:
+        pass  # another process made it meanwhile
+    except OSError as exc:
+        if not os.path.isdir(path):
+            raise WarmTierUnavailable(f"cannot create the warm tier directory {path}: {exc}") from exc
+
+
+def check_access(path: str) -> None:
+    """Refuse a tier directory, or files in it, that another user owns, and symbolic links in it.
+
+    The directory being ours is not enough: a file planted in it (while its mode was wider, or by a
+    bind mount) would let another user read the prompts we write or feed us KV of their choosing, and
+    a symlink would redirect our writes anywhere we may write.
+
+    Raises:
+        PermissionDenied: the directory or an entry in it (or in ``index.lmdb/``) is not this user's.
+    """
+    me = os.geteuid()
+    st = os.stat(path)
+    if st.st_uid != me:
+        raise PermissionDenied(f"the warm tier directory {path} belongs to uid {st.st_uid}, not to this "
+                               f"process (uid {me}); a KV cache holds users' prompts, so tieredkv does not "
+                               f"share one across users")
+    for where in (path, os.path.join(path, mt.INDEX_NAME)):
+        try:
+            entries = list(os.scandir(where))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            est = entry.stat(follow_symlinks=False)
+            if entry.is_symlink() or est.st_uid != me:
+                what = "is a symbolic link" if entry.is_symlink() else f"belongs to uid {est.st_uid}"
+                raise PermissionDenied(f"{entry.path} {what}, not a file of this user (uid {me}); remove "
+                                       f"it, or use a warm directory only this user writes to")
+
+
+@contextlib.contextmanager
+def init_lock(path: str) -> Iterator[None]:
+    """Hold the tier's ``lock`` file (flock, freed by the kernel if we die) while creating or repairing.
+
+    A read-only directory without a lock file cannot be created or repaired by anyone: no lock needed.
+    """
+    lock_path = os.path.join(path, mt.LOCK_NAME)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            yield
+            return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def index_sizes(n_slots: int, record_bytes: int, map_size: int | None = None,
+                map_max: int | None = None) -> tuple[int, int]:
+    """Initial and largest LMDB map size for ``n_slots`` records of ``record_bytes`` (defaults)."""
+    # Per block: the record, the reverse map, a free-list entry, B-tree overhead: ~3x is ample.
+    per_block = 3 * (record_bytes + 3 * KEY_BYTES + 64)
+    size = map_size or max(16 << 20, n_slots * per_block)
+    return size, map_max or max(size * 16, 1 << 30)
+
+
+def open_index(path: str, *, write: bool = False) -> ix.Index:
+    """Open a tier's index from a tool (``verify``, ``ls``, the metrics exporter, test checks).
+
+    A tiny initial map (LMDB adopts the file's real size) and read-only unless ``write``: looking
+    must neither grow the index nor hold the writers' lock. ``write`` (``verify --repair``) syncs
+    every commit.
+    """
+    return ix.Index(os.path.join(path, mt.INDEX_NAME), sync="full" if write else "none",
+                    map_size=1 << 20, map_max=1 << 40, readonly=not write)
+
+
+def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
+           map_size: int | None = None, map_max: int | None = None) -> dict[str, Any]:
+    """Create a tier in the (existing, locked) directory ``path``: slabs, index, then ``meta.json``.
+
+    Safe to rerun after a crash part-way: existing slabs and index contents are kept.
+
+    Returns:
+        The new tier's meta document.
+
+    Raises:
+        InvalidInput: no or too small ``capacity_bytes``.
+        CapacityError: the disk cannot hold the slabs.
+    """
+    if capacity_bytes is None:
+        raise InvalidInput(f"no warm tier at {path} yet: pass capacity_bytes to create one")
+    slot_bytes = slot_bytes_for(spec.block_bytes)
+    n_slots = int(capacity_bytes) // slot_bytes
+    if n_slots < 1:
+        raise InvalidInput(f"capacity_bytes={capacity_bytes} holds no slot of {slot_bytes} bytes")
+    if n_slots >= 2**32:
+        raise InvalidInput(f"capacity_bytes={capacity_bytes} makes {n_slots} slots; at most 2**32-1")
+    per_slab = max(1, min(n_slots, int(slab_bytes) // slot_bytes))
+    meta = mt.make_meta(spec, n_slots=n_slots, slots_per_slab=per_slab, slot_bytes=slot_bytes)
+    Slabs(path, n_slots, per_slab, slot_bytes, spec.block_bytes).create_missing()
+    index_path = os.path.join(path, mt.INDEX_NAME)
+    os.makedirs(index_path, mode=0o700, exist_ok=True)
+    size, limit = index_sizes(n_slots, ix.record_dtype(spec.chunk_tokens).itemsize, map_size, map_max)
+    index = ix.Index(index_path, sync="full", map_size=size, map_max=limit)
+    try:
+        def init(txn):
+            # A half-made earlier attempt may have left an index: keep what it holds.
+            if txn.get(ix.INFO_N_SLOTS, db=index.info) is None:
+                ix.put_u64(txn, index.info, ix.INFO_N_SLOTS, n_slots)
+                ix.put_u64(txn, index.info, ix.INFO_HWM, 0)
+                ix.put_u64(txn, index.info, ix.INFO_GEN, 0)
+            txn.put(ix.INFO_META, mt.encode_meta(meta), db=index.info)
+        index.write(init)
+    finally:
+        index.close()
+    mt.write_meta(path, meta)  # last: its presence means slabs and index are complete
+    return meta
+
+
+def slabs_of(path: str, meta: dict[str, Any], *, readonly: bool = False) -> Slabs:
+    """The ``Slabs`` of the tier at ``path`` described by ``meta`` (not opened yet)."""
+    return Slabs(path, int(meta["n_slots"]), int(meta["slots_per_slab"]), int(meta["slot_bytes"]),
+                 int(meta["block_bytes"]), readonly=readonly)
+
+
+def repair_slabs(index: ix.Index, slabs: Slabs) -> tuple[dict[int, tuple[str, int]], int]:
+    """A missing or truncated slab: drop the records whose bytes are gone, then restore the file.
+
+    Run under ``init_lock``; the drop is one write transaction, so two processes repairing at once
+    repair once. Blocks in the intact part of a truncated slab are kept. The dropped blocks are added
+    to the index's lifetime corrupt counter.
+
+    Returns:
+        ``(damaged, dropped)``: ``{slab: ("missing" | "truncated", size)}`` as found, and how many
+        records were dropped.
+    """
+    damaged = slabs.damaged()
+    if not damaged:
+        return damaged, 0
+    per, block_bytes, slot_bytes = slabs.slots_per_slab, slabs.block_bytes, slabs.slot_bytes
+
+    def purge(txn):
+        dropped = 0
+        for slab, (_, size) in damaged.items():
+            # Slots whose payload extends past the end of the file lost their bytes.
+            intact = (size - block_bytes) // slot_bytes + 1 if size >= block_bytes else 0
+            lo = slab * per + intact
+            hi = min(slabs.n_slots, (slab + 1) * per)
+            cur = txn.cursor(db=index.slots)
+            if not cur.set_range(ix.slot_key(lo)):
+                continue
+            victims = []
+            for sk, key in cur:
+                if ix.SLOT_KEY.unpack(sk)[0] >= hi:
+                    break
+                victims.append((sk, key))
+            for sk, key in victims:
+                txn.delete(sk, db=index.slots)
+                txn.delete(key, db=index.blocks)
+                txn.put(sk, b"", db=index.free)
+            dropped += len(victims)
+        corrupt = ix.get_u64(txn, index.info, ix.INFO_CORRUPT) + dropped
+        ix.put_u64(txn, index.info, ix.INFO_CORRUPT, corrupt)
+        return dropped
+
+    dropped = index.write(purge)
+    for slab in damaged:
+        slabs.restore_size(slab)
+    return damaged, dropped
+
+
+def warn_repaired(path: str, damaged: dict[int, tuple[str, int]], dropped: int, stacklevel: int) -> None:
+    """Tell the user what ``repair_slabs`` did when a tier was opened."""
+    warnings.warn(f"warm tier {path}: slab(s) {sorted(damaged)} were {sorted({v[0] for v in damaged.values()})}; "
+                  f"dropped {dropped} block(s) whose bytes were lost and restored the files",
+                  stacklevel=stacklevel)

@@ -28,7 +28,7 @@ from tieredkv import counters, policies
 from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import blocks_to_model, model_to_blocks
+from tieredkv.layout import blocks_to_model, model_to_blocks, page_aligned_empty
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
@@ -240,12 +240,14 @@ class TieredCache:
         """``(n_blocks, block_bytes)`` rows of the kept staging buffer (call under ``_warm_lock``).
 
         Kept and reused, never allocated per call: a fresh buffer costs a page fault per 4 KiB on
-        every load. It grows to the largest warm part of a hit and is released at ``close``.
+        every load. Page-aligned: the kernel's copy into a buffer 16 bytes off (where malloc puts
+        large ones) runs at half speed on some CPUs (docs/benchmarks.md). It grows to the largest warm
+        part of a hit and is released at ``close``.
         """
         need = n_blocks * self.spec.block_bytes
         if self._staging is None or self._staging.size < need:
             self._staging = None
-            self._staging = np.empty(need, dtype=np.uint8)
+            self._staging = page_aligned_empty(need)
         return self._staging[:need].reshape(n_blocks, self.spec.block_bytes)
 
     def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:

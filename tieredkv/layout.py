@@ -42,6 +42,14 @@ def block_view(spec: KVSpec, raw: np.ndarray) -> np.ndarray:
     return raw.reshape(-1).view(spec.numpy_dtype).reshape(n, *spec.block_shape)
 
 
+def page_aligned_empty(nbytes: int, page: int = 4096) -> np.ndarray:
+    """An uninitialised uint8 buffer starting on a page boundary (malloc returns large blocks 16
+    bytes past one, which makes ``rep movsb`` copies into it slow on some CPUs, see ``copy_into``)."""
+    raw = np.empty(nbytes + page, dtype=np.uint8)
+    start = (-address(raw)) % page
+    return raw[start:start + nbytes]
+
+
 def address(a: np.ndarray) -> int:
     """The address of ``a``'s first byte (cheaper than ``a.ctypes.data``, which builds a helper)."""
     return a.__array_interface__["data"][0]

@@ -392,6 +392,7 @@ class WarmTier(Tier):
             sums[which] = _work(rows, which, sink, 0, n)
             return complete, sums
         complete = np.zeros(n, dtype=bool)
+        self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the groups, as for one read
         hasher = self._hasher_pool()
         pending = []
         try:

@@ -50,11 +50,15 @@ def prompts_for(spec: KVSpec, n_prompts: int, blocks: int, seed: int = 0):
     return [chunk_keys(spec, rng.integers(0, 50_000, blocks * spec.chunk_tokens)) for _ in range(n_prompts)]
 
 
-def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int) -> dict:
-    """get_many / put_many of ``batch`` blocks vs np.copyto of the same bytes between private buffers."""
+def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int, shm_dir: str | None = None) -> dict:
+    """get_many / put_many of ``batch`` blocks vs np.copyto of the same bytes between private buffers.
+
+    ``shm_dir``: put the segment there (e.g. a tmpfs mounted ``huge=always``) instead of /dev/shm.
+    """
     name = _name()
     n_prompts = max(1, n_slots // batch)
-    tier = HotTier(spec, n_slots=(n_prompts + 1) * batch, name=name)  # one batch of room for puts
+    where = {"shm_dir": shm_dir} if shm_dir else {}
+    tier = HotTier(spec, n_slots=(n_prompts + 1) * batch, name=name, **where)  # one batch of room for puts
     try:
         prompts = prompts_for(spec, n_prompts, batch)
         payload = np.ones((batch, spec.block_bytes), np.uint8)

@@ -180,6 +180,11 @@ def _mount_huge(size_bytes: int) -> str | None:
     return point
 
 
+def _unmount(point: str) -> None:
+    subprocess.run(["umount", point], check=False)
+    shutil.rmtree(point, ignore_errors=True)
+
+
 def run(n_blocks: int, n_procs: int, repeats: int, rounds: int, shm_dir: str | None, try_huge: bool) -> dict:
     report: dict = {"blocks": n_blocks, "bytes": n_blocks * SPEC.block_bytes, "fresh": [], "shared": []}
     name = f"/tieredkv-bench-rp-{os.getpid()}-{secrets.token_hex(3)}"
@@ -204,8 +209,7 @@ def run(n_blocks: int, n_procs: int, repeats: int, rounds: int, shm_dir: str | N
             finally:
                 tier.unlink()
         finally:
-            subprocess.run(["umount", mounted], check=False)
-            shutil.rmtree(mounted, ignore_errors=True)
+            _unmount(mounted)
     return report
 
 

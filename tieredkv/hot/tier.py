@@ -474,7 +474,8 @@ class HotTier(Tier):
         self._stats[_STAT["lookups"]] += 1
         return n
 
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+    def get_many(self, keys: ChunkKeys, out: np.ndarray,
+                 sink: Callable[[int, np.ndarray], None] | None = None) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
         ``out``: the spec's dtype (or uint8) holding at least ``len(keys)`` blocks. Rows past the
@@ -498,6 +499,8 @@ class HotTier(Tier):
                 lowest = s if step == 1 else s - (b - a) + 1
                 skew = skew0 if uniform else (dst0 + at * dstride - src0 - lowest * sstride) % 64 != 0
                 copy_rows(dst[at:first + b], run_rows(data, s, b - a, step), skew)
+                if sink is not None:
+                    sink(at, dst[at:first + b])
 
         return self._read(keys, copy)
 
@@ -519,19 +522,6 @@ class HotTier(Tier):
                 sink(first + a, run_rows(data, s, b - a, step))
 
         return self._read(keys, copy)
-
-    def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
-        """Like ``read_runs``, one block at a time: ``sink(i, block_bytes)`` per block.
-
-        ``block_bytes`` is a uint8 view of the slot in shared memory, valid only during the call.
-        Returns how many leading blocks were delivered.
-        """
-
-        def per_block(i: int, rows: np.ndarray) -> None:
-            for j in range(len(rows)):
-                sink(i + j, rows[j])
-
-        return self.read_runs(keys, per_block)
 
     def _read(self, keys: ChunkKeys, copy: Callable[[int, np.ndarray], None]) -> int:
         n = len(keys)

@@ -88,16 +88,23 @@ def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int, 
             np.copyto(src[k * batch:(k + 1) * batch], payload)
 
         fresh = prompts_for(spec, 1, batch, seed=1)[0]
-        put_times = []
-        for _ in range(repeats + 1):
-            tier.remove(fresh)  # untimed: frees the batch of room again
-            t0 = time.perf_counter()
+
+        def tier_put():
             tier.put_many(fresh, payload)
-            put_times.append(time.perf_counter() - t0)
-        t_put = statistics.median(put_times[1:])
-        t_get = _median_time(tier_get, repeats)
-        t_copy = _median_time(base_copy, repeats)
-        t_store = _median_time(base_store, repeats)
+
+        # Interleaved: each repeat times the tier and its baseline back to back, so that both see the
+        # same machine load (on a shared host the load changes within seconds).
+        samples: dict = {"get": [], "copy": [], "put": [], "store": []}
+        tier_put()
+        for fn in (tier_get, base_copy, base_store):
+            fn()  # warm: page faults, caches
+        for _ in range(repeats):
+            tier.remove(fresh)  # untimed: frees the batch of room again
+            for key, fn in (("copy", base_copy), ("get", tier_get), ("store", base_store), ("put", tier_put)):
+                t0 = time.perf_counter()
+                fn()
+                samples[key].append(time.perf_counter() - t0)
+        t_get, t_copy, t_put, t_store = (statistics.median(samples[k]) for k in ("get", "copy", "put", "store"))
     finally:
         tier.unlink()
     return {"blocks": label, "block_bytes": spec.block_bytes, "batch": batch,

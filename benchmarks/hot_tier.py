@@ -9,6 +9,7 @@ Every speed figure is a ratio to a baseline measured in the same run on the same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -50,15 +51,37 @@ def prompts_for(spec: KVSpec, n_prompts: int, blocks: int, seed: int = 0):
     return [chunk_keys(spec, rng.integers(0, 50_000, blocks * spec.chunk_tokens)) for _ in range(n_prompts)]
 
 
-def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int, shm_dir: str | None = None) -> dict:
+@contextlib.contextmanager
+def segment_dir(path: str | None):
+    """Make segments in ``path`` meanwhile (``TIEREDKV_SHM_DIR``; forked workers inherit it)."""
+    if path is None:
+        yield
+        return
+    old = os.environ.get("TIEREDKV_SHM_DIR")
+    os.environ["TIEREDKV_SHM_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TIEREDKV_SHM_DIR"]
+        else:
+            os.environ["TIEREDKV_SHM_DIR"] = old
+
+
+def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int,
+              shm_dir: str | None = None) -> dict:
     """get_many / put_many of ``batch`` blocks vs np.copyto of the same bytes between private buffers.
 
     ``shm_dir``: put the segment there (e.g. a tmpfs mounted ``huge=always``) instead of /dev/shm.
     """
+    with segment_dir(shm_dir):
+        return _bandwidth(label, spec, n_slots, batch, repeats)
+
+
+def _bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int) -> dict:
     name = _name()
     n_prompts = max(1, n_slots // batch)
-    where = {"shm_dir": shm_dir} if shm_dir else {}
-    tier = HotTier(spec, n_slots=(n_prompts + 1) * batch, name=name, **where)  # one batch of room for puts
+    tier = HotTier(spec, n_slots=(n_prompts + 1) * batch, name=name)  # one batch of room for puts
     try:
         prompts = prompts_for(spec, n_prompts, batch)
         payload = np.ones((batch, spec.block_bytes), np.uint8)

@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from hot_tier import segment_dir  # benchmarks/ is on sys.path when run as a script
 from tieredkv import HotTier, KVSpec, chunk_keys
 
 SPEC = KVSpec(model_id="bench/seed-7b", num_layers=28, num_kv_heads=2, head_dim=128, dtype="float16")
@@ -75,8 +76,7 @@ def _private_restore(blocks: np.ndarray, dst: np.ndarray) -> None:
 def _store_prefix(name: str, n_blocks: int, shm_dir: str | None):
     tokens = np.random.default_rng(0).integers(0, 50_000, n_blocks * SPEC.chunk_tokens)
     keys = chunk_keys(SPEC, tokens)
-    kwargs = {"shm_dir": shm_dir} if shm_dir else {}
-    tier = HotTier(SPEC, n_slots=2 * n_blocks, name=name, **kwargs)
+    tier = HotTier(SPEC, n_slots=2 * n_blocks, name=name)
     # Churn first, as a segment in use has: fill it, free it all, then store the prefix in one call.
     filler = chunk_keys(SPEC, np.random.default_rng(1).integers(0, 50_000, 2 * n_blocks * SPEC.chunk_tokens))
     tier.put_many(filler, np.zeros((len(filler), SPEC.block_bytes), np.uint8))
@@ -89,8 +89,7 @@ def _store_prefix(name: str, n_blocks: int, shm_dir: str | None):
 # ---- shared: N processes at once ------------------------------------------------------------------
 def _shared_worker(name, shm_dir, keys, blocks, use_tier, repeats, barrier, results):
     dst = _model_layout(len(keys) * SPEC.chunk_tokens)
-    kwargs = {"shm_dir": shm_dir} if shm_dir else {}
-    tier = HotTier(SPEC, name=name, policy=None, create=False, **kwargs) if use_tier else None
+    tier = HotTier(SPEC, name=name, policy=None, create=False) if use_tier else None
     private = None if use_tier else blocks.view(SPEC.numpy_dtype).reshape(len(blocks), *SPEC.block_shape).copy()
 
     def once():
@@ -134,8 +133,7 @@ def shared(name: str, shm_dir, keys, blocks, n_procs: int, repeats: int, rounds:
 # ---- fresh: the first restore of a new process ------------------------------------------------------
 def _fresh_worker(name, shm_dir, keys, results):
     dst = _model_layout(len(keys) * SPEC.chunk_tokens)
-    kwargs = {"shm_dir": shm_dir} if shm_dir else {}
-    tier = HotTier(SPEC, name=name, policy=None, create=False, **kwargs)
+    tier = HotTier(SPEC, name=name, policy=None, create=False)
     times, faults = [], []
     for _ in range(2):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -187,30 +185,34 @@ def _unmount(point: str) -> None:
 
 def run(n_blocks: int, n_procs: int, repeats: int, rounds: int, shm_dir: str | None, try_huge: bool) -> dict:
     report: dict = {"blocks": n_blocks, "bytes": n_blocks * SPEC.block_bytes, "fresh": [], "shared": []}
-    name = f"/tieredkv-bench-rp-{os.getpid()}-{secrets.token_hex(3)}"
-    tier, keys, blocks = _store_prefix(name, n_blocks, shm_dir)
-    try:
-        report["shared"].append({"shm_dir": shm_dir or "/dev/shm",
-                                 **shared(name, shm_dir, keys, blocks, n_procs, repeats, rounds)})
-        report["fresh"].append(fresh(name, shm_dir, keys, rounds))
-    finally:
-        tier.unlink()
+    dirs = [shm_dir]
     mounted = None
-    if try_huge and shm_dir is None and "shm_dir" in HotTier.__init__.__code__.co_varnames:
+    if try_huge and shm_dir is None and _tiers_take_a_directory():
         mounted = _mount_huge(4 * n_blocks * SPEC.block_bytes + (256 << 20))
-    if mounted:
-        try:
-            name = f"/tieredkv-bench-rp-{os.getpid()}-{secrets.token_hex(3)}"
-            tier, keys, blocks = _store_prefix(name, n_blocks, mounted)
-            try:
-                report["shared"].append({"shm_dir": mounted,
-                                         **shared(name, mounted, keys, blocks, n_procs, repeats, rounds)})
-                report["fresh"].append(fresh(name, mounted, keys, rounds))
-            finally:
-                tier.unlink()
-        finally:
+        if mounted:
+            dirs.append(mounted)
+    try:
+        for where in dirs:
+            with segment_dir(where):  # workers are forked: they inherit the directory
+                name = f"/tieredkv-bench-rp-{os.getpid()}-{secrets.token_hex(3)}"
+                tier, keys, blocks = _store_prefix(name, n_blocks, where)
+                try:
+                    report["shared"].append({"shm_dir": where or "/dev/shm",
+                                             **shared(name, where, keys, blocks, n_procs, repeats, rounds)})
+                    report["fresh"].append(fresh(name, where, keys, rounds))
+                finally:
+                    tier.unlink()
+    finally:
+        if mounted:
             _unmount(mounted)
     return report
+
+
+def _tiers_take_a_directory() -> bool:
+    """Whether this tieredkv puts segments where ``TIEREDKV_SHM_DIR`` says (older ones: /dev/shm only)."""
+    from tieredkv.hot import segment
+
+    return hasattr(segment, "SHM_DIR_ENV")
 
 
 def main(argv=None) -> int:

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
          f"{big['memcpy_gbps']:.2f} GB/s", big["get_ratio"], ">= 0.95")
     _row(rows, "hot put, 1.75 MiB (x memcpy)", f"{big['put_overhead_us_per_block']:.0f} us/block overhead",
          "np.copyto", big["put_ratio"], ">= 0.95")
-    huge = restore_processes._mount_huge(512 << 20) if _has_shm_dir() else None
+    huge = restore_processes._mount_huge(512 << 20) if restore_processes._tiers_take_a_directory() else None
     if huge:
         try:
             hb = hot_tier.bandwidth("1.75MiB", hot_tier.SPECS["1.75MiB"], 32 if q else 128, 16, reps, shm_dir=huge)
@@ -139,12 +139,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows, "quick": q, "tieredkv": str(Path(tieredkv.__file__).parent)}, fh, indent=1)
     return 0
-
-
-def _has_shm_dir() -> bool:
-    from tieredkv import HotTier
-
-    return "shm_dir" in HotTier.__init__.__code__.co_varnames
 
 
 if __name__ == "__main__":

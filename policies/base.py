@@ -22,13 +22,13 @@ aligned int64 words (a lost update under a race is fine; a torn structure is not
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from .state import SlotState
 
-_REGISTRY: dict[str, type["EvictionPolicy"]] = {}
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
 
 
 class UnknownPolicy(KeyError):
@@ -60,6 +60,12 @@ class EvictionPolicy(abc.ABC):
     def ghost_capacity(self, n_slots: int) -> int:
         """Live keys each ghost list holds for a cache of ``n_slots`` (0: the policy keeps no ghosts)."""
         return 0
+
+    def full_name(self) -> str:
+        """The name ``make`` rebuilds this policy from, wrapped policies included
+        (``"prefix_aware:arc"``): what a tier records and compares, since two policies with one
+        ``name`` may keep different state."""
+        return self.name
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_insert(self, st: SlotState, slots: np.ndarray) -> None:
@@ -105,7 +111,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make(spec: "str | EvictionPolicy", **params) -> EvictionPolicy:
+def make(spec: str | EvictionPolicy, **params) -> EvictionPolicy:
     """Build a policy from its name (``"lru"``, ``"prefix_aware:s3fifo"``, ...) or pass one through.
 
     Args:

@@ -26,7 +26,7 @@ class PrefixAware(EvictionPolicy):
 
     name = "prefix_aware"
 
-    def __init__(self, base: "EvictionPolicy | str" = "lru", **params):
+    def __init__(self, base: EvictionPolicy | str = "lru", **params):
         self.base = make(base, **params)
         self.slot_fields = self.base.slot_fields
         self.global_fields = self.base.global_fields
@@ -35,6 +35,9 @@ class PrefixAware(EvictionPolicy):
 
     def ghost_capacity(self, n_slots):
         return self.base.ghost_capacity(n_slots)
+
+    def full_name(self):
+        return f"{self.name}:{self.base.full_name()}"
 
     def on_insert(self, st, slots):
         self.base.on_insert(st, slots)

@@ -255,6 +255,7 @@ def _worker(spec, seg_name, warm_dir, worker, results):
     results.put((wrong, loaded))
 
 
+@pytest.mark.procs
 def test_eight_processes_store_and_load_the_same_prefixes(spec, make, tmp_path, seg_name):
     cache = make(hot_slots=24)  # creates the segment and the warm tier; workers attach
     results = SPAWN.Queue()

@@ -10,10 +10,12 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
+from helpers import LazyModule
 from tieredkv import KVSpec
 from tieredkv import demo
+
+torch = LazyModule("torch")  # imported by the tests that use it, not at collection
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = KVSpec(model_id="demo-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=4)
@@ -87,6 +89,7 @@ def test_bad_flags_are_refused():
     assert parser.parse_args(["--hot-bytes", "512M"]).hot_bytes == 512 << 20
 
 
+@pytest.mark.procs
 def test_demo_end_to_end_on_worker_processes(tmp_path):
     """2 workers x 2 requests through all four configurations; checks the JSON's shape and hit rates."""
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"

@@ -89,6 +89,7 @@ def _unlink_matching(token: str) -> None:
                 pass
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name,code", _runnable())
 def test_code_block_runs(name, code, tmp_path):
     """Each block runs in a fresh interpreter, in an empty directory. Segment names and model ids are

@@ -36,12 +36,13 @@ def test_policy_of_mounts(huge_dir):
     assert seg.huge_page_policy("/proc") == "unknown"  # not a tmpfs
 
 
-def test_segment_on_huge_tmpfs_gets_huge_pages(huge_dir, seg_name):
+def test_segment_on_huge_tmpfs_gets_huge_pages(huge_dir, seg_name, monkeypatch):
+    monkeypatch.setenv(seg.SHM_DIR_ENV, str(huge_dir))
     keys = chunk_keys(SPEC, np.arange(32 * SPEC.chunk_tokens))
     data = payload_for(SPEC, keys)
-    with HotTier(SPEC, n_slots=40, name=seg_name, shm_dir=huge_dir) as tier:
+    with HotTier(SPEC, n_slots=40, name=seg_name) as tier:
         assert (huge_dir / seg_name.lstrip("/")).exists()
-        assert not seg._shm_path(seg_name, "/dev/shm").exists()
+        assert not (seg.SHM_DIR / seg_name.lstrip("/")).exists()
         tier.put_many(keys, data)
         out = np.zeros_like(data)
         assert tier.get_many(keys, out) == 32
@@ -50,24 +51,25 @@ def test_segment_on_huge_tmpfs_gets_huge_pages(huge_dir, seg_name):
         assert extra["huge_pages"] == "always" and extra["shm_dir"] == str(huge_dir)
         assert extra["huge_mapped_bytes"] >= 2 << 20  # at least one 2 MiB page backs what we touched
         # Another handle (another process would do the same) finds it through the same directory.
-        with HotTier(SPEC, name=seg_name, policy=None, create=False, shm_dir=huge_dir) as other:
+        with HotTier(SPEC, name=seg_name, policy=None, create=False) as other:
             assert other.match(keys) == 32
         tier.unlink()
     assert not (huge_dir / seg_name.lstrip("/")).exists()
 
 
-def test_environment_selects_the_directory(huge_dir, seg_name, monkeypatch):
+def test_cache_and_ls_see_the_directory(huge_dir, seg_name, monkeypatch):
     monkeypatch.setenv(seg.SHM_DIR_ENV, str(huge_dir))
     with TieredCache(SPEC, hot_blocks=8, hot_name=seg_name) as cache:
-        assert cache.hot.shm_dir == huge_dir
+        assert cache.hot.stats().extra["shm_dir"] == str(huge_dir)
         [doc] = [d for d in admin.list_segments() if d["name"] == seg_name]
         assert doc["huge_pages"] == "always" and not doc["error"]
         cache.unlink_hot()
 
 
-def test_default_dev_shm_reports_its_policy(tiny_spec, seg_name):
+def test_default_dev_shm_reports_its_policy(tiny_spec, seg_name, monkeypatch):
+    monkeypatch.delenv(seg.SHM_DIR_ENV, raising=False)
     with HotTier(tiny_spec, n_slots=4, name=seg_name) as tier:
         extra = tier.stats().extra
-        assert extra["shm_dir"] == str(seg.shm_dir())
+        assert extra["shm_dir"] == str(seg.SHM_DIR)
         assert extra["huge_pages"] in ("always", "within_size", "advise", "never", "unknown")
         assert extra["huge_mapped_bytes"] >= 0

@@ -112,6 +112,7 @@ def test_evictions_promotions_demotions(spec, seg_name, tmp_path):
     assert not any(n.startswith("tieredkv_warm_blocks") for n, _ in d)  # no warm_dir given: no warm series
 
 
+@pytest.mark.procs
 def test_counters_are_per_host_not_per_process(spec, seg_name):
     """Another process's lookups show up in this process's scrape, also after it exited."""
     with TieredCache(spec, hot_bytes=MiB, hot_name=seg_name) as cache:

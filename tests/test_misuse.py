@@ -136,7 +136,7 @@ def test_torch_wrong_dtype_and_device(cache):
 def test_bad_constructor_arguments(seg_name, tmp_path):
     with pytest.raises(InvalidInput, match="KVSpec"):
         TieredCache({"model_id": "x"}, hot_bytes=MiB)
-    with pytest.raises(InvalidInput, match="capacity_bytes must be positive"):
+    with pytest.raises(InvalidInput, match="hot_bytes must be a positive integer"):
         TieredCache(SPEC, hot_bytes=-1, hot_name=seg_name)
     with pytest.raises(InvalidInput, match="invalid segment name"):
         TieredCache(SPEC, hot_bytes=MiB, hot_name="../x")

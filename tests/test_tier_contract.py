@@ -166,6 +166,21 @@ def test_duplicate_keys_in_one_batch_store_once(make):
     assert tier.stats().used_blocks == 2 and tier.stats().puts == 2
 
 
+def test_a_key_twice_in_one_read_is_delivered_twice_and_leaves_the_block_removable(make):
+    """Regression (hot tier): pinning with ``pins[slots] += 1`` counted a repeated slot once but
+    unpinned it twice, wrapping the pin count; the block could then never be removed or evicted."""
+    tier = make()
+    keys = prompt(2, seed=17)
+    data = blocks(keys)
+    tier.put_many(keys, data)
+    twice = keys.take([0, 0, 1])
+    out = np.zeros((3, SPEC.block_bytes), np.uint8)
+    assert tier.get_many(twice, out) == 3
+    assert np.array_equal(out, data[[0, 0, 1]])
+    assert tier.remove(keys[:1]) == 1
+    assert len(tier.evict(1).keys) == 1 and tier.stats().used_blocks == 0
+
+
 def test_a_batch_larger_than_the_tier_stores_its_leading_blocks(make):
     tier = make(capacity_blocks=4)
     keys = prompt(6, seed=5)

@@ -4,9 +4,19 @@ Public names: ``KVSpec``, ``chunk_keys``, ``ChunkKeys``, the tiers (``HotTier``,
 users hold (``TieredCache``) and the ``TieredKVError`` family.
 """
 
-from tieredkv.errors import (CapacityError, CorruptState, FormatError, InvalidInput, InvalidName,
-                             InvalidPayload, LockTimeout, PermissionDenied, SpecMismatch, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import (
+    CapacityError,
+    CorruptState,
+    FormatError,
+    InvalidInput,
+    InvalidName,
+    InvalidPayload,
+    LockTimeout,
+    PermissionDenied,
+    SpecMismatch,
+    TieredKVError,
+    WarmTierUnavailable,
+)
 from tieredkv.keys import ChunkKeys, chunk_keys
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -25,16 +26,31 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, policies
-from tieredkv.errors import InvalidInput, InvalidPayload, TieredKVError
+from tieredkv.errors import (
+    CorruptState,
+    FormatError,
+    InvalidInput,
+    InvalidPayload,
+    LockTimeout,
+    PermissionDenied,
+    TieredKVError,
+    WarmTierUnavailable,
+    require_positive_int,
+    require_positive_seconds,
+)
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import blocks_to_model, model_to_blocks, page_aligned_empty
+from tieredkv.layout import blocks_to_model, model_to_blocks, overlaps_itself, page_aligned_empty
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM = 0, 1
+
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
+#: TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +102,12 @@ class TieredCache:
         demotion: ``"on_evict"``, ``"write_through"`` or ``"on_nth_hit:N"`` (hot -> warm).
         hot_name: segment name (default derived from the spec).
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
-        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``.
+        warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``. Only
+            ``"always"`` (the default) protects against media corruption: the others serve blocks
+            damaged on disk unless sampled (docs/warm-tier.md).
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
-        hot_dir: the tmpfs directory of the hot segment (default ``$TIEREDKV_SHM_DIR`` or /dev/shm);
-            a tmpfs mounted with ``huge=always`` gives it huge pages (docs/tuning.md).
+        lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
+            lock, the warm tier's writer lock) before ``LockTimeout``.
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
@@ -98,17 +116,28 @@ class TieredCache:
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
-                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none", warm_verify: str = "always",
-                 numa_node: int | None = None, lock_timeout_s: float = 10.0, hot_dir=None):
+                 hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none",
+                 warm_verify: str = "always",
+                 numa_node: int | None = None, lock_timeout_s: float = 10.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        # Checked here, under the names the caller used, before any tier is made.
+        if hot_bytes is not None:
+            hot_bytes = require_positive_int("hot_bytes", hot_bytes, "256 << 20")
+        if hot_blocks is not None:
+            hot_blocks = require_positive_int("hot_blocks", hot_blocks, "4096")
+        lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
         try:
             policies.make(eviction)
             self.promotion = promotion_rules.make(promotion)
             self.demotion = demotion_rules.make(demotion)
         except (KeyError, ValueError, TypeError) as e:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
+        if warm_dir is not None and (isinstance(warm_dir, bytes) or not isinstance(warm_dir, (str, os.PathLike))
+                                     or not os.fspath(warm_dir)):
+            # "" would silently put the warm tier in whatever directory the worker started in.
+            raise InvalidInput(f"warm_dir must be a non-empty path (str or os.PathLike) or None, got {warm_dir!r}")
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
         self._lock = threading.Lock()
@@ -120,16 +149,30 @@ class TieredCache:
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._private_counters = counters.private()
         self.warm: Tier | None = None
-        self.hot: Tier | None = None
+        self.hot: Tier  # set below; close() copes with a constructor that failed before it
+        warm_failed = False
         try:
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
 
-                self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                     policy=eviction)
+                try:
+                    self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
+                                         policy=eviction, lock_timeout_s=lock_timeout_s)
+                except _WARM_STATE_ERRORS as e:
+                    if isinstance(e, PermissionDenied):
+                        raise  # another user's files: an operator decision, never silently worked around
+                    # The warm tier's files are damaged or unusable right now. That must not keep the
+                    # worker (and with it the hot tier every worker shares) from starting: serve hot-only
+                    # and say so. Misuse (bad arguments, another spec, another user's files) still raises.
+                    warnings.warn(f"tieredkv: the warm tier at {warm_dir} cannot open ({e}); running "
+                                  f"hot-only until restart (`tieredkv verify --repair` checks and "
+                                  f"rebuilds it)", RuntimeWarning, stacklevel=2)
+                    warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
-                               lock_timeout_s=lock_timeout_s, shm_dir=hot_dir,
+                               lock_timeout_s=lock_timeout_s,
                                on_evict=self._demote if self.warm is not None else None)
+            if warm_failed:
+                self._count(warm_errors=1)
         except BaseException:
             self.close()
             raise
@@ -151,7 +194,8 @@ class TieredCache:
             if len(missing) and self.warm is not None:
                 # The run ends at the first block in neither tier: ask warm for the leading run of
                 # hot misses only (match stops at its first miss; no lookups past it).
-                n = self._warm_call(lambda: self.warm.match(keys.take(missing)), default=0)
+                warm = self.warm
+                n = self._warm_call(lambda: warm.match(keys.take(missing)), default=0)
                 where[missing[:n]] = WARM
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
@@ -228,9 +272,10 @@ class TieredCache:
         def sink(i: int, rows: np.ndarray) -> None:  # runs while the warm tier reads the next group
             blocks_to_model(self.spec, rows, target, (first + i) * C)
 
-        corrupt_before = self.warm.corrupt_seen
-        got = self._warm_call(lambda: self.warm.get_many(keys, staging, sink), default=0)
-        self._count(corrupt_blocks=self.warm.corrupt_seen - corrupt_before)
+        warm = self._warm_tier()
+        corrupt_before = warm.corrupt_seen
+        got = self._warm_call(lambda: warm.get_many(keys, staging, sink), default=0)
+        self._count(corrupt_blocks=warm.corrupt_seen - corrupt_before)
         if got:
             promote.append((keys[:got], staging[:got]))
         self._count(warm_bytes_read=got * self.spec.block_bytes)
@@ -282,8 +327,9 @@ class TieredCache:
         if not len(keys):
             return 0
         todo = np.flatnonzero(~self.hot.contains_many(keys))
-        if len(todo) and self.warm is not None and not self.demotion.at_store:
-            in_warm = self._warm_call(lambda: self.warm.contains_many(keys.take(todo)),
+        warm = self.warm
+        if len(todo) and warm is not None and not self.demotion.at_store:
+            in_warm = self._warm_call(lambda: warm.contains_many(keys.take(todo)),
                                       default=np.zeros(len(todo), dtype=bool))
             todo = todo[~in_warm]
         if not len(todo):
@@ -305,7 +351,7 @@ class TieredCache:
                 to_warm = np.flatnonzero(codes == PutResult.NO_SPACE)
         if to_warm is not None:
             wkeys, wpayloads = (new, payloads) if len(to_warm) == len(new) else (new.take(to_warm), payloads[to_warm])
-            wcodes = self._warm_call(lambda: self.warm.put_many(wkeys, wpayloads), default=None)
+            wcodes = self._warm_call(lambda: self._warm_tier().put_many(wkeys, wpayloads), default=None)
             if wcodes is not None:
                 n = int(np.count_nonzero(wcodes == PutResult.STORED))
                 self._count(warm_bytes_written=n * self.spec.block_bytes)
@@ -319,11 +365,18 @@ class TieredCache:
         chosen = np.flatnonzero(self.demotion.should_demote(evicted.hits))
         if not len(chosen):
             return
-        codes = self._warm_call(lambda: self.warm.put_many(evicted.keys.take(chosen), evicted.payloads[chosen]),
+        payloads = evicted.payloads
+        codes = self._warm_call(lambda: self._warm_tier().put_many(evicted.keys.take(chosen), payloads[chosen]),
                                 default=None)
         if codes is not None:
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(demotions=n, warm_bytes_written=n * self.spec.block_bytes)
+
+    def _warm_tier(self) -> Tier:
+        """The warm tier, on paths that run only when there is one."""
+        if self.warm is None:
+            raise InvalidInput("this TieredCache has no warm tier (open it with warm_dir=...)")
+        return self.warm
 
     def _warm_call(self, fn, default):
         """Run a warm-tier call; a warm failure degrades to a miss (counted, warned once), never an
@@ -352,6 +405,18 @@ class TieredCache:
         if arr.shape[3] < min_tokens:
             raise InvalidPayload(f"{what} holds {arr.shape[3]} tokens; the hit needs {min_tokens}")
 
+    @staticmethod
+    def _check_no_overlap(out) -> None:
+        if isinstance(out, np.ndarray):
+            strides, size = out.strides, out.itemsize
+        else:  # torch counts strides in elements
+            size = out.element_size()
+            strides = tuple(st * size for st in out.stride())
+        if overlaps_itself(tuple(out.shape), strides, size):
+            raise InvalidPayload(f"out has overlapping strides (byte strides {strides}, as made by as_strided "
+                                 "or expand): restored tokens would overwrite each other; pass an array with "
+                                 "one element per index")
+
     def _torch_dtype_ok(self, t) -> bool:
         return str(t.dtype).removeprefix("torch.") == self.spec.dtype
 
@@ -365,6 +430,7 @@ class TieredCache:
             if not out.flags.writeable:
                 raise InvalidPayload("out is read-only")
             self._check_array(out, "out", min_tokens)
+            self._check_no_overlap(out)
             return out, lambda n: None
         torch = _torch_or_none(out)
         if torch is None:
@@ -372,6 +438,11 @@ class TieredCache:
         if not self._torch_dtype_ok(out):
             raise InvalidPayload(f"out dtype {out.dtype} != the spec's {self.spec.dtype}")
         self._check_array(out, "out", min_tokens)
+        _check_device(out, "out")
+        if out.requires_grad:
+            raise InvalidPayload("out requires grad: autograd cannot track a cache restore; allocate it "
+                                 "without requires_grad (or pass out.detach(), which shares its memory)")
+        self._check_no_overlap(out)
         if out.device.type == "cpu":
             return _numpy_of(out, self.spec.numpy_dtype), lambda n: None
         # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call. The
@@ -406,6 +477,7 @@ class TieredCache:
         if not self._torch_dtype_ok(kv):
             raise InvalidPayload(f"kv dtype {kv.dtype} != the spec's {self.spec.dtype}")
         self._check_array(kv, "kv", 0)
+        _check_device(kv, "kv")
         if kv.device.type != "cpu":
             kv = kv.detach().to("cpu")
         return _numpy_of(kv.detach(), self.spec.numpy_dtype)
@@ -437,11 +509,11 @@ class TieredCache:
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
         prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
-        if self.hot is None:
+        if getattr(self, "hot", None) is None:
             raise InvalidInput("this TieredCache is closed")
         doc = self._counters().totals()
         doc["prefix_hit_rate"] = counters.prefix_hit_rate(doc)
-        doc["hot"] = self.hot.stats().to_dict() if self.hot is not None else None
+        doc["hot"] = self.hot.stats().to_dict()
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
         return doc
 
@@ -451,18 +523,19 @@ class TieredCache:
         Processes that still map the segment keep using it until they close; the next TieredCache
         creates a fresh, empty segment. The warm tier is untouched.
         """
-        if isinstance(self.hot, HotTier):
-            self.hot.unlink()
+        hot = getattr(self, "hot", None)
+        if isinstance(hot, HotTier):
+            hot.unlink()
         self.close()
 
     def close(self) -> None:
         """Close both tiers (idempotent). Shared state stays for other processes and restarts."""
-        for tier in (self.hot, self.warm):
+        for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()
         self._staging = None
 
-    def __enter__(self) -> "TieredCache":
+    def __enter__(self) -> TieredCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -470,7 +543,7 @@ class TieredCache:
 
     def __repr__(self) -> str:
         warm = "" if self.warm is None else f", warm={self.warm!r}"
-        return f"TieredCache({self.spec.namespace}, hot={self.hot!r}{warm})"
+        return f"TieredCache({self.spec.namespace}, hot={getattr(self, 'hot', None)!r}{warm})"
 
 
 def _torch_or_none(obj: Any):
@@ -479,6 +552,11 @@ def _torch_or_none(obj: Any):
     import torch
 
     return torch if isinstance(obj, torch.Tensor) else None
+
+
+def _check_device(t, what: str) -> None:
+    if t.device.type == "meta":
+        raise InvalidPayload(f"{what} is on the meta device, which holds no data; pass a CPU or CUDA tensor")
 
 
 def _numpy_of(t, numpy_dtype: np.dtype) -> np.ndarray:

@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import runpy
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tieredkv.errors import TieredKVError
 from tieredkv.spec import KVSpec
@@ -77,10 +79,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     def text() -> str:
         rows = [["bytes per token", f"{doc['bytes_per_token']:,}"],
-                ["block (chunk of %d tokens)" % spec.chunk_tokens, human(doc["block_bytes"])],
+                [f"block (chunk of {spec.chunk_tokens} tokens)", human(doc["block_bytes"])],
                 ["KV per request", human(doc["kv_per_request_bytes"])],
-                ["KV per worker (x%d concurrent)" % args.concurrency, human(doc["kv_per_worker_bytes"])],
-                ["KV in total (x%d workers)" % args.workers, human(doc["kv_total_bytes"])],
+                [f"KV per worker (x{args.concurrency} concurrent)", human(doc["kv_per_worker_bytes"])],
+                [f"KV in total (x{args.workers} workers)", human(doc["kv_total_bytes"])],
                 ["shared prefix, one copy", human(doc["prefix_kv_bytes"])],
                 ["duplicate prefix bytes (upper bound)", human(doc["duplicate_prefix_bytes"])],
                 ["removed by sharing (one copy kept)", human(doc["saved_by_sharing_bytes"])],
@@ -197,7 +199,8 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
              f"({c['hit_tokens']:,} of {c['prompt_tokens']:,} prompt tokens served from cache)"]
     if delta is not None:
         rate = "    - " if delta["prefix_hit_rate"] is None else f"{100 * delta['prefix_hit_rate']:5.1f}%"
-        lines.append(f"  {'last %g s' % round(delta['seconds'], 1):<17}{rate}   ({delta['hit_tokens']:,} of "
+        last = f"last {round(delta['seconds'], 1):g} s"
+        lines.append(f"  {last:<17}{rate}   ({delta['hit_tokens']:,} of "
                      f"{delta['prompt_tokens']:,} prompt tokens; {delta['lookups']:,} lookups, "
                      f"{delta['evictions']:,} evicted, {delta['promotions']:,} promoted, "
                      f"{delta['demotions']:,} demoted)")
@@ -254,7 +257,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         else:
             if args.watch and sys.stdout.isatty():
                 print("\033[H\033[J", end="")  # clear the screen between refreshes
-            _emit(args, doc, lambda: _stats_text(name, doc, doc["interval"]))
+            _emit(args, doc, functools.partial(_stats_text, name, doc, doc["interval"]))
         shown += 1
         if not args.watch or (args.count is not None and shown >= args.count):
             return 0
@@ -270,23 +273,32 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
     if bool(args.names) == bool(args.stale):
         raise UsageError("give segment NAMEs or --stale (not both)")
+    if args.idle and not args.stale:
+        raise UsageError("--idle goes with --stale")
     verb = "would remove" if args.dry_run else "removed"
     if args.stale:
         import posix_ipc
 
-        gone = []
+        gone, failed = [], []
         for d in _matching(admin.list_segments(), args.match):
-            if not d["stale"]:
+            wanted = d["stale"] or (args.idle and d["idle"])
+            if not wanted:
                 continue
-            if not args.dry_run:
-                try:
-                    admin.remove(d["name"])
-                except posix_ipc.ExistentialError:  # someone else removed it meanwhile
-                    continue
-            gone.append({"name": d["name"], "reason": d["reason"]})
-        _emit(args, {"removed": gone, "missing": [], "dry_run": args.dry_run},
+            if args.dry_run:
+                gone.append({"name": d["name"], "reason": d["reason"]})
+                continue
+            try:
+                # Judged again under the segment's lock: it may have come to life since the listing.
+                reason = admin.remove_if_stale(d["name"], idle=args.idle)
+            except (OSError, posix_ipc.Error, TieredKVError) as e:  # one odd entry must not stop the others
+                failed.append(d["name"])
+                print(f"tieredkv rm: {d['name']}: {e}", file=sys.stderr)
+                continue
+            if reason is not None:
+                gone.append({"name": d["name"], "reason": reason})
+        _emit(args, {"removed": gone, "missing": [], "failed": failed, "dry_run": args.dry_run},
               lambda: "\n".join(f"{verb} {d['name']}: {d['reason']}" for d in gone) or "no stale segments")
-        return 0
+        return 1 if failed else 0
     import posix_ipc
 
     from tieredkv.hot import segment as seg
@@ -323,8 +335,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bad_slabs = [f"{s['name']} {s['status']}" for s in t.get("slabs", []) if s["status"] != "ok"]
             line = (f"{t['path']}: {t['blocks_checked']:,} blocks checked, {len(t['bad_blocks']):,} bad"
                     + (f", {t['dead_claims']} dead claims" if t["dead_claims"] else "")
+                    + (f", {t['lost_slots']} lost slots" if t.get("lost_slots") else "")
                     + (f", slabs: {'; '.join(bad_slabs)}" if bad_slabs else "")
                     + (f", meta.json {t['meta']}" if t["meta"] != "ok" else "")
+                    + (f", index {t['index']}" if t.get("index", "ok") != "ok" else "")
                     + (f", {t['removed']:,} dropped" if args.repair else "")
                     + (f", error: {t['error']}" if t.get("error") else "")
                     + ("" if t["ok"] else "  <-- DAMAGED"))
@@ -336,6 +350,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return "\n".join(lines) or f"no warm tier under {args.directory}"
 
     _emit(args, report, text)
+    if not tiers:
+        print(f"tieredkv verify: no warm tier under {args.directory}", file=sys.stderr)
+        return 1  # a typo in the path must not pass as "nothing damaged"
+    if args.repair:
+        # Damage found and repaired is a success: `verify --repair && start-workers` must work.
+        return 0 if all(t["repaired"] and not t.get("error") for t in tiers) else 2
     return 0 if report.get("ok", True) else 2
 
 
@@ -416,9 +436,10 @@ EXAMPLES = {
     "stats": ["tieredkv stats --watch 2                  # the only segment, refreshed every 2 s",
               "tieredkv stats /tieredkv-NAME --json -",
               "tieredkv stats --prometheus 9400 --addr 0.0.0.0 --warm-dir /var/cache/tieredkv"],
-    "rm": ["tieredkv rm --stale --dry-run", "tieredkv rm /tieredkv-NAME",
+    "rm": ["tieredkv rm --stale --dry-run", "tieredkv rm --stale --idle", "tieredkv rm /tieredkv-NAME",
            "tieredkv rm --stale --match '/tieredkv-test-*'"],
-    "verify": ["tieredkv verify /var/cache/tieredkv", "tieredkv verify /var/cache/tieredkv --repair --json report.json"],
+    "verify": ["tieredkv verify /var/cache/tieredkv",
+               "tieredkv verify /var/cache/tieredkv --repair --json report.json"],
     "simulate": ["tieredkv simulate --trace mooncake.jsonl --policy lru,s3fifo --capacity 1000,5% --plot mrc.png",
                  "tieredkv simulate --synthetic 20000 --policy lru,arc --hot 5% --warm 20% --json -"],
     "bench": ["tieredkv bench hot_tier -- --quick", "tieredkv bench --json warm.json warm_tier -- --quick"],
@@ -499,19 +520,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(p, "the counters (with --watch: '-' prints one JSON document per line and refresh)")
 
     p = add("rm", cmd_rm, "remove segments by name, or the stale ones",
-            "Stale: a segment of another layout version or not ours, a leftover of a creator that died, or a\n"
-            "segment no process has open (its blocks are lost when removed). Processes that map a removed\n"
-            "segment keep their mapping until they close it.")
+            "Stale: no process has it open and it is dead: another layout version, damaged or not ours, or\n"
+            "a leftover of a creator that died. A segment with a live handle is never stale. Idle (no process\n"
+            "has it open, but usable: workers between restarts) goes only with --idle, since its blocks are\n"
+            "lost when removed. Processes that map a removed segment keep their mapping until they close it.")
     p.add_argument("names", nargs="*", metavar="NAME", help="segment names, e.g. /tieredkv-...")
     p.add_argument("--stale", action="store_true",
-                   help="remove segments of another layout version, a dead creator's leftovers, and segments "
-                        "that no process has open")
+                   help="remove segments of another layout version, damaged ones and a dead creator's leftovers")
+    p.add_argument("--idle", action="store_true",
+                   help="with --stale: also remove usable segments that no process has open right now")
     p.add_argument("--match", metavar="PATTERN", help="with --stale: only segments whose name matches this "
                                                       "shell pattern")
     p.add_argument("--dry-run", action="store_true", help="say what would be removed")
     _add_json(p, "what was removed")
 
-    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged)",
+    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged, 1 if no tier; "
+            "with --repair 0 once repaired)",
             "Safe while workers use the tier. --repair drops bad blocks from the index, reaps dead writers'\n"
             "claims, restores slab sizes and rewrites a damaged meta.json (see docs/warm-tier.md).")
     p.add_argument("directory", help="a warm tier directory, or a root holding several")

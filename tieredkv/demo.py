@@ -441,8 +441,8 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
             progress.advance()
         wall = time.perf_counter() - start
         # Memory while every worker is alive and idle, before anything else touches the caches.
-        per_worker = [pss_bytes(pid) for pid in pool.pids.values()]
-        pss = {k: sum(p[k] for p in per_worker) for k in _PSS_FIELDS}
+        pss_per_worker = [pss_bytes(pid) for pid in pool.pids.values()]
+        pss = {k: sum(p[k] for p in pss_per_worker) for k in _PSS_FIELDS}
         rss = sum(rss_bytes(pid) for pid in pool.pids.values())
         prefix = requests[0][: settings.prefix_tokens]
         for q in pool.tasks:
@@ -462,9 +462,10 @@ def drop_hot_tier(spec: KVSpec) -> bool:
     import posix_ipc
 
     from tieredkv.hot.segment import default_name
+    from tieredkv.hot.segment import unlink as seg_unlink
 
     try:
-        posix_ipc.unlink_shared_memory(default_name(spec))
+        seg_unlink(default_name(spec))
     except posix_ipc.ExistentialError:
         return False
     return True
@@ -513,7 +514,8 @@ def _size(n: float) -> str:
 
 
 def format_table(doc: dict) -> str:
-    """The write-up's table: one row per configuration, then the changes against no_cache and private."""
+    """The results table (as in docs/architecture.md, "Targets"): one row per configuration, then the
+    changes against no_cache and private."""
     head = ("config", "prefix KV held", "PSS (workers)", "TTFT p50", "TTFT p99", "tokens/s", "prefix hit")
     rows = [head]
     for name, c in doc["configs"].items():

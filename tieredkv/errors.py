@@ -47,3 +47,28 @@ class PermissionDenied(TieredKVError, PermissionError):
 
 class WarmTierUnavailable(TieredKVError):
     """The warm tier cannot be written (read-only directory, disk full, I/O error)."""
+
+
+# ---- argument checks shared by the public constructors ----------------------------------------
+def require_positive_int(name: str, value: object, example: str = "") -> int:
+    """Return ``value`` as an int, or raise ``InvalidInput`` naming ``name``.
+
+    Bools and strings are refused even though Python would convert some of them: ``"8M"`` or
+    ``True`` as a size is always a caller's mistake.
+    """
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        hint = f" (e.g. {name}={example})" if example else ""
+        raise InvalidInput(f"{name} must be a positive integer{hint}, got {value!r}")
+    return int(value)
+
+
+def require_positive_seconds(name: str, value: object) -> float:
+    """Return ``value`` as a finite, positive float of seconds, or raise ``InvalidInput`` naming ``name``."""
+    import math
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise InvalidInput(f"{name} must be a positive, finite number of seconds (e.g. {name}=10.0), got {value!r}")
+    return float(value)

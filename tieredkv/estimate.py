@@ -1,10 +1,10 @@
-"""The write-up's sizing and benefit estimate (seed-notes.md, "Quick estimate").
+"""Sizing and benefit estimate (the sizing rule of docs/architecture.md, "Targets").
 
 KV bytes per token = layers x 2 x kv_heads x head_dim x dtype bytes. With ``workers`` processes each
 serving ``concurrency`` requests that share a ``prefix_tokens`` system prompt, every request holds its
-own copy of the prefix's KV unless the copies are shared; the write-up's upper bound on what sharing
-removes is prefix tokens x concurrent requests x bytes per token (one copy must remain: the exact
-saving is that minus one copy).
+own copy of the prefix's KV unless the copies are shared; the upper bound on what sharing removes is
+prefix tokens x concurrent requests x bytes per token (one copy must remain: the exact saving is that
+minus one copy).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def estimate(spec: KVSpec, *, prompt_tokens: int, prefix_tokens: int, concurrenc
     bpt = spec.bytes_per_token
     requests = concurrency * workers
     prefix_bytes = prefix_tokens * bpt
-    doc = {
+    doc: dict[str, float] = {
         "bytes_per_token": bpt,
         "block_bytes": spec.block_bytes,
         "kv_per_request_bytes": prompt_tokens * bpt,
@@ -41,7 +41,7 @@ def estimate(spec: KVSpec, *, prompt_tokens: int, prefix_tokens: int, concurrenc
         "kv_total_bytes": prompt_tokens * bpt * requests,
         "prefix_kv_bytes": prefix_bytes,
         "concurrent_requests": requests,
-        "duplicate_prefix_bytes": prefix_bytes * requests,          # the write-up's upper bound
+        "duplicate_prefix_bytes": prefix_bytes * requests,          # the upper bound
         "saved_by_sharing_bytes": prefix_bytes * (requests - 1),     # one copy stays
         "kv_total_shared_bytes": prompt_tokens * bpt * requests - prefix_bytes * (requests - 1),
     }

@@ -1,8 +1,8 @@
 """Block bytes <-> arrays.
 
-One block is ``[layer][K, V][kv_head][token][head_dim]`` in the spec's dtype, C-contiguous (design.md
-section 4). Restoring layer ``l`` of a prefix is then one strided copy per block, and a batch of blocks
-is one ``(n, block_bytes)`` byte matrix.
+One block is ``[layer][K, V][kv_head][token][head_dim]`` in the spec's dtype, C-contiguous. Restoring
+layer ``l`` of a prefix is then one strided copy per block (and layer-by-layer loading needs no
+re-layout), and a batch of blocks is one ``(n, block_bytes)`` byte matrix.
 """
 
 from __future__ import annotations
@@ -147,3 +147,20 @@ def _split_tokens(arr: np.ndarray, at_token: int, k: int, C: int) -> np.ndarray:
     L, two, H, _, D = part.shape
     return np.lib.stride_tricks.as_strided(part, (L, two, H, k, C, D), (sL, s2, sH, C * sT, sT, sD),
                                            writeable=part.flags.writeable)
+
+
+def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether two elements of an array with this ``shape`` and byte ``strides`` may share memory
+    (``as_strided`` with overlapping strides, ``broadcast_to``): writing into such an array makes later
+    rows overwrite earlier ones.
+
+    Conservative: the dims, ordered by stride, must each step past everything the smaller ones span;
+    a layout that interleaves without overlapping (never produced by slicing or transposing) counts
+    as overlapping too.
+    """
+    span = itemsize
+    for stride, size in sorted((abs(st), n) for st, n in zip(strides, shape) if n > 1):
+        if stride < span:
+            return True
+        span = stride * (size - 1) + span
+    return False

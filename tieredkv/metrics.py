@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any, Iterable, Iterator, Sequence
-
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from tieredkv.errors import TieredKVError
@@ -59,7 +59,6 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     if warm_dir is None:
         return []
     from tieredkv.warm import files
-    from tieredkv.warm import index as ix
     from tieredkv.warm.admin import list_warm_tiers
 
     rows = list_warm_tiers(warm_dir)
@@ -68,7 +67,7 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
         try:
             index = files.open_index(row["path"])
             try:
-                row["corrupt_total"] = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT))
+                row["corrupt_total"] = files.corrupt_total(index)
             finally:
                 index.close()
         except Exception:  # noqa: BLE001 - one unreadable tier must not fail the whole scrape

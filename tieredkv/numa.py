@@ -1,7 +1,7 @@
 """NUMA placement: which CPUs belong to which node, and pinning a worker to one node.
 
 On a multi-socket host a worker on the other socket reads the hot segment over the inter-socket link.
-The remedy (design.md section 6.3): one segment per node (``TieredCache(..., numa_node=N)`` suffixes the
+The remedy (docs/tuning.md, NUMA): one segment per node (``TieredCache(..., numa_node=N)`` suffixes the
 segment name with ``-numa<N>``) and every worker pinned to the CPUs of the node whose segment it uses,
 so that the pages it first touches, and the ones it reads, are local::
 
@@ -186,7 +186,9 @@ def node_for_worker(index: int, root: str | os.PathLike | None = None) -> int | 
 
 def _fmt(cpus: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    parts, start, prev = [], None, None
+    parts: list[str] = []
+    start: int | None = None
+    prev = -1
     for c in cpus:
         if start is None:
             start = prev = c

@@ -10,8 +10,9 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -83,8 +84,14 @@ class KVSpec:
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
                 raise InvalidInput(f"{field} must be a positive integer, got {value!r}")
             object.__setattr__(self, field, int(value))
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise InvalidInput(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        rank = self.tp_rank
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < self.tp_size:
+            raise InvalidInput(f"tp_rank must be an integer in [0, tp_size={self.tp_size}), got {rank!r}")
+        object.__setattr__(self, "tp_rank", int(rank))
+        if not isinstance(self.extra, str):
+            # The namespace is derived from the fields' JSON: an arbitrary object has no stable bytes.
+            raise InvalidInput(f"extra must be a string describing what else changes the bytes (e.g. "
+                               f"\"awq-int4\"), got {type(self.extra).__name__}")
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -139,7 +146,7 @@ class KVSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> "KVSpec":
+    def from_dict(cls, doc: Mapping[str, Any]) -> KVSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(doc) - names
         if unknown:
@@ -149,7 +156,7 @@ class KVSpec:
     # ---- from a model config -----------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, config: Any, *, chunk_tokens: int = 64, dtype: Any = None,
-                       model_id: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> "KVSpec":
+                       model_id: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> KVSpec:
         """Derive the spec from a HuggingFace config.
 
         Args:
@@ -191,10 +198,18 @@ class KVSpec:
         heads = pick("num_attention_heads", "n_head")
         kv_heads = pick("num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads
         hidden = pick("hidden_size", "n_embd", "d_model")
+        for name, value in (("num_hidden_layers", layers), ("num_attention_heads", heads),
+                            ("num_key_value_heads", kv_heads), ("hidden_size", hidden),
+                            ("head_dim", cfg.get("head_dim"))):
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)):
+                raise InvalidInput(f"config field {name} must be an integer, got {value!r}; fix the "
+                                   f"config (a JSON number, not a string)")
         head_dim = pick("head_dim") or (hidden // heads if hidden and heads else None)
         if not (layers and kv_heads and head_dim):
             raise InvalidInput("config lacks num_hidden_layers / num_key_value_heads / head_dim "
                                "(or hidden_size and num_attention_heads)")
+        if not isinstance(tp_size, (int, np.integer)) or isinstance(tp_size, bool) or tp_size <= 0:
+            raise InvalidInput(f"tp_size must be a positive integer, got {tp_size!r}")
         if kv_heads % tp_size:
             raise InvalidInput(f"{kv_heads} KV heads do not split over tp_size={tp_size}")
         if dtype is None:

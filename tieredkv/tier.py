@@ -57,7 +57,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

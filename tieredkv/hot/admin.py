@@ -17,35 +17,32 @@ from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def inspect(name: str) -> dict:
-    """Describe one segment: header, slot counts, live handles, per-host counters.
+    """Describe one segment: header, slot counts, live handles, per-host counters, and whether it is
+    stale (``judge``: dead or unusable, never one with a live handle) or merely idle.
 
     Never raises for a broken segment: the problem is reported in ``"error"`` (and ``"stale"``).
     """
-    doc: dict = {"name": name, "error": None, "stale": False, "reason": None}
+    doc: dict = {"name": name, "error": None, "stale": False, "idle": False, "live": False, "reason": None}
     try:
-        doc["size_bytes"] = os.stat(seg._shm_path(name)).st_size
-    except OSError as e:
-        return {**doc, "error": str(e)}
-    creator = seg.temp_owner(name)
-    if creator is not None:
-        alive = _pid_alive(creator)
-        return {**doc, "stale": not alive, "reason": None if alive else "leftover of a creator that died"}
+        fd = seg.open_for_admin(name)
+    except (OSError, TieredKVError) as e:
+        # Unreadable (another user's, without root) or not a file: nothing we may judge or remove.
+        return {**doc, "error": f"cannot inspect: {e}"}
     try:
-        mapping = seg.attach(None, name)
+        doc["size_bytes"] = os.fstat(fd).st_size
+        state, reason = seg.judge(name, fd)
+    finally:
+        os.close(fd)
+    doc.update(live=state == seg.LIVE, stale=state == seg.STALE, idle=state == seg.IDLE, reason=reason)
+    if seg.temp_owner(name) is not None or state == seg.STALE:
+        if state == seg.STALE and not seg.temp_owner(name) is not None:
+            doc["error"] = (reason or "").removeprefix("unusable: ")
+        return doc
+    try:
+        mapping = seg.attach(None, name, writable=False, owner_check=False)
     except (TieredKVError, posix_ipc.Error, OSError, ValueError) as e:
-        return {**doc, "error": str(e), "stale": True, "reason": f"unusable: {e}"}
+        return {**doc, "error": str(e)}
     try:
         h = mapping.header
         owners, slots, *_ = mapping.views()
@@ -72,8 +69,6 @@ def inspect(name: str) -> dict:
             "lookup_hist": totals["lookup_hist"], "load_hist": totals["load_hist"],
             "scrubs": int(h["scrubs"]), "huge_pages": seg.huge_page_policy(),
         })
-        if not live:
-            doc["stale"], doc["reason"] = True, "no process has it open"
         del owners, slots, h
     finally:
         mapping.close()
@@ -81,10 +76,17 @@ def inspect(name: str) -> dict:
 
 
 def list_segments() -> list[dict]:
-    """Every tieredkv segment in /dev/shm (or ``$TIEREDKV_SHM_DIR``), described by ``inspect``."""
+    """Every tieredkv segment in /dev/shm (or ``$TIEREDKV_SHM_DIR``; any name, see
+    ``list_segment_names``), described by ``inspect``."""
     return [inspect(name) for name in seg.list_segment_names()]
 
 
 def remove(name: str) -> None:
     """Unlink a segment by name. Processes that map it keep their mapping until they close."""
     seg.unlink(seg.check_name(name))
+
+
+def remove_if_stale(name: str, idle: bool = False) -> str | None:
+    """Unlink ``name`` if it is stale (or idle, with ``idle``); return why, or ``None`` if it stays.
+    See ``segment.remove_if_stale`` for how this stays safe against workers attaching meanwhile."""
+    return seg.remove_if_stale(name, idle=idle)

@@ -41,6 +41,9 @@ class HotIndex:
         self.table = ProbeTable(region[0], region[1])
         self.slot_keys = slot_keys
         self.name = name
+        #: Set when a lookup met an entry naming no slot (a damaged word): the answer was a miss,
+        #: and the tier rebuilds the index from the slot table (``rebuild`` clears it).
+        self.damaged = False
 
     def clear(self) -> None:
         self.table.clear()
@@ -49,18 +52,26 @@ class HotIndex:
         """Slot indexed under each ``(n, 2)`` uint64 key, or -1. Lock-free; confirm what it returns.
 
         The table matches the key's first word; the slot it names must hold the whole key (as in a
-        slot table read just now). Two keys whose first words collide (rare: a 2**-64 chance per pair of xxh3 keys, or forged keys in tests) are told apart
-        by a scalar scan of the probe run, off the common path.
+        slot table read just now). Two keys whose first words collide (rare: a 2**-64 chance per pair
+        of xxh3 keys, or forged keys in tests) are told apart by a scalar scan of the probe run, off
+        the common path.
         """
         keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)
         lo = keys[:, 0].view(np.int64)
         slots = self.table.lookup(lo)
-        at = self.slot_keys[np.maximum(slots, 0)]
-        other = np.flatnonzero((slots >= 0) & ((at[:, 0] != keys[:, 0]) | (at[:, 1] != keys[:, 1])))
-        for i in other.tolist():
+        n = len(self.slot_keys)
+        wild = slots >= n  # lookup never returns below -1; a value past the slot table is damage
+        if wild.any():
+            self.damaged = True
+            slots[wild] = -1
+        differ = self.slot_keys[slots] != keys  # slot -1 reads the last row: masked out below
+        differ = (differ[:, 0] | differ[:, 1]) & (slots >= 0)
+        if not differ.any():
+            return slots
+        for i in np.flatnonzero(differ).tolist():
             want = keys[i]
-            slots[i] = next((s for s in self.table.values_of(int(lo[i]))
-                             if (self.slot_keys[s] == want).all()), -1)
+            found = [s for s in self.table.values_of(int(lo[i])) if 0 <= s < n]
+            slots[i] = next((s for s in found if (self.slot_keys[s] == want).all()), -1)
         return slots
 
     def insert(self, slots: np.ndarray, keys: np.ndarray) -> None:
@@ -89,3 +100,4 @@ class HotIndex:
         """Index exactly ``slots`` under the keys the slot table holds for them. Under the lock."""
         slots = np.asarray(slots, dtype=np.int64)
         self.table.rebuild(self.slot_keys[slots, 0].view(np.int64), slots)
+        self.damaged = False

@@ -11,11 +11,10 @@ Lock bytes live far beyond the end of the segment (locks do not need the bytes t
     META_LOCK_BYTE            the metadata lock (slot table, index, free stack, policy state)
     REGISTRY_BASE + i         held for its lifetime by the handle registered as owner ``i``
 
-An owner is alive iff someone holds its registry byte (``F_OFD_GETLK``, ~2 us) and the owner table's
-token for ``i`` is still the one the slot recorded (pid reuse and index reuse are both harmless).
-
-Measured on this kind of machine: a lock+unlock pair ~1 us; a waiter gets a dead holder's lock within
-~0.4 ms. Waits are bounded: ``acquire`` polls with backoff and raises ``LockTimeout``.
+An owner is alive iff someone holds its registry byte (``F_OFD_GETLK``, a few microseconds) and the
+owner table's token for ``i`` is still the one the slot recorded (pid reuse and index reuse are both
+harmless). Lock, test and dead-holder hand-off costs: docs/benchmarks.md, "Notes behind the code".
+Waits are bounded: ``acquire`` polls with backoff and raises ``LockTimeout``.
 """
 
 from __future__ import annotations
@@ -41,11 +40,18 @@ try:
     _SETLK = fcntl.F_OFD_SETLK
     _GETLK = fcntl.F_OFD_GETLK
 except AttributeError:  # pragma: no cover - non-Linux
-    raise ImportError("tieredkv's hot tier needs Linux open-file-description locks (F_OFD_SETLK)")
+    raise ImportError("tieredkv's hot tier needs Linux open-file-description locks (F_OFD_SETLK)") from None
 
 
 def _flock(kind: int, start: int, length: int = 1) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)
+
+
+#: ``fcntl.fcntl(fd, SETLK, UNLOCK_META)`` releases the metadata lock in one C call. Release paths
+#: make exactly that call, first thing, so that no Python-level check (where a signal handler's
+#: exception can be raised) runs between deciding to release and releasing.
+SETLK = _SETLK
+UNLOCK_META = _flock(fcntl.F_UNLCK, META_LOCK_BYTE)
 
 
 def try_lock(fd: int, start: int, length: int = 1) -> bool:
@@ -90,3 +96,4 @@ def acquire(fd: int, start: int, timeout_s: float, what: str = "lock") -> None:
             raise LockTimeout(f"{what} still held by a live process after {timeout_s:.1f} s; "
                               f"a process may be stopped (SIGSTOP) inside a critical section")
         pause = min(pause * 2, 1e-3)
+

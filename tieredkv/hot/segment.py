@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +35,23 @@ import numpy as np
 import posix_ipc
 
 from tieredkv import counters
-from tieredkv.errors import CapacityError, FormatError, InvalidName, PermissionDenied, SpecMismatch
+from tieredkv.errors import (
+    CapacityError,
+    FormatError,
+    InvalidInput,
+    InvalidName,
+    PermissionDenied,
+    SpecMismatch,
+    TieredKVError,
+)
+from tieredkv.hot import locks
 from tieredkv.hot.index import index_slots_for
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
 LAYOUT_VERSION = 2  # 2: the hash index holds (key word, slot) entries (hot/index.py)
-#: Where POSIX shared memory lives on Linux; segments go here unless ``TIEREDKV_SHM_DIR`` (or a
-#: tier's ``shm_dir``) names another tmpfs, e.g. one mounted with ``huge=`` (docs/tuning.md).
+#: Where POSIX shared memory lives on Linux. Segments go here unless ``TIEREDKV_SHM_DIR`` names
+#: another tmpfs directory, e.g. one mounted with ``huge=always`` (docs/tuning.md, huge pages).
 SHM_DIR = Path("/dev/shm")
 SHM_DIR_ENV = "TIEREDKV_SHM_DIR"
 PREFIX = "tieredkv-"
@@ -50,6 +60,8 @@ PAGE = 4096
 MAX_OWNERS = 128
 #: Blocks one owner may hold pinned at once; get_many works in batches of this size.
 MAX_PINS = 512
+#: Bytes of the header's policy field: the full policy spec, e.g. ``prefix_aware:s3fifo``.
+POLICY_BYTES = 48
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 FREE, WRITING, READY = 0, 1, 2
@@ -66,9 +78,10 @@ HEADER_DTYPE = np.dtype([
     # mutable, under the metadata lock
     ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
     ("free_top", "<u8"),       # entries in the free stack
-    ("_spare", "<u8", (2,)),   # spare header words (layout version 1 keeps them zero)
+    ("repin", "<u8"),          # nonzero: a reader dropped its pins without the lock; recount them
+    ("_spare", "<u8"),         # a spare header word (layout version 1 keeps it zero)
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
-    ("fingerprint", "S16"), ("policy", "S48"), ("spec_json", "S1024"),
+    ("fingerprint", "S16"), ("policy", f"S{POLICY_BYTES}"), ("spec_json", "S1024"),
 ])
 assert HEADER_DTYPE.itemsize <= HEADER_BYTES  # static layout fact, not a runtime invariant
 
@@ -76,7 +89,8 @@ SLOT_DTYPE = np.dtype([
     ("gen", "<u8"),            # seqlock: odd while a writer owns the slot
     ("key", "<u8", (2,)), ("parent", "<u8", (2,)),
     ("state", "<u8"), ("owner", "<u8"), ("owner_token", "<u8"), ("pins", "<u8"),
-    ("position", "<u8"), ("length", "<u8"), ("_pad", "<u8"),
+    ("position", "<u8"), ("length", "<u8"),
+    ("claim", "<u8"),          # while WRITING: the claiming call's id (its slots, if it is interrupted)
 ])
 
 # One row per open handle. Each row is written only by its owner (no lock needed for counters);
@@ -93,7 +107,7 @@ def _round(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
-def slot_bytes_for(spec: KVSpec) -> int:
+def slot_bytes_for(spec: KVSpec | _Geometry) -> int:
     """Slot size: 4 KiB-aligned (memcpy speed, O_DIRECT friendly); blocks under 4 KiB (test specs)
     get 64-byte alignment instead of wasting most of a page each."""
     return _round(spec.block_bytes, PAGE if spec.block_bytes >= PAGE else 64)
@@ -119,7 +133,7 @@ class Layout:
     total_bytes: int
 
     @classmethod
-    def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
+    def compute(cls, spec: KVSpec | _Geometry, n_slots: int, policy_bytes: int) -> Layout:
         slot_bytes = slot_bytes_for(spec)
         index_slots = index_slots_for(n_slots)
         off = HEADER_BYTES
@@ -176,6 +190,18 @@ def check_name(name: str) -> str:
     return name if name.startswith("/") else "/" + name
 
 
+def check_mode(mode: object) -> int:
+    """Return ``mode`` or raise ``InvalidInput``: permission bits only, owner read/write included,
+    never writable by every user (anyone on the host could then rewrite cached KV, or read prompts)."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise InvalidInput(f"mode must be permission bits between 0o600 and 0o775 (e.g. mode=0o600), got {mode!r}; "
+                           "set-id and sticky bits are refused")
+    if mode & 0o600 != 0o600 or mode & 0o002:
+        raise InvalidInput(f"mode={mode:#o} must let the owner read and write (0o600) and must not let every "
+                           "user write (0o002): other users could rewrite cached KV")
+    return mode
+
+
 def default_name(spec: KVSpec, numa_node: int | None = None) -> str:
     suffix = f"-numa{numa_node}" if numa_node is not None else ""
     return f"/{PREFIX}{spec.namespace}{suffix}"
@@ -187,19 +213,20 @@ class Mapping:
     Keep a ``Mapping`` open for as long as any view of it lives (a view over a closed mmap segfaults).
     """
 
-    def __init__(self, name: str, fd: int, size: int, writable: bool = True, directory=None):
+    def __init__(self, name: str, fd: int, size: int, writable: bool = True, lock_fd: int = -1):
         self.name = name
-        self.directory = directory
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         self.mm = mmap.mmap(fd, size, access=access)
         # mmap keeps a dup of ``fd`` (same open file description) for its whole life. Locks are taken
-        # on a second, separate open of the segment, so that dropping the lock descriptor (a forked
-        # child does, see hot/tier.py) really lets go of every lock this handle holds.
-        try:
-            lock_fd = os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
-        except BaseException:
-            self.mm.close()
-            raise  # ``fd`` stays the caller's to close
+        # on a second, separate open of the segment (``lock_fd``, opened here unless the caller
+        # already holds one), so that dropping the lock descriptor (a forked child does, see
+        # hot/tier.py) really lets go of every lock this handle holds.
+        if lock_fd < 0:
+            try:
+                lock_fd = _reopen(fd, writable)
+            except BaseException:
+                self.mm.close()
+                raise  # ``fd`` stays the caller's to close
         os.close(fd)
         self.fd = lock_fd
         self.size = size
@@ -231,48 +258,64 @@ class Mapping:
             self.fd = -1
 
 
-def shm_dir(directory: str | os.PathLike | None = None) -> Path:
-    """The directory segments live in: ``directory``, else ``$TIEREDKV_SHM_DIR``, else /dev/shm."""
-    if directory is None:
-        directory = os.environ.get(SHM_DIR_ENV) or SHM_DIR
-    return Path(directory)
+def shm_dir() -> Path:
+    """The directory segments live in: ``$TIEREDKV_SHM_DIR`` if set, else /dev/shm. Every process of
+    a host that shares a segment must see the same value (it is part of the segment's identity)."""
+    return Path(os.environ.get(SHM_DIR_ENV) or SHM_DIR)
 
 
-def _shm_path(name: str, directory: str | os.PathLike | None = None) -> Path:
-    return shm_dir(directory) / name.lstrip("/")
+def _shm_path(name: str) -> Path:
+    return shm_dir() / name.lstrip("/")
 
 
-def _open_segment(name: str, flags: int, mode: int, directory) -> int:
-    """``shm_open`` (which on Linux is ``open`` under /dev/shm) for any directory.
+def _open_segment(name: str, flags: int, mode: int = 0o600) -> int:
+    """``shm_open`` (on Linux: ``open`` under /dev/shm) for the segment directory (``shm_dir``).
 
     Raises ``posix_ipc.ExistentialError`` for a missing name (or an existing one with ``O_EXCL``),
-    as ``posix_ipc.SharedMemory`` did, so callers keep one contract.
+    as ``posix_ipc.SharedMemory`` does, so callers keep one contract.
     """
     try:
-        return os.open(_shm_path(name, directory), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        return os.open(_shm_path(name), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except (FileNotFoundError, FileExistsError) as e:
         raise posix_ipc.ExistentialError(f"segment {name}: {e.strerror}") from None
 
 
-def unlink(name: str, directory: str | os.PathLike | None = None) -> None:
-    """Remove a segment's name. Raises ``posix_ipc.ExistentialError`` if there is none."""
+def unlink(name: str) -> None:
+    """Remove a segment's name (``shm_unlink``). Raises ``posix_ipc.ExistentialError`` if none."""
     try:
-        os.unlink(_shm_path(name, directory))
+        os.unlink(_shm_path(name))
     except FileNotFoundError:
         raise posix_ipc.ExistentialError(f"no segment {name}") from None
 
 
-def _check_owner(fd: int, name: str) -> os.stat_result:
+def _reopen(fd: int, writable: bool) -> int:
+    """A new open file description of the file behind ``fd`` (locks on it are its own)."""
+    return os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+
+
+def _check_owner(fd: int, name: str, mode: int | None = None) -> os.stat_result:
     st = os.fstat(fd)
     if st.st_uid != os.getuid():
         raise PermissionDenied(f"segment {name} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
                                "refusing to use another user's cache")
+    extra = st.st_mode & 0o7777 & ~(mode if mode is not None else 0o775)
+    if extra & 0o7002 or mode is not None and extra:
+        # Someone widened it after creation (a creator always sets exactly its mode): what others
+        # could write into it cannot be trusted, and what they could read has leaked prompts.
+        raise PermissionDenied(f"segment {name} has mode {st.st_mode & 0o7777:#o}, wider than mode="
+                               f"{mode if mode is not None else 0o600:#o}; remove it with `tieredkv rm {name}` "
+                               "(a worker recreates it) or pass the mode it was created with")
     return st
 
 
-def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init,
-                     directory: str | os.PathLike | None = None) -> tuple[Mapping, bool]:
+def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int,
+                     init) -> tuple[Mapping, bool]:
     """Attach to segment ``name``, creating it with ``layout`` if it does not exist.
+
+    A segment this call creates is live from its first published instant: the creator holds owner
+    registry byte 0 from (almost) the moment the temporary segment exists, so ``rm --stale`` and the
+    reaper of temporaries never take it for a dead creator's leftover. ``HotTier`` registers as
+    owner 0 on it (a lock its own descriptor already holds).
 
     Args:
         init: ``init(mapping)`` fills a fresh segment (every region but the magic) before it is published.
@@ -282,19 +325,22 @@ def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, 
     """
     for _ in range(8):
         try:
-            return attach(spec, name, directory=directory), False
+            return attach(spec, name, mode=mode), False
         except posix_ipc.ExistentialError:
             pass
-        mapping = _create_private(spec, name, layout, policy_name, mode, init, directory)
+        reap_temporaries()
+        mapping = _create_private(spec, name, layout, policy_name, mode, init)
         try:
-            os.link(_shm_path(mapping.name, directory), _shm_path(name, directory))
-        except FileExistsError:
+            os.link(_shm_path(mapping.name), _shm_path(name))
+        except (FileExistsError, FileNotFoundError):
+            # Exists: lost the race, attach to the winner's segment. Not found: our temporary was
+            # removed under us (an operator's `rm`); build another.
             _discard(mapping)
-            continue  # lost the race: attach to the winner's segment
+            continue
         except OSError:
             _discard(mapping)
             raise
-        unlink(mapping.name, directory)
+        unlink(mapping.name)
         mapping.name = name
         return mapping, True
     raise FormatError(f"segment {name} keeps appearing and vanishing; is another process removing it?")
@@ -302,40 +348,40 @@ def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, 
 
 def _discard(mapping: Mapping) -> None:
     tmp = mapping.name
-    mapping.close()
     try:
-        unlink(tmp, mapping.directory)
+        unlink(tmp)  # first: unlocked, it would look like a dead creator's
     except posix_ipc.ExistentialError:
         pass
+    mapping.close()
 
 
-def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init,
-                    directory=None) -> Mapping:
-    where = shm_dir(directory)
+def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> Mapping:
+    where = shm_dir()
     free = os.statvfs(where)
     room = free.f_bavail * free.f_frsize
     if layout.total_bytes > room:
         raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {where} has "
                             f"{room / 2**20:.1f} MiB free; lower hot_bytes or enlarge /dev/shm")
     tmp = temp_name()
-    fd = _open_segment(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode, directory)
+    fd, lock_fd = _open_segment(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode), -1
     try:
+        lock_fd = _reopen(fd, True)
+        locks.try_lock(lock_fd, locks.REGISTRY_BASE)  # a fresh file: always ours. Live from here on
         os.fchmod(fd, mode)  # the umask may have narrowed it; never widened
         os.ftruncate(fd, layout.total_bytes)
         try:
             os.posix_fallocate(fd, 0, layout.total_bytes)
         except OSError as e:
             raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {where} for "
-                                f"segment {name}: {os.strerror(e.errno)}") from None
+                                f"segment {name}: {e.strerror or e}") from None
+        mapping = Mapping(tmp, fd, layout.total_bytes, lock_fd=lock_fd)
     except BaseException:
-        os.close(fd)
-        unlink(tmp, directory)
-        raise
-    try:
-        mapping = Mapping(tmp, fd, layout.total_bytes, directory=directory)
-    except BaseException:
-        os.close(fd)
-        unlink(tmp, directory)
+        try:
+            unlink(tmp)
+        finally:
+            os.close(fd)
+            if lock_fd >= 0:
+                os.close(lock_fd)
         raise
     try:
         _init_header(mapping, spec, layout, policy_name, init)
@@ -357,7 +403,7 @@ def _init_header(mapping: Mapping, spec: KVSpec, layout: Layout, policy_name: st
                   "data_off"):
         h[field] = getattr(layout, field)
     h["fingerprint"] = spec.fingerprint.encode()
-    h["policy"] = policy_name.encode()[:48]
+    h["policy"] = policy_name.encode()  # HotTier checked it fits
     h["spec_json"] = json.dumps(spec.to_dict(), sort_keys=True).encode()[:1024]
     init(mapping)
     h["magic"] = MAGIC  # last: a segment without magic was never published
@@ -434,14 +480,21 @@ def _check_geometry(mapping: Mapping) -> None:
                           f"geometry); remove it with `tieredkv rm {mapping.name}` and let a worker recreate it")
 
 
-def attach(spec: KVSpec | None, name: str, writable: bool = True, directory: str | os.PathLike | None = None) -> Mapping:
-    """Open an existing, published segment. Raises ``posix_ipc.ExistentialError`` if there is none."""
-    fd = _open_segment(name, os.O_RDWR if writable else os.O_RDONLY, 0, directory)
+def attach(spec: KVSpec | None, name: str, writable: bool = True, mode: int | None = None,
+           owner_check: bool = True) -> Mapping:
+    """Open an existing, published segment. Raises ``posix_ipc.ExistentialError`` if there is none.
+
+    Args:
+        mode: the permission bits the caller accepts; a segment with more is ``PermissionDenied``.
+            ``None`` (operator views): refuse only world-writable and set-id bits.
+        owner_check: refuse another user's segment (``False`` only for read-only operator views).
+    """
+    fd = _open_segment(name, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        st = _check_owner(fd, name)
+        st = _check_owner(fd, name, mode) if owner_check else os.fstat(fd)
         if st.st_size < HEADER_BYTES:
             raise FormatError(f"segment {name} is {st.st_size} bytes: too small to be a tieredkv segment")
-        mapping = Mapping(name, fd, st.st_size, writable, directory=directory)
+        mapping = Mapping(name, fd, st.st_size, writable)
     except BaseException:
         os.close(fd)
         raise
@@ -453,19 +506,176 @@ def attach(spec: KVSpec | None, name: str, writable: bool = True, directory: str
     return mapping
 
 
-_HUGETLBFS_MAGIC = 0x958458F6
+def unlink_if_same(name: str, inode: int) -> None:
+    """Unlink ``name`` if it is still the segment with ``inode`` (not one recreated since)."""
+    try:
+        if os.stat(_shm_path(name)).st_ino == inode:
+            unlink(name)
+    except (FileNotFoundError, posix_ipc.ExistentialError):
+        pass
+
+
+# ---- finding segments and judging whether they are stale ------------------------------------------
+#: A temporary segment with no live creator is a leftover once this old (or once its creator's pid is
+#: gone). The creator takes its registry lock microseconds after creating it; the grace covers that
+#: gap for a creator in another PID namespace, whose pid means nothing here.
+TMP_GRACE_S = 30.0
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+#: What ``judge`` says about a segment no live handle holds.
+LIVE, STARTING, IDLE, STALE = "live", "starting", "idle", "stale"
+
+
+def _has_magic(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, 8, 0) == np.uint64(MAGIC).tobytes()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def list_segment_names(*, published_only: bool = False) -> list[str]:
+    """Names of every tieredkv segment in /dev/shm, sorted: regular files named ``tieredkv-*``, and
+    files of any name whose first word is our magic (a ``HotTier(name=...)`` segment). Anything else
+    (a directory named like a segment, a socket) is not a segment.
+
+    Args:
+        published_only: leave out temporary names (segments still being built, or leftovers of a
+            creator that died building one).
+    """
+    if not shm_dir().is_dir():
+        return []
+    found = []
+    for entry in os.scandir(shm_dir()):
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+        except OSError:
+            continue
+        name = "/" + entry.name
+        if not (entry.name.startswith(PREFIX) or _has_magic(Path(entry.path))):
+            continue
+        if published_only and temp_owner(name) is not None:
+            continue
+        found.append(name)
+    return sorted(found)
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+
+
+def judge(name: str, fd: int) -> tuple[str, str | None]:
+    """Say whether the segment open at ``fd`` is in use: ``(LIVE | STARTING | IDLE | STALE, reason)``.
+
+    Liveness is the owner registry locks, never pids or attach errors: a segment with any registry
+    byte locked has a live handle (the kernel drops a dead holder's locks), whoever owns it and
+    whatever its layout. Without one: a temporary is STALE once its creator is gone (or after
+    ``TMP_GRACE_S``), else STARTING; a segment this tieredkv cannot use (another layout version,
+    damaged header, foreign magic) is STALE; a good one is IDLE (between restarts: its blocks are
+    still worth keeping).
+    """
+    if locks.is_locked(fd, locks.REGISTRY_BASE, MAX_OWNERS):
+        return LIVE, None
+    st = os.fstat(fd)
+    creator = temp_owner(name)
+    if creator is not None:
+        if _pid_gone(creator) or time.time() - st.st_ctime >= TMP_GRACE_S:
+            return STALE, "leftover of a creator that died"
+        return STARTING, None
+    if st.st_size < HEADER_BYTES:
+        return STALE, f"unusable: {st.st_size} bytes, too small to be a tieredkv segment"
+    dup = os.dup(fd)
+    try:
+        mapping = Mapping(name, dup, st.st_size, writable=False)
+    except (OSError, ValueError) as e:
+        os.close(dup)
+        return STALE, f"unusable: {e}"
+    try:
+        validate(mapping, None)
+    except FormatError as e:
+        return STALE, f"unusable: {e}"
+    finally:
+        mapping.close()
+    return IDLE, "no process has it open"
+
+
+def open_for_admin(name: str, writable: bool = False) -> int:
+    """Open a segment by name for an operator view or removal (no owner check: root may look at
+    every user's segments). Raises ``OSError``, or ``FormatError`` for something not a regular file."""
+    fd = os.open(_shm_path(check_name(name)), (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{_shm_path(name)} is not a regular file, so not a segment")
+    return fd
+
+
+def remove_if_stale(name: str, idle: bool = False, timeout_s: float = 2.0) -> str | None:
+    """Unlink segment ``name`` if ``judge`` calls it STALE (or IDLE, with ``idle``); return why, or
+    ``None`` when it stays.
+
+    Judged and unlinked under the segment's metadata lock, which a handle also holds while it
+    registers: a worker attaching meanwhile either registers first (the segment is live and stays)
+    or finds the segment gone once registered, and attaches again (see ``HotTier._register``).
+
+    Raises:
+        OSError: it cannot be opened (another user's, without root) or unlinked.
+        FormatError: not a regular file.
+        LockTimeout: a live process held the metadata lock for ``timeout_s``.
+    """
+    fd = open_for_admin(name, writable=True)
+    try:
+        locks.acquire(fd, locks.META_LOCK_BYTE, timeout_s, f"segment {name} lock")
+        try:
+            state, reason = judge(name, fd)
+            if state == STALE or (idle and state == IDLE):
+                unlink_if_same(name, os.fstat(fd).st_ino)
+                return reason
+            return None
+        finally:
+            locks.unlock(fd, locks.META_LOCK_BYTE)
+    finally:
+        os.close(fd)
+
+
+def reap_temporaries() -> int:
+    """Unlink dead creators' temporary segments of this user (a crash-looping worker would otherwise
+    fill /dev/shm with them). Returns how many were removed. Never raises: reaping is a courtesy."""
+    reaped = 0
+    for name in list_segment_names():
+        if temp_owner(name) is None:
+            continue
+        try:
+            if os.stat(_shm_path(name)).st_uid != os.getuid():
+                continue
+            if remove_if_stale(name, timeout_s=0.05):
+                reaped += 1
+        except (OSError, TieredKVError):
+            continue
+    return reaped
 
 
 def huge_page_policy(directory: str | os.PathLike | None = None) -> str:
-    """How the filesystem of ``directory`` backs files with huge pages, from its mount options.
+    """How the tmpfs holding ``directory`` (default ``shm_dir()``) backs files with huge pages.
 
     Returns:
-        ``"always"`` / ``"within_size"`` / ``"advise"`` (a tmpfs mounted ``huge=`` that; the segment is
-        reserved at creation, so ``advise`` gets none), ``"never"`` (a tmpfs without ``huge=``, such as
-        a default /dev/shm; ``shmem_enabled=force`` overrides it), ``"hugetlbfs"`` (not usable for
-        segments: its sizes must be whole huge pages), or ``"unknown"``.
+        ``"always"`` / ``"within_size"`` / ``"advise"`` (a tmpfs mounted with that ``huge=``; a
+        segment is reserved at creation, so ``advise`` gets none), ``"never"`` (a tmpfs without
+        ``huge=``, such as a default /dev/shm; ``shmem_enabled=force`` overrides it), ``"hugetlbfs"``
+        (not usable for segments: its files must be whole huge pages), or ``"unknown"``.
     """
-    path = os.path.realpath(shm_dir(directory))
+    path = os.path.realpath(shm_dir() if directory is None else directory)
     best, opts, fstype = "", "", ""
     try:
         with open("/proc/self/mounts") as f:
@@ -494,8 +704,8 @@ def huge_page_policy(directory: str | os.PathLike | None = None) -> str:
     return huge[0] if huge else "never"
 
 
-def huge_mapped_bytes(mapping: "Mapping") -> int:
-    """Bytes of ``mapping`` this process maps with huge (PMD) pages right now, from /proc/self/smaps.
+def huge_mapped_bytes(mapping: Mapping) -> int:
+    """Bytes of ``mapping`` this process maps with huge (PMD) pages now, from /proc/self/smaps.
 
     Only pages this process has touched count; 0 when the kernel gives none (or smaps is unreadable).
     """
@@ -515,18 +725,3 @@ def huge_mapped_bytes(mapping: "Mapping") -> int:
     except (OSError, ValueError):
         return 0
     return 0
-
-
-def list_segment_names(directory: str | os.PathLike | None = None, *, published_only: bool = False) -> list[str]:
-    """Names of every tieredkv segment in ``directory`` (default: see ``shm_dir``), sorted.
-
-    Args:
-        directory: where to look; default ``$TIEREDKV_SHM_DIR`` or /dev/shm.
-        published_only: leave out temporary names (segments still being built, or leftovers of a
-            creator that died building one).
-    """
-    where = shm_dir(directory)
-    if not where.is_dir():
-        return []
-    names = sorted("/" + p.name for p in where.iterdir() if p.name.startswith(PREFIX))
-    return [n for n in names if temp_owner(n) is None] if published_only else names

@@ -1,37 +1,40 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
-Concurrency (design.md section 6.1), in one paragraph: metadata (slot states, the index, the free stack,
-pins, policy state) changes only inside ``_critical()``, under an OFD lock the kernel releases if its
-holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
-fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
-the lock to *find* blocks; they read a slot's generation, its key and state, use the data, and re-read
-the generation, so a block recycled or torn meanwhile is a miss, never wrong bytes. ``get_many`` also
-pins the blocks it copies (pin count and state checked in one critical section) so they cannot be
-evicted under it; pins are recorded per owner so a dead reader's pins are reclaimed.
+Concurrency (docs/architecture.md, "Concurrency and crash invariants"), in one paragraph: metadata
+(slot states, the index, the free stack, pins, policy state) changes only inside critical sections (see
+``_enter``), under an OFD lock the kernel releases if its holder dies. Data is copied outside the lock:
+a writer claims a slot (state WRITING, generation odd), fills it without the lock, and publishes it
+(READY, generation even) under the lock. Readers never take the lock to *find* blocks; they read a
+slot's generation, its key and state, use the data, and re-read the generation, so a block recycled or
+torn meanwhile is a miss, never wrong bytes. ``get_many`` also pins the blocks it copies (pin count and
+state checked in one critical section) so they cannot be evicted under it; pins are recorded per owner
+so a dead reader's pins are reclaimed.
 
-Crash recovery (section 6.2): the lock holder marks the header ``dirty`` on entry and clears it on exit.
-A holder that finds ``dirty`` set knows the previous holder died inside a critical section and scrubs:
-it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot table.
-A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of space
-(owner = registry index + token; liveness = the owner's registry lock is held).
+Crash recovery (invariant 6 there): the lock holder marks the header ``dirty`` on entry and clears it
+on exit. A holder that finds ``dirty`` set knows the previous holder died inside a critical section and
+scrubs: it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot
+table. A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of
+space (owner = registry index + token; liveness = the owner's registry lock is held).
 """
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
+import functools
+import itertools
 import os
 import secrets
 import threading
 import time
 import warnings
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import posix_ipc
 
 from tieredkv import counters, policies
-from tieredkv.errors import CorruptState, FormatError, InvalidInput
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.index import HotIndex
@@ -47,7 +50,7 @@ _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 # file descriptions that hold the owners' registry locks: a child that never touches the tier would
 # keep a dead parent looking alive (its WRITING slots and pins never reclaimed). So the child drops
 # its copies at once; a handle it does use reattaches with a descriptor of its own (see _check).
-_HANDLES: "weakref.WeakSet[HotTier]" = weakref.WeakSet()
+_HANDLES: weakref.WeakSet[HotTier] = weakref.WeakSet()
 
 
 def _drop_inherited_descriptors() -> None:
@@ -65,6 +68,45 @@ os.register_at_fork(after_in_child=_drop_inherited_descriptors)
 _STORED, _EXISTS, _NO_SPACE = int(PutResult.STORED), int(PutResult.EXISTS), int(PutResult.NO_SPACE)
 
 
+class _Unpublished(Exception):
+    """The segment was unlinked between attaching and registering; the open starts over."""
+
+
+class _Damage(Exception):
+    """A derived structure (index, free stack, pin list, policy state) holds a value it cannot hold:
+    a damaged word. Never reaches a caller: the call is a miss and the segment is scrubbed."""
+
+
+def _survives_damage(method=None, *, user_code: bool = False):
+    """Decorator for the block calls: damage to a derived structure found during the call (or a
+    numpy IndexError it caused) scrubs the segment, rebuilding everything derived from the slot
+    table, and runs the call once more. Damage that a scrub cannot cure is a ``CorruptState``.
+    ``user_code``: the call runs a caller's function, whose own IndexError must pass through."""
+    if method is None:
+        return functools.partial(_survives_damage, user_code=user_code)
+    caught = (_Damage,) if user_code else (_Damage, IndexError)
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            result = method(self, *args, **kwargs)
+        except caught as e:
+            self._repair(e)
+            self._retrying = True
+            try:
+                result = method(self, *args, **kwargs)
+            except caught as again:
+                raise CorruptState(f"segment {self.name} is damaged beyond what a scrub repairs ({again}); "
+                                   f"remove it with `tieredkv rm {self.name}`") from again
+            finally:
+                self._retrying = False
+        if self._index is not None and self._index.damaged:
+            self._repair("a damaged index entry")  # the lookup already answered with a miss
+        return result
+
+    return guarded
+
+
 class HotTier(Tier):
     """Blocks in POSIX shared memory, shared by every process of the host that opens the same spec.
 
@@ -73,25 +115,26 @@ class HotTier(Tier):
         capacity_bytes: total segment size to create (ignored when attaching to an existing segment).
         n_slots: create exactly this many slots instead of deriving them from ``capacity_bytes``.
         name: segment name; default ``/tieredkv-<namespace>``.
-        policy: eviction policy name for a new segment (default ``"lru"``); attaching with a different
-            name than the segment's is an error. ``None`` attaches with whatever the segment uses.
-        mode: permission bits of a new segment (default 0600: a KV cache holds users' prompts).
-        create: create the segment if missing (``False``: attach only).
-        lock_timeout_s: bound on every lock wait.
+        policy: eviction policy name for a new segment (default ``"lru"``); the full spec is recorded
+            (``"prefix_aware:arc"``), and attaching with a different one is an error. ``None``
+            attaches with whatever the segment uses.
+        mode: permission bits of a new segment (default 0600: a KV cache holds users' prompts), at
+            least 0600, never writable by every user, no set-id or sticky bits. An existing segment
+            whose mode allows more than ``mode`` (widened after creation) is refused.
+        create: create the segment if missing (``False``: attach only; a missing segment is then
+            ``InvalidInput``).
+        lock_timeout_s: bound on every lock wait (positive seconds).
         on_evict: called with an ``Evicted`` (keys and copied bytes) for blocks evicted to make room,
             outside the lock, before their slots are reused: the demotion hook.
         numa_node: suffix the segment name with the node (one segment per node).
-        shm_dir: the tmpfs directory holding the segment: default ``$TIEREDKV_SHM_DIR`` or /dev/shm.
-            A tmpfs mounted with ``huge=always`` gives the segment huge pages (no page faults per
-            4 KiB on a fresh worker's first reads; docs/tuning.md). Every process of the host must
-            use the same directory for a segment.
 
     Raises:
         CapacityError: the segment does not fit in /dev/shm.
         SpecMismatch: the existing segment was made for another spec.
         FormatError: the existing segment is not ours or has another layout version.
-        PermissionDenied: the existing segment belongs to another user.
+        PermissionDenied: the existing segment belongs to another user, or its mode is wider than ``mode``.
         InvalidName: an unusable ``name``.
+        InvalidInput: a size, timeout, mode or policy that is not one (named in the message).
     """
 
     #: Evict at least this fraction of the slots whenever eviction runs: the policy's O(n_slots) pass is
@@ -101,14 +144,18 @@ class HotTier(Tier):
     def __init__(self, spec: KVSpec, capacity_bytes: int | None = None, *, n_slots: int | None = None,
                  name: str | None = None, policy: str | None = "lru", mode: int = 0o600, create: bool = True,
                  lock_timeout_s: float = 10.0, on_evict: Callable[[Evicted], None] | None = None,
-                 numa_node: int | None = None, shm_dir: str | os.PathLike | None = None):
+                 numa_node: int | None = None):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
-        self.shm_dir = seg.shm_dir(shm_dir)  # resolved once: the environment may change later
-        self.lock_timeout_s = float(lock_timeout_s)
+        self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
+        if capacity_bytes is not None:
+            capacity_bytes = require_positive_int("capacity_bytes", capacity_bytes, "64 << 20")
+        if n_slots is not None:
+            n_slots = require_positive_int("n_slots", n_slots, "1024")
+        seg.check_mode(mode)
         self._args = dict(capacity_bytes=capacity_bytes, n_slots=n_slots, policy=policy, mode=mode,
                           create=create)
         self._tlock = threading.Lock()
@@ -117,7 +164,16 @@ class HotTier(Tier):
         self._open(**self._args)
 
     # ---- open / close ----------------------------------------------------------------------------
-    def _open(self, capacity_bytes, n_slots, policy, mode, create) -> None:
+    def _open(self, **args) -> None:
+        for _ in range(8):
+            try:
+                return self._open_once(**args)
+            except _Unpublished:
+                continue  # removed between attach and registration: attach (or create) again
+        raise FormatError(f"segment {self.name} keeps being removed while this handle opens it; is an "
+                          "operator running `tieredkv rm` in a loop?")
+
+    def _open_once(self, capacity_bytes, n_slots, policy, mode, create) -> None:
         spec = self.spec
         if policy is not None and not isinstance(policy, str):
             raise InvalidInput("policy must be a registered policy name, e.g. 'lru'")
@@ -125,41 +181,57 @@ class HotTier(Tier):
             engine = policies.make(policy or "lru")
         except KeyError as e:  # UnknownPolicy: its message lists the valid names
             raise InvalidInput(str(e)) from None
+        # The full spec ("prefix_aware:arc", not "prefix_aware") is recorded and compared: two
+        # policies with one name keep different state, and a wrapper's base changes every decision.
+        wanted = engine.full_name()
+        if len(wanted.encode()) > seg.POLICY_BYTES:
+            raise InvalidInput(f"policy {policy!r} names a policy spec longer than {seg.POLICY_BYTES} bytes; "
+                               "register it under a shorter name")
         if create and capacity_bytes is None and n_slots is None:
-            try:  # no size given: attach to the segment other processes made
-                self._map, self.created = seg.attach(spec, self.name, directory=self.shm_dir), False
-            except posix_ipc.ExistentialError:
-                raise InvalidInput(f"segment {self.name} does not exist yet; give capacity_bytes (or "
-                                   "n_slots) to create it") from None
+            self._map, self.created = self._attach(mode, "; give capacity_bytes (or n_slots) to create it"), False
         elif create:
             sized_by_bytes = n_slots is None
             if sized_by_bytes:
-                if capacity_bytes <= 0:
-                    raise InvalidInput(f"capacity_bytes must be positive, got {capacity_bytes}")
                 n_slots = seg.Layout.slots_for(
                     spec, int(capacity_bytes), lambda n: policies.StateLayout.for_policy(engine, n).nbytes)
-            if int(n_slots) <= 0:
-                raise InvalidInput(f"n_slots must be positive, got {n_slots}")
-            layout = seg.Layout.compute(spec, int(n_slots), policies.StateLayout.for_policy(engine, int(n_slots)).nbytes)
+            state_bytes = policies.StateLayout.for_policy(engine, int(n_slots)).nbytes
+            layout = seg.Layout.compute(spec, int(n_slots), state_bytes)
             if sized_by_bytes and layout.total_bytes > capacity_bytes:
                 raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block "
                                    f"and the segment's metadata ({layout.total_bytes} bytes needed)")
-            self._map, self.created = seg.create_or_attach(spec, self.name, layout, engine.name, mode,
-                                                           lambda m: self._init_segment(m, engine),
-                                                           directory=self.shm_dir)
+            self._map, self.created = seg.create_or_attach(spec, self.name, layout, wanted, mode,
+                                                           lambda m: self._init_segment(m, engine))
         else:
-            self._map, self.created = seg.attach(spec, self.name, directory=self.shm_dir), False
-        seg_policy = self._map.header["policy"].decode()
-        if policy is not None and seg_policy != engine.name:
-            self._map.close()
-            raise InvalidInput(f"segment {self.name} uses eviction policy {seg_policy!r}, not {policy!r}; "
-                               "pass policy=None to attach with the segment's policy")
+            self._map, self.created = self._attach(mode, "; create=False only attaches: pass create=True and a "
+                                                         "capacity_bytes to create it"), False
+        made_inode = os.fstat(self._map.fd).st_ino if self.created else None
         try:
-            self._policy = policies.make(seg_policy)
+            self._adopt(policy, wanted)
+        except BaseException:
+            # A segment this call created and cannot use must not stay in /dev/shm for others to trip on.
+            if made_inode is not None:
+                seg.unlink_if_same(self.name, made_inode)
+            raise
+
+    def _attach(self, mode: int, how_to_create: str) -> seg.Mapping:
+        try:
+            return seg.attach(self.spec, self.name, mode=mode)
+        except posix_ipc.ExistentialError:
+            raise InvalidInput(f"segment {self.name} does not exist{how_to_create}") from None
+
+    def _adopt(self, policy: str | None, wanted: str) -> None:
+        """Check the segment's policy, build the views and register this handle."""
+        recorded = self._map.header["policy"].decode()
+        try:
+            self._policy = policies.make(recorded)
         except KeyError:
             self._map.close()
             raise FormatError(f"segment {self.name} names an eviction policy this tieredkv does not know "
-                              f"({seg_policy!r}); remove it with `tieredkv rm {self.name}`") from None
+                              f"({recorded!r}); remove it with `tieredkv rm {self.name}`") from None
+        if policy is not None and self._policy.full_name() != wanted:
+            self._map.close()
+            raise InvalidInput(f"segment {self.name} uses eviction policy {self._policy.full_name()!r}, not "
+                               f"{wanted!r}; pass the segment's policy (or policy=None to HotTier) to attach")
         self._h = h = self._map.header
         self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
         self._index = HotIndex(region, self._slots["key"], self.name)
@@ -176,6 +248,8 @@ class HotTier(Tier):
         self._closed = False
         self._owner, self._token = -1, 0
         self._stats = np.zeros(len(STAT_FIELDS), dtype=np.uint64)  # until registered
+        self._claim_ids = itertools.count(1)  # tells one call's claims from another thread's
+        self._retrying = False  # a block call runs again after a repair (see _survives_damage)
         self._register()
         _HANDLES.add(self)
 
@@ -191,22 +265,38 @@ class HotTier(Tier):
 
     def _register(self) -> None:
         """Take a free owner registry byte for this handle's lifetime and record who we are."""
-        with self._critical():
-            for i in range(seg.MAX_OWNERS):
-                if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
-                    if self._owners[i]["token"]:
-                        self._reclaim_owner(i)  # its previous holder died without closing
-                    self._owner = i
-                    self._token = secrets.randbits(63) | 1
-                    rec = self._owners[i]
-                    rec["token"] = self._token
-                    rec["pid"] = self._pid
-                    rec["n_pins"] = 0
-                    self._stats = rec["stats"]
-                    self.counters = counters.CacheCounters(rec, self._owners)
-                    return
+        with self._tlock:
+            try:
+                self._enter()
+                for i in range(seg.MAX_OWNERS):
+                    if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
+                        if not self._still_published():
+                            # `rm --stale` judged the segment unused and unlinked it between our attach
+                            # and this registration (it judges under this same lock): attach afresh.
+                            locks.unlock(self._fd, locks.REGISTRY_BASE + i)
+                            break
+                        if self._owners[i]["token"]:
+                            self._reclaim_owner(i)  # its previous holder died without closing
+                        self._owner = i
+                        self._token = secrets.randbits(63) | 1
+                        rec = self._owners[i]
+                        rec["token"] = self._token
+                        rec["pid"] = self._pid
+                        rec["n_pins"] = 0
+                        self._stats = rec["stats"]
+                        self.counters = counters.CacheCounters(rec, self._owners)
+                        break
+                else:
+                    i = -1
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        if self._owner >= 0:
+            return
         self._drop_mapping()  # never registered: close() must not touch anybody's row
-        raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
+        if i < 0:
+            raise InvalidInput(f"segment {self.name} already has {seg.MAX_OWNERS} open handles; close some")
+        raise _Unpublished(self.name)
 
     def close(self) -> None:
         """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""
@@ -214,10 +304,15 @@ class HotTier(Tier):
             return
         if os.getpid() == self._pid:
             try:
-                with self._critical():
-                    self._release_pins()
-                    # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
-                    self._reclaim_owner(self._owner)
+                with self._tlock:
+                    try:
+                        self._enter()
+                        self._release_pins()
+                        # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
+                        self._reclaim_owner(self._owner)
+                        self._h["dirty"] = 0
+                    finally:
+                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
                 locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
             except Exception as e:  # closing must not raise on a broken segment
                 warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
@@ -225,9 +320,10 @@ class HotTier(Tier):
 
     def _drop_mapping(self) -> None:
         self._closed = True
-        # Drop every view before closing the mmap: a view over a closed mapping would segfault.
-        self._owners = self._slots = self._tokens = self._index = self._free = self._data = None
-        self._state = self._h = self._stats = self.counters = None
+        # Drop every view before closing the mmap: a view over a closed mapping would segfault. The
+        # attributes are typed for an open handle; a closed one refuses every call (_check) first.
+        self._owners = self._slots = self._tokens = self._free = self._data = None
+        self._index = self._state = self._h = self._stats = self.counters = None  # type: ignore[assignment]
         self._map.close()
 
     def __del__(self):
@@ -253,7 +349,7 @@ class HotTier(Tier):
             if not self._still_published():
                 a = self._args
                 attach_only = not a["create"] or (a["capacity_bytes"] is None and a["n_slots"] is None)
-                if attach_only and not os.path.exists(seg._shm_path(self.name, self.shm_dir)):
+                if attach_only and not os.path.exists(seg._shm_path(self.name)):
                     # Removed and not (yet) recreated, and this handle cannot create it: keep serving
                     # from the old mapping (still valid memory) rather than closing for good; the
                     # next check reattaches once a creating process has made a new segment.
@@ -265,26 +361,35 @@ class HotTier(Tier):
 
     def _still_published(self) -> bool:
         try:
-            return os.stat(seg._shm_path(self.name, self.shm_dir)).st_ino == self._inode
+            return os.stat(seg._shm_path(self.name)).st_ino == self._inode
         except FileNotFoundError:
             return False
 
     # ---- the critical section --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _critical(self):
-        """Hold the metadata lock. Repairs first if the previous holder died inside it."""
-        with self._tlock:
-            locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
-            try:
-                h = self._h
-                if int(h["dirty"]):
-                    self._scrub()
-                h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
-                yield
-                # Reached only if the body finished: an exception (or a death) leaves it dirty.
-                h["dirty"] = 0
-            finally:
-                locks.unlock(self._fd, locks.META_LOCK_BYTE)
+    # Every critical section is written out as
+    #
+    #     with self._tlock:                     # threads sharing this handle take turns
+    #         try:
+    #             self._enter()                 # the lock; repairs first if needed; marks dirty
+    #             ...                           # the metadata changes
+    #             self._h["dirty"] = 0          # reached only if the body finished
+    #         finally:
+    #             fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+    #
+    # and not as a context manager: an exception from a signal handler can be raised on entry to any
+    # Python function, a context manager's __exit__ included, which would leave the lock held by a
+    # live (and maybe idle) process. Here the unlock is the finally's first call, and no Python-level
+    # code runs before it; releasing a lock this description does not hold is a no-op.
+    def _enter(self) -> None:
+        """Take the metadata lock; repair first if the previous holder died inside (or if a reader
+        dropped its pins without the lock); mark the header dirty. Call as shown above."""
+        locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
+        h = self._h
+        if int(h["dirty"]):
+            self._scrub()
+        elif int(h["repin"]):
+            self._recount_pins()
+        h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
 
     # ---- liveness and recovery -----------------------------------------------------------------
     def _owner_alive(self, i: int, token: int) -> bool:
@@ -305,36 +410,82 @@ class HotTier(Tier):
         self._free_slots(mine)
         n_pins = int(rec["n_pins"])
         if n_pins:
-            pinned = rec["pins"][:n_pins]
-            np.subtract.at(slots["pins"], pinned, 1)
+            pinned = rec["pins"][: min(n_pins, seg.MAX_PINS)]
+            if n_pins > seg.MAX_PINS or (pinned < 0).any() or (pinned >= self.n_slots).any():
+                self._h["repin"] = 1  # a damaged pin list: the next holder counts from every row
+            else:
+                np.subtract.at(slots["pins"], pinned, 1)
             rec["n_pins"] = 0
         rec["token"] = 0
         self._stats[_STAT["reclaimed"]] += len(mine)
         return len(mine)
 
     def _reclaim_dead(self) -> int:
-        """Reclaim every dead owner's WRITING slots and pins. Under the lock. Returns slots freed."""
+        """Reclaim every dead owner's WRITING slots and pins, and every abandoned claim (a token that
+        is not its owner's: an interrupted call gave it up). Under the lock. Returns slots freed."""
         freed = 0
         for i in np.flatnonzero(self._owners["token"]):
             i = int(i)
             if i != self._owner and not locks.is_locked(self._fd, locks.REGISTRY_BASE + i):
                 freed += self._reclaim_owner(i)
+        rec = self._slots
+        writing = np.flatnonzero(rec["state"] == WRITING)
+        if len(writing):
+            owner = rec["owner"][writing]
+            known = owner < seg.MAX_OWNERS
+            tokens = self._owners["token"][np.where(known, owner, 0).astype(np.int64)]
+            orphans = writing[~known | (rec["owner_token"][writing] != tokens)]
+            self._free_slots(orphans)
+            self._stats[_STAT["reclaimed"]] += len(orphans)
+            freed += len(orphans)
         return freed
+
+    def _recount_pins(self) -> None:
+        """Pin counts from the live owners' pin lists (a reader dropped its list without the lock,
+        or a list was damaged). Under the lock."""
+        self._h["repin"] = 0
+        pins = np.zeros(self.n_slots, dtype=np.uint64)
+        for i in np.flatnonzero(self._owners["token"]):
+            rec = self._owners[int(i)]
+            if self._owner_alive(int(i), int(rec["token"])):
+                listed = rec["pins"][: min(int(rec["n_pins"]), seg.MAX_PINS)]
+                np.add.at(pins, listed[(listed >= 0) & (listed < self.n_slots)], 1)
+            else:
+                rec["n_pins"] = 0
+        self._slots["pins"] = pins
 
     def recover(self) -> dict:
         """Reclaim what dead processes left (WRITING slots, pins) and scrub; returns what was done."""
         self._check()
-        with self._critical():
-            freed = self._reclaim_dead()
-            self._scrub()
+        with self._tlock:
+            try:
+                self._enter()
+                freed = self._reclaim_dead()
+                self._scrub()
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
         return {"reclaimed_slots": freed, "scrubs": int(self._h["scrubs"])}
 
-    def _scrub(self) -> None:
+    def _repair(self, why) -> None:
+        """Scrub after damage was found in a derived structure, rebuilding the policy state too."""
+        warnings.warn(f"tieredkv: segment {self.name}: damaged metadata ({why}); rebuilding it from the slot "
+                      "table", RuntimeWarning, stacklevel=3)
+        with self._tlock:
+            try:
+                self._enter()
+                self._scrub(policy_too=True)
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+
+    def _scrub(self, policy_too: bool = False) -> None:
         """Rebuild derived metadata from the slot table. Under the lock.
 
         The slot table is the truth; the index, the free stack, pin counts, the used count and the
         policy's residency are derived from it. A slot a dead writer left half-published (READY with
-        an odd generation) or WRITING by a dead owner is freed.
+        an odd generation) or WRITING by a dead owner is freed. ``policy_too``: also reset the policy
+        state and re-insert every resident block (its history is lost; damage may be anywhere in it).
         """
         slots = self._slots
         state = slots["state"]
@@ -347,17 +498,12 @@ class HotTier(Tier):
             gen = slots["gen"][broken]
             slots["gen"][broken] = gen + 1 + (gen + 1) % 2  # to the next even value: readers re-check
             slots["state"][broken] = FREE
-        # Pins: only live owners' pin lists count.
-        pins = np.zeros(self.n_slots, dtype=np.uint64)
+        # Pins: only live owners' pin lists count; dead owners' rows are retired.
         for i in np.flatnonzero(self._owners["token"]):
-            rec = self._owners[int(i)]
-            if self._owner_alive(int(i), int(rec["token"])):
-                n_pins = min(int(rec["n_pins"]), seg.MAX_PINS)
-                np.add.at(pins, rec["pins"][:n_pins], 1)
-            else:
-                rec["n_pins"] = 0
-                rec["token"] = 0
-        slots["pins"] = pins
+            if not self._owner_alive(int(i), int(self._owners[int(i)]["token"])):
+                self._owners[int(i)]["n_pins"] = 0
+                self._owners[int(i)]["token"] = 0
+        self._recount_pins()
         # Free stack and index from the slot table.
         free = np.flatnonzero(slots["state"] == FREE)[::-1]
         self._free[: len(free)] = free
@@ -366,6 +512,13 @@ class HotTier(Tier):
         # Policy residency must equal READY.
         st, engine = self._state, self._policy
         ready = slots["state"] == READY
+        if policy_too:
+            st.reset()
+            resident = np.flatnonzero(ready)
+            parents = self._index.find(slots["parent"][resident])
+            parents[(parents >= 0) & ~ready[np.maximum(parents, 0)]] = -1
+            policies.insert(engine, st, resident, slots["key"][resident, 0], parents,
+                            slots["position"][resident].astype(np.int64))
         stale = np.flatnonzero((st.resident == 1) & ~ready)
         st.resident[stale] = 0
         missing = np.flatnonzero(ready & (st.resident != 1))
@@ -401,7 +554,10 @@ class HotTier(Tier):
         if not len(slots):
             return
         rec = self._slots
-        policies.remove(self._policy, self._state, slots)
+        try:
+            policies.remove(self._policy, self._state, slots)
+        except (IndexError, ValueError) as e:
+            raise _Damage(f"policy state: {e}") from e
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
         rec["state"][slots] = FREE
@@ -412,35 +568,53 @@ class HotTier(Tier):
         """Push FREE slots onto the stack, highest first, so that they pop lowest first: a batch
         freed together is taken again as one ascending run of adjacent slots. Under the lock."""
         top = int(self._h["free_top"])
+        if top + len(slots) > self.n_slots:
+            raise _Damage(f"free stack holds {top} entries, {len(slots)} more would pass its {self.n_slots}")
         self._free[top:top + len(slots)] = np.sort(slots)[::-1]
         self._h["free_top"] = top + len(slots)
 
     def _take_free(self, n: int) -> np.ndarray:
         top = int(self._h["free_top"])
+        if top > self.n_slots:
+            raise _Damage(f"free stack top {top} is past its {self.n_slots} entries")
         k = min(n, top)
         got = self._free[top - k:top][::-1].copy()
+        # Every entry must name a FREE slot, once: handing out a READY slot would overwrite a block.
+        if k and ((got < 0).any() or (got >= self.n_slots).any() or len(np.unique(got)) != k
+                  or (self._slots["state"][got] != FREE).any()):
+            raise _Damage("the free stack names a slot that is not free")
         self._h["free_top"] = top - k
         return got
 
-    def _choose_victims(self, n: int, incoming: np.ndarray | None = None) -> tuple[np.ndarray, Evicted]:
+    def _choose_victims(self, n: int, incoming: np.ndarray | None, claim: int) -> tuple[np.ndarray, Evicted]:
         """Let the policy pick up to ``n`` READY, unpinned victims and detach them from the index and
         the policy: they become WRITING by us (generation odd), with their key zeroed, until reused
         or freed. Returns the victims and what they held (keys, hit counts; bytes still in place)."""
         rec = self._slots
         evictable = (rec["state"] == READY) & (rec["pins"] == 0)
-        victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
+        try:
+            victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
+        except (IndexError, ValueError, RuntimeError) as e:  # base.evict checks what the policy chose
+            raise _Damage(f"policy state: {e}") from e
+        if len(victims) < min(n, int(np.count_nonzero(evictable))) and not self._retrying:
+            # A policy evicts min(n, candidates) (the conformance suite holds every one to it), so
+            # fewer means damaged state (residency, child counts, queue marks) that would refuse
+            # stores from now on.
+            raise _Damage(f"the policy chose {len(victims)} of {n} victims among evictable blocks")
         old = Evicted(ChunkKeys(rec["key"][victims].copy(), rec["parent"][victims].copy(),
                                 self._tokens[victims].copy(), 0, rec["position"][victims].astype(np.int64)),
                       None, self._state.hits[victims].copy())  # remove() leaves hits: demotion rules use them
         if len(victims):
-            self._claim(victims)
+            self._claim(victims, claim)
             self._index.remove(victims, old.keys.keys)
             rec["key"][victims] = 0
             self._stats[_STAT["evictions"]] += len(victims)
         return victims, old
 
-    def _claim(self, slots: np.ndarray) -> None:
+    def _claim(self, slots: np.ndarray, claim: int) -> None:
+        """Slots -> WRITING by this handle, for the call whose id is ``claim``. Under the lock."""
         rec = self._slots
+        rec["claim"][slots] = claim
         rec["gen"][slots] += 1  # odd: readers treat the slot as being rewritten
         rec["state"][slots] = WRITING
         rec["owner"][slots] = self._owner
@@ -461,11 +635,13 @@ class HotTier(Tier):
     def _check_keys(self, keys: ChunkKeys) -> None:
         check_keys(self.spec, keys)
 
+    @_survives_damage
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         self._check()
         self._check_keys(keys)
         return self._confirmed(keys, self._find(keys.keys))
 
+    @_survives_damage
     def match(self, keys: ChunkKeys) -> int:
         self._check()
         self._check_keys(keys)
@@ -474,12 +650,14 @@ class HotTier(Tier):
         self._stats[_STAT["lookups"]] += 1
         return n
 
+    @_survives_damage
     def get_many(self, keys: ChunkKeys, out: np.ndarray,
                  sink: Callable[[int, np.ndarray], None] | None = None) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
         ``out``: the spec's dtype (or uint8) holding at least ``len(keys)`` blocks. Rows past the
-        returned count are untouched or partially written; never use them.
+        returned count are untouched or partially written; never use them. ``sink(i, rows)``, if
+        given, gets each run of ``out``'s rows right after it is copied (see ``Tier.get_many``).
         """
         self._check()
         self._check_keys(keys)
@@ -493,7 +671,7 @@ class HotTier(Tier):
 
         def copy(first: int, slots: np.ndarray) -> None:
             # One copy per run of adjacent slots (ascending or descending), the common case: a prompt
-            # stored in one call. Not np.take: it is slower than row copies from a shared mapping.
+            # stored in one call. Not np.take: slower than row copies from a shared mapping.
             for a, b, s, step in slot_runs(slots):
                 at = first + a
                 lowest = s if step == 1 else s - (b - a) + 1
@@ -504,6 +682,7 @@ class HotTier(Tier):
 
         return self._read(keys, copy)
 
+    @_survives_damage(user_code=True)
     def read_runs(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
         """Like ``get_many``, but hand each run of blocks to ``sink(i, rows)`` while it is pinned.
 
@@ -520,6 +699,24 @@ class HotTier(Tier):
         def copy(first: int, slots: np.ndarray) -> None:
             for a, b, s, step in slot_runs(slots):
                 sink(first + a, run_rows(data, s, b - a, step))
+
+        return self._read(keys, copy)
+
+    @_survives_damage(user_code=True)
+    def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
+        """Like ``get_many``, but hand each block to ``sink(i, block_bytes)`` while it is pinned.
+
+        ``block_bytes`` is a uint8 view of the slot in shared memory, valid only during the call:
+        copy it where it belongs (e.g. a strided slice of a model's cache tensor), which saves the
+        intermediate copy ``get_many`` would make. Returns how many leading blocks were delivered.
+        """
+        self._check()
+        self._check_keys(keys)
+        data = self._data
+
+        def copy(first: int, slots: np.ndarray) -> None:
+            for i, slot in enumerate(slots.tolist()):
+                sink(first + i, data[slot])
 
         return self._read(keys, copy)
 
@@ -547,17 +744,24 @@ class HotTier(Tier):
             return 0
         slots = found[:n]
         rec = self._slots
-        with self._critical():
-            # Re-check under the lock and pin in the same critical section (design.md 6.1 #3).
-            ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
-            n = int(np.argmin(ok)) if not ok.all() else n
-            slots = slots[:n]
-            gens = rec["gen"][slots].copy()
-            rec["pins"][slots] += 1
-            me = self._owners[self._owner]
-            me["pins"][:n] = slots
-            me["n_pins"] = n
         try:
+            with self._tlock:
+                try:
+                    self._enter()
+                    # Re-check under the lock and pin in the same critical section (invariant 3).
+                    # The pin list goes into our owner row before the counts: whatever interrupts
+                    # this, the row says at least what the counts hold (a scrub recounts from rows).
+                    ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
+                    n = int(np.argmin(ok)) if not ok.all() else n
+                    slots = slots[:n]
+                    gens = rec["gen"][slots].copy()
+                    me = self._owners[self._owner]
+                    me["pins"][:n] = slots
+                    me["n_pins"] = n
+                    np.add.at(rec["pins"], slots, 1)  # not pins[slots] += 1: a key twice in a batch pins twice
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
             copy(first, slots)
             # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
             # on a broken invariant (checked after unpinning, a legitimate eviction would trip it).
@@ -566,23 +770,48 @@ class HotTier(Tier):
                 n = int(np.argmin(same))
                 self._stats[_STAT["torn_reads"]] += 1
             # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
-            if self._policy.hit_needs_lock:
-                with self._critical():
-                    policies.hit(self._policy, self._state, slots[:n])
-            else:
-                policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
-        finally:
-            with self._critical():
-                self._release_pins()
+            try:
+                if self._policy.hit_needs_lock:
+                    with self._tlock:
+                        try:
+                            self._enter()
+                            policies.hit(self._policy, self._state, slots[:n])
+                            self._h["dirty"] = 0
+                        finally:
+                            fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                else:
+                    policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
+            except (IndexError, ValueError) as e:
+                raise _Damage(f"policy state: {e}") from e
+            with self._tlock:
+                try:
+                    self._enter()
+                    self._release_pins()
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        except BaseException:
+            # Interrupted anywhere above (a signal handler's exception, MemoryError, a sink that
+            # raised): drop our pins without waiting for the lock, which could itself be interrupted
+            # or time out. Plain stores only, no calls: nothing can interrupt them. The next lock
+            # holder recounts the pin counts from the owner rows.
+            self._owners["n_pins"][self._owner] = 0
+            self._h["repin"] = 1
+            raise
         return n
 
     def _release_pins(self) -> None:
         me = self._owners[self._owner]
         n_pins = int(me["n_pins"])
         if n_pins:
-            np.subtract.at(self._slots["pins"], me["pins"][:n_pins], 1)
+            listed = me["pins"][: min(n_pins, seg.MAX_PINS)]
+            if n_pins > seg.MAX_PINS or (listed < 0).any() or (listed >= self.n_slots).any():
+                self._h["repin"] = 1  # a damaged pin list: count again from every row
+            else:
+                np.subtract.at(self._slots["pins"], listed, 1)
             me["n_pins"] = 0
 
+    @_survives_damage(user_code=True)  # on_evict is the caller's
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
         """Store blocks. Returns one ``PutResult`` code per key (int8 array).
 
@@ -599,67 +828,101 @@ class HotTier(Tier):
             return codes
         _, first = np.unique(keys.keys, axis=0, return_index=True)
         todo = np.sort(first)
-        todo = todo[self._find(keys.keys[todo]) < 0]  # lock-free pre-check; re-checked below
+        # Lock-free pre-check, re-checked below: skip keys already READY. A key found WRITING still
+        # goes to the locked path, which frees it if its writer died (else that prefix would answer
+        # EXISTS, and be prefilled again, on every request for as long as the segment lives).
+        found = self._find(keys.keys[todo])
+        held = found >= 0
+        held[held] = self._slots["state"][found[held]] == READY
+        todo = todo[~held]
         if not len(todo):
             self._stats[_STAT["exists"]] += n
             return codes
         rec = self._slots
-        with self._critical():
-            found = self._find(keys.keys[todo])
-            if self._reclaim_abandoned(found):
-                found = self._find(keys.keys[todo])
-            todo = todo[found < 0]
-            slots = self._take_free(len(todo))
-            if len(slots) < len(todo) and self._reclaim_dead():
-                slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
-            n_free = len(slots)
-            victims, old = np.zeros(0, dtype=np.int64), None
-            if n_free < len(todo):
-                want = max(len(todo) - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
-                incoming = keys.keys[todo[n_free:], 0]
-                victims, old = self._choose_victims(want, incoming)
-                if not len(victims) and self._reclaim_dead():
-                    slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
-                    n_free = len(slots)
-                    if n_free < len(todo):
-                        victims, old = self._choose_victims(want, incoming)
-            self._claim(slots)  # victims are claimed already
-            # A batch gets adjacent, ascending slots where it can: free slots come off the stack in
-            # ascending runs (see _push_free), the lowest victims are used and the surplus (spare)
-            # goes back; so a prefix stored in one call is one run that reads copy in one piece.
-            by_slot = np.sort(victims)
-            need = max(len(todo) - n_free, 0)
-            spare = by_slot[need:]
-            use = np.sort(np.concatenate([slots, by_slot[:need]]))
-            stored = todo[: len(use)]
-            codes[todo[len(use):]] = _NO_SPACE
-            rec["key"][use] = keys.keys[stored]
-            rec["parent"][use] = keys.parents[stored]
-            rec["position"][use] = keys.positions[stored]
-            rec["length"][use] = self.spec.block_bytes
-            self._index.insert(use, keys.keys[stored])
-        evicted = None
+        claim = next(self._claim_ids)
         try:
-            if len(victims):
-                # The victims are WRITING by us: nobody else touches their bytes until we publish.
-                payload = self._data[victims].copy() if self.on_evict is not None else None
-                evicted = Evicted(old.keys, payload, old.hits)
-            self._tokens[use] = keys.tokens[stored]
-            self._write_rows(use, src, stored)
+            with self._tlock:
+                try:
+                    self._enter()
+                    found = self._find(keys.keys[todo])
+                    if self._reclaim_abandoned(found):
+                        found = self._find(keys.keys[todo])
+                    todo = todo[found < 0]
+                    slots = self._take_free(len(todo))
+                    if len(slots) < len(todo) and self._reclaim_dead():
+                        slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
+                    n_free = len(slots)
+                    victims, old = np.zeros(0, dtype=np.int64), None
+                    if n_free < len(todo):
+                        want = max(len(todo) - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
+                        incoming = keys.keys[todo[n_free:], 0]
+                        victims, old = self._choose_victims(want, incoming, claim)
+                        if not len(victims) and self._reclaim_dead():
+                            slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
+                            n_free = len(slots)
+                            if n_free < len(todo):
+                                victims, old = self._choose_victims(want, incoming, claim)
+                    self._claim(slots, claim)  # victims are claimed already
+                    # A batch gets adjacent, ascending slots where it can: free slots come off the
+                    # stack in ascending runs (see _push_free), the lowest victims are used and the
+                    # surplus (spare) goes back; so a prefix stored in one call is one run, and reads
+                    # copy it in one piece.
+                    by_slot = np.sort(victims)
+                    need = max(len(todo) - n_free, 0)
+                    spare = by_slot[need:]
+                    use = np.sort(np.concatenate([slots, by_slot[:need]]))
+                    stored = todo[: len(use)]
+                    codes[todo[len(use):]] = _NO_SPACE
+                    rec["key"][use] = keys.keys[stored]
+                    rec["parent"][use] = keys.parents[stored]
+                    rec["position"][use] = keys.positions[stored]
+                    rec["length"][use] = self.spec.block_bytes
+                    self._index.insert(use, keys.keys[stored])
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            evicted = None
+            try:
+                if len(victims) and old is not None:
+                    # The victims are WRITING by us: nobody else touches their bytes until we publish.
+                    payload = self._data[victims].copy() if self.on_evict is not None else None
+                    evicted = Evicted(old.keys, payload, old.hits)
+                self._tokens[use] = keys.tokens[stored]
+                self._write_rows(use, src, stored)
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
+                # rather than leave them WRITING until this handle closes.
+                with self._tlock:
+                    try:
+                        self._enter()
+                        self._free_slots(use)
+                        self._release_spare(spare)
+                        self._h["dirty"] = 0
+                    finally:
+                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                raise
+            with self._tlock:
+                try:
+                    self._enter()
+                    rec["gen"][use] += 1  # even again: published
+                    rec["state"][use] = READY
+                    parents = self._find(keys.parents[stored])
+                    try:
+                        policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
+                                        keys.positions[stored])
+                    except (IndexError, ValueError) as e:
+                        raise _Damage(f"policy state: {e}") from e
+                    self._release_spare(spare)
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
         except BaseException:
-            # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
-            # rather than leave them WRITING until this handle closes.
-            with self._critical():
-                self._free_slots(use)
-                self._release_spare(spare)
+            # Interrupted anywhere above, even inside the giving back: abandon what this call still
+            # holds WRITING (its claim id tells which) without the lock, with plain stores only. A
+            # zero token reads as a dead writer's, which the next process short of space, storing
+            # the same keys, or scrubbing frees.
+            rec["owner_token"][(rec["state"] == WRITING) & (rec["owner"] == self._owner) & (rec["claim"] == claim)] = 0
             raise
-        with self._critical():
-            rec["gen"][use] += 1  # even again: published
-            rec["state"][use] = READY
-            parents = self._find(keys.parents[stored])
-            policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
-                            keys.positions[stored])
-            self._release_spare(spare)
         codes[stored] = _STORED
         st = self._stats
         st[_STAT["puts"]] += len(stored)
@@ -710,29 +973,50 @@ class HotTier(Tier):
         rec["state"][spare] = FREE
         self._push_free(spare)
 
+    @_survives_damage
     def remove(self, keys: ChunkKeys) -> int:
         """Remove resident, unpinned blocks; returns how many were removed."""
         self._check()
         self._check_keys(keys)
-        with self._critical():
-            found = self._find(keys.keys)
-            ok = self._confirmed(keys, found) & (self._slots["pins"][np.maximum(found, 0)] == 0)
-            slots = np.unique(found[ok])
-            self._free_slots(slots)
+        with self._tlock:
+            try:
+                self._enter()
+                found = self._find(keys.keys)
+                ok = self._confirmed(keys, found) & (self._slots["pins"][np.maximum(found, 0)] == 0)
+                slots = np.unique(found[ok])
+                self._free_slots(slots)
+                self._h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
         self._stats[_STAT["removed"]] += len(slots)
         return len(slots)
 
+    @_survives_damage
     def evict(self, n: int) -> Evicted:
         """Evict up to ``n`` blocks chosen by the policy; returns their keys and bytes."""
         self._check()
         n = check_count(n)
-        with self._critical():
-            victims, old = self._choose_victims(n)
+        rec = self._slots
+        claim = next(self._claim_ids)
         try:
+            with self._tlock:
+                try:
+                    self._enter()
+                    victims, old = self._choose_victims(n, None, claim)
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
             payloads = self._data[victims].copy()
-        finally:
-            with self._critical():
-                self._release_spare(victims)
+            with self._tlock:
+                try:
+                    self._enter()
+                    self._release_spare(victims)
+                    self._h["dirty"] = 0
+                finally:
+                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        except BaseException:  # as in put_many: abandon the victims without the lock
+            rec["owner_token"][(rec["state"] == WRITING) & (rec["owner"] == self._owner) & (rec["claim"] == claim)] = 0
+            raise
         return Evicted(old.keys, payloads, old.hits)
 
     # ---- introspection ---------------------------------------------------------------------------
@@ -746,7 +1030,7 @@ class HotTier(Tier):
             hits=s["hits"], misses=s["misses"], bytes_in=s["bytes_in"], bytes_out=s["bytes_out"],
             puts=s["puts"], evictions=s["evictions"], recoveries=s["recoveries"],
             extra={"segment": self.name, "policy": self._policy.name, "segment_bytes": self._map.size,
-                   "shm_dir": str(self.shm_dir), "huge_pages": seg.huge_page_policy(self.shm_dir),
+                   "shm_dir": str(seg.shm_dir()), "huge_pages": seg.huge_page_policy(),
                    "huge_mapped_bytes": seg.huge_mapped_bytes(self._map),
                    "writing_blocks": int(np.count_nonzero(state == WRITING)),
                    "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
@@ -786,7 +1070,7 @@ class HotTier(Tier):
         """Remove the segment's name (mappers keep their mapping until they close). Then close."""
         try:
             if self._still_published():
-                seg.unlink(self.name, self.shm_dir)
+                seg.unlink(self.name)
         finally:
             self.close()
 

@@ -36,7 +36,7 @@ try:  # transformers >= 4.56 keeps one layer object per layer
     from transformers.cache_utils import DynamicCache, DynamicLayer
 except ImportError:  # pragma: no cover - older releases
     from transformers.cache_utils import DynamicCache
-    DynamicLayer = None
+    DynamicLayer = None  # type: ignore[assignment,misc]  # older transformers: no per-layer objects
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefillResult:
@@ -241,6 +241,8 @@ class CachedPrefill:
 
     def _release_if_viewed(self, kv_cache: Any) -> None:
         """Forget the kept CPU buffer if a cache layer still views it (it then belongs to that cache)."""
+        if self._host_buf is None:
+            return
         base = self._host_buf.untyped_storage().data_ptr()
         for layer in range(self.spec.num_layers):
             keys, values = _layer_tensors(kv_cache, layer)

@@ -88,7 +88,7 @@ def tiny_llama_config(**overrides: Any):
     """A small Llama config (GQA, 4 layers) for tests; any field can be overridden."""
     from transformers import LlamaConfig
 
-    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     fields.update(overrides)
@@ -99,7 +99,7 @@ def tiny_qwen2_config(**overrides: Any):
     """A small Qwen2 config (biased QKV projections, GQA, 3 layers) for tests."""
     from transformers import Qwen2Config
 
-    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
     fields.update(overrides)
@@ -115,7 +115,7 @@ def demo_llama_config(**overrides: Any):
     """
     from transformers import LlamaConfig
 
-    fields = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+    fields: dict[str, Any] = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=True)
     fields.update(overrides)

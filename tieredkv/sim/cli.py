@@ -73,7 +73,8 @@ def main(args: argparse.Namespace) -> int:
         print("tieredkv simulate: --hot and --warm go together", file=sys.stderr)
         return 2
     try:
-        trace = read_trace(args.trace, fmt=args.format) if args.trace else synthetic_trace(args.synthetic, seed=args.seed)
+        trace = (read_trace(args.trace, fmt=args.format) if args.trace
+                 else synthetic_trace(args.synthetic, seed=args.seed))
         result = run_simulation(trace, _csv(args.policy), _csv(args.capacity),
                                 hot=_csv(args.hot) if args.hot else None,
                                 warm=_csv(args.warm) if args.warm else None,

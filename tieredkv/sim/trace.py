@@ -18,8 +18,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class Trace:
 
     @classmethod
     def from_requests(cls, requests: Iterable[Sequence], name: str = "trace",
-                      timestamps_ms: Sequence[int] | None = None) -> "Trace":
+                      timestamps_ms: Sequence[int] | None = None) -> Trace:
         """Build a trace from per-request id lists (ints or strings; remapped to dense ids).
 
         A block id repeated inside one request is kept once (its first place): a prompt holds each

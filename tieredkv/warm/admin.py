@@ -42,7 +42,7 @@ def _load_meta(path: str, index: ix.Index | None) -> tuple[dict | None, str, dic
         raw = index.read(lambda txn: txn.get(ix.INFO_META, db=index.info))
         if raw is not None:
             try:
-                copy = mt.parse_meta(raw, f"{path} (index copy)")
+                copy = mt.parse_meta(bytes(raw), f"{path} (index copy)")
             except FormatError:
                 copy = None
     try:
@@ -63,7 +63,9 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
         directory: a tier directory (``<root>/<namespace>``) or a root holding tier directories.
         repair: drop the bad blocks from the index (their slots become free), free slots of claims
             whose writer died, restore missing or truncated slab files to full size, and rewrite a
-            missing or damaged ``meta.json`` from the index's copy.
+            missing or damaged ``meta.json`` from the index's copy, and replace a missing, emptied or
+            truncated index with an empty one made from ``meta.json`` (refused while a process has the
+            tier open).
 
     Returns:
         For a tier directory, a dict with:
@@ -71,12 +73,16 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
         - ``path`` (str), ``namespace`` (str or None), ``model`` (str or None)
         - ``ok`` (bool): no damage found (after ``repair``, ``ok`` still describes what was found)
         - ``meta`` (str): ``"ok"``, ``"missing"``, ``"damaged: <why>"``; ``"restored"`` after repair
+        - ``index`` (str): ``"ok"``, ``"missing"``, ``"empty"``, ``"truncated: <sizes>"``,
+          ``"damaged: <why>"`` (judged before LMDB maps the file); ``"rebuilt (was ...)"`` after repair
         - ``slabs`` (list of dict): ``name``, ``status`` (``"ok" | "missing" | "truncated"``),
           ``size_bytes``, ``expected_bytes``
         - ``blocks_checked`` (int), ``blocks_ok`` (int)
         - ``bad_blocks`` (list of dict): ``key`` (32 hex digits), ``slab`` (int), ``slot`` (int, global),
           ``reason`` (``"checksum" | "short read" | "missing slab" | "bad record"``)
         - ``dead_claims`` (int): slots claimed by writers that died before committing
+        - ``lost_slots`` (int): slots no record owns that are neither free nor claimed (left by a
+          record with a damaged slot field); ``repair`` frees them
         - ``repaired`` (bool), ``removed`` (int): blocks dropped by ``repair``
         - ``error`` (str or None): why the tier could not be checked at all
 
@@ -91,8 +97,9 @@ def verify(directory: str | os.PathLike, repair: bool = False) -> dict[str, Any]
 
 def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
     report: dict[str, Any] = {"path": path, "namespace": None, "model": None, "ok": False, "meta": "?",
-                              "slabs": [], "blocks_checked": 0, "blocks_ok": 0, "bad_blocks": [],
-                              "dead_claims": 0, "repaired": False, "removed": 0, "error": None}
+                              "index": "?", "slabs": [], "blocks_checked": 0, "blocks_ok": 0,
+                              "bad_blocks": [], "dead_claims": 0, "lost_slots": 0, "repaired": False,
+                              "removed": 0, "error": None}
     if repair:
         try:
             files.check_access(path)  # the same refusal as opening the tier: we are about to write
@@ -106,7 +113,19 @@ def _verify_tier(path: str, repair: bool) -> dict[str, Any]:
 
 def _verify_open(path: str, repair: bool, report: dict[str, Any]) -> dict[str, Any]:
     try:
-        index = files.open_index(path, write=repair)
+        report["index"] = files.index_state(path)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
+        report["index"] = f"damaged: {exc}"
+    index_ok = report["index"] == "ok"
+    if not index_ok and repair:
+        try:
+            files.rebuild_index(path, mt.read_meta(path))
+            report["index"] = f"rebuilt (was {report['index']})"
+        except (OSError, TieredKVError) as exc:
+            report["error"] = f"cannot rebuild the index: {exc}"
+            return report
+    try:
+        index = files.open_index(path, write=repair) if index_ok or repair else None
     except Exception as exc:  # noqa: BLE001 - reported, not raised: verify must describe any state
         index = None
         report["error"] = f"cannot open the index: {exc}"
@@ -127,8 +146,8 @@ def _verify_open(path: str, repair: bool, report: dict[str, Any]) -> dict[str, A
                 mt.write_meta(path, copy)
                 report["meta"] = "restored"
             report["repaired"] = True
-        report["ok"] = (status == "ok" and not report["bad_blocks"] and not report["dead_claims"]
-                        and all(s["status"] == "ok" for s in report["slabs"]))
+        report["ok"] = (status == "ok" and index_ok and not report["bad_blocks"] and not report["dead_claims"]
+                        and not report["lost_slots"] and all(s["status"] == "ok" for s in report["slabs"]))
         return report
     finally:
         if index is not None:
@@ -152,7 +171,7 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
             size, status = 0, "missing"
         report["slabs"].append({"name": slab_name(i), "status": status, "size_bytes": size,
                                 "expected_bytes": expected})
-    buf = np.empty(block_bytes, dtype=np.uint8)
+    buf = bytearray(block_bytes)
     suspects = []
     try:
         txn = index.begin_read()
@@ -165,7 +184,8 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
                 rec = np.frombuffer(val, dtype=rec_dtype)[0]
                 slot, gen = int(rec["slot"]), int(rec["gen"])
                 slab = slot // per
-                if slot >= n_slots or rec["length"] != block_bytes:
+                if slot >= n_slots or rec["length"] != block_bytes \
+                        or txn.get(ix.slot_key(slot), db=index.slots) != key:
                     suspects.append((key, slot, gen, "bad record"))
                     continue
                 if slab not in fds:
@@ -180,7 +200,8 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
                     report["blocks_ok"] += 1
             # Claims whose writer died: their slots are neither free nor used until reaped.
             report["dead_claims"] = sum(1 for _, c in txn.cursor(db=index.inflight)
-                                        if not ix.owner_alive(*ix.CLAIM.unpack(c)[1:3]))
+                                        if not index.claim_alive(*ix.CLAIM.unpack(c)[1:3]))
+            report["lost_slots"] = len(_lost_slots(txn, index, rec_dtype))
         finally:
             txn.abort()
     finally:
@@ -205,6 +226,31 @@ def _unchanged(txn, index: ix.Index, rec_dtype: np.dtype, suspect) -> bool:
     return int(np.frombuffer(val, dtype=rec_dtype)[0]["gen"]) == gen
 
 
+def _lost_slots(txn, index: ix.Index, rec_dtype: np.dtype) -> list[int]:
+    """Slots below the high-water mark that no record owns and that are neither free nor claimed.
+
+    A record whose slot field was damaged is dropped without freeing anything (it cannot say which
+    slot was its own), and a reverse entry may outlive its record: such slots would stay unusable.
+    """
+    hwm = ix.get_u64(txn, index.info, ix.INFO_HWM)
+    seen = np.zeros(hwm, dtype=bool)
+    for sk, key in txn.cursor(db=index.slots):
+        s = ix.SLOT_KEY.unpack(sk)[0]
+        v = txn.get(key, db=index.blocks)
+        if s < hwm and v is not None and len(v) == rec_dtype.itemsize \
+                and int(np.frombuffer(v, dtype=rec_dtype)[0]["slot"]) == s:
+            seen[s] = True
+    for sk, _ in txn.cursor(db=index.free):
+        s = ix.SLOT_KEY.unpack(sk)[0]
+        if s < hwm:
+            seen[s] = True
+    for _, c in txn.cursor(db=index.inflight):
+        s = ix.CLAIM.unpack(c)[0]
+        if s < hwm:
+            seen[s] = True
+    return np.flatnonzero(~seen).tolist()
+
+
 def _repair(path: str, meta: dict, index: ix.Index, report: dict) -> None:
     bad = report["bad_blocks"]
     rec_dtype = ix.record_dtype(meta["spec"].get("chunk_tokens", 64))
@@ -227,9 +273,12 @@ def _repair(path: str, meta: dict, index: ix.Index, report: dict) -> None:
             txn.delete(key, db=index.blocks)
             removed += 1
         dead = [(k, ix.CLAIM.unpack(c)[0]) for k, c in txn.cursor(db=index.inflight)
-                if not ix.owner_alive(*ix.CLAIM.unpack(c)[1:3])]
+                if not index.claim_alive(*ix.CLAIM.unpack(c)[1:3])]
         for k, slot in dead:
             txn.delete(k, db=index.inflight)
+            txn.put(ix.slot_key(slot), b"", db=index.free)
+        for slot in _lost_slots(txn, index, rec_dtype):  # after the drops above: what nobody owns
+            txn.delete(ix.slot_key(slot), db=index.slots)  # a reverse entry without its record
             txn.put(ix.slot_key(slot), b"", db=index.free)
         total = ix.get_u64(txn, index.info, ix.INFO_CORRUPT) + removed
         ix.put_u64(txn, index.info, ix.INFO_CORRUPT, total)
@@ -279,7 +328,7 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
         try:
             index = files.open_index(path)
             try:
-                row["blocks"] = int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
+                row["blocks"] = files.block_count(index)
             finally:
                 index.close()
         except Exception as exc:  # noqa: BLE001 - listing must not fail on one broken tier

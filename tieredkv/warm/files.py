@@ -10,22 +10,35 @@ checks::
         slab-0000.bin ...        preallocated slot files (slabs.py)
         index.lmdb/              the LMDB index (index.py)
         lock                     flock'd while a process creates or repairs the tier
+        owners                   who has the tier open, and the writer lock (owners.py)
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import shutil
+import stat
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from tieredkv.errors import InvalidInput, PermissionDenied, WarmTierUnavailable
+from tieredkv.errors import (
+    CapacityError,
+    CorruptState,
+    InvalidInput,
+    PermissionDenied,
+    TieredKVError,
+    WarmTierUnavailable,
+)
 from tieredkv.keys import KEY_BYTES
 from tieredkv.spec import KVSpec
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
-from tieredkv.warm.slabs import Slabs, slot_bytes_for
+from tieredkv.warm.owners import OWNERS_NAME, Owners
+from tieredkv.warm.slabs import Slabs, slab_name, slot_bytes_for
 
 
 def make_dir(root: str | os.PathLike, path: str | os.PathLike) -> None:
@@ -36,7 +49,7 @@ def make_dir(root: str | os.PathLike, path: str | os.PathLike) -> None:
     """
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
-        if not os.path.exists(path):
+        if not os.path.lexists(path):  # a (dangling) symlink is refused by check_access, never created through
             os.mkdir(path, mode=0o700)
             os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
     except FileExistsError:
@@ -47,21 +60,35 @@ def make_dir(root: str | os.PathLike, path: str | os.PathLike) -> None:
 
 
 def check_access(path: str) -> None:
-    """Refuse a tier directory, or files in it, that another user owns, and symbolic links in it.
+    """Refuse a tier directory that is a symlink, or that another user owns, or files in it that
+    another user owns, or symbolic links in it; restrict modes wider than 0700 / 0600 (with a warning).
 
     The directory being ours is not enough: a file planted in it (while its mode was wider, or by a
     bind mount) would let another user read the prompts we write or feed us KV of their choosing, and
-    a symlink would redirect our writes anywhere we may write.
+    a symlink would redirect our writes anywhere we may write. The tier directory itself is never
+    followed as a link: in a root others can write to, a link planted under our namespace's name
+    would send this process's files wherever its owner likes.
 
     Raises:
-        PermissionDenied: the directory or an entry in it (or in ``index.lmdb/``) is not this user's.
+        WarmTierUnavailable: there is no directory at ``path``.
+        PermissionDenied: the directory is a symlink, or it or an entry in it (or in ``index.lmdb/``) is
+            not this user's, or a mode open to others cannot be restricted.
     """
     me = os.geteuid()
-    st = os.stat(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionDenied(f"the warm tier directory {path} is a symbolic link (to {os.readlink(path)!r}); "
+                               f"tieredkv never follows one. Remove it, or pass the real directory as warm_dir")
+    if not stat.S_ISDIR(st.st_mode):
+        raise WarmTierUnavailable(f"{path} is not a directory; remove it or use another warm_dir")
     if st.st_uid != me:
         raise PermissionDenied(f"the warm tier directory {path} belongs to uid {st.st_uid}, not to this "
                                f"process (uid {me}); a KV cache holds users' prompts, so tieredkv does not "
                                f"share one across users")
+    wide = [path] if st.st_mode & 0o077 else []
     for where in (path, os.path.join(path, mt.INDEX_NAME)):
         try:
             entries = list(os.scandir(where))
@@ -73,6 +100,28 @@ def check_access(path: str) -> None:
                 what = "is a symbolic link" if entry.is_symlink() else f"belongs to uid {est.st_uid}"
                 raise PermissionDenied(f"{entry.path} {what}, not a file of this user (uid {me}); remove "
                                        f"it, or use a warm directory only this user writes to")
+            if est.st_mode & 0o077:
+                wide.append(entry.path)
+    if wide:
+        _restrict_modes(path, wide)
+
+
+def _restrict_modes(path: str, wide: list[str]) -> None:
+    """Take group/other permissions off the tier's directory and files (0700 / 0600), warning.
+
+    A world-writable tier directory lets another user swap files in; a world-readable slab hands out
+    users' prompts. Ours to fix (we own them), so fixed rather than refused.
+    """
+    for p in wide:
+        try:
+            os.chmod(p, 0o700 if stat.S_ISDIR(os.lstat(p).st_mode) else 0o600)
+        except OSError as exc:
+            raise PermissionDenied(f"{p} is open to other users (mode {oct(os.lstat(p).st_mode & 0o777)}) and "
+                                   f"cannot be restricted ({exc}); chmod it 0600 (files) / 0700 (directories)") from exc
+    warnings.warn(f"warm tier {path}: {len(wide)} path(s) were open to other users "
+                  f"({', '.join(os.path.basename(p) or p for p in wide[:5])}{', ...' if len(wide) > 5 else ''}); "
+                  f"restricted them to this user (0700/0600). Blocks another user may have changed fail their "
+                  f"checksums (verify='always')", stacklevel=5)
 
 
 @contextlib.contextmanager
@@ -117,6 +166,16 @@ def open_index(path: str, *, write: bool = False) -> ix.Index:
                     map_size=1 << 20, map_max=1 << 40, readonly=not write)
 
 
+def block_count(index: ix.Index) -> int:
+    """Blocks stored in the tier now (one read transaction)."""
+    return int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
+
+
+def corrupt_total(index: ix.Index) -> int:
+    """Blocks found corrupt and dropped over the tier's life (the index's counter)."""
+    return int(index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT)))
+
+
 def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
            map_size: int | None = None, map_max: int | None = None) -> dict[str, Any]:
     """Create a tier in the (existing, locked) directory ``path``: slabs, index, then ``meta.json``.
@@ -128,7 +187,9 @@ def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
 
     Raises:
         InvalidInput: no or too small ``capacity_bytes``.
-        CapacityError: the disk cannot hold the slabs.
+        CapacityError: the disk cannot hold the slabs or the index. Whatever failed, the files this
+            call made are removed again.
+        WarmTierUnavailable: another OS error while creating.
     """
     if capacity_bytes is None:
         raise InvalidInput(f"no warm tier at {path} yet: pass capacity_bytes to create one")
@@ -140,24 +201,104 @@ def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
         raise InvalidInput(f"capacity_bytes={capacity_bytes} makes {n_slots} slots; at most 2**32-1")
     per_slab = max(1, min(n_slots, int(slab_bytes) // slot_bytes))
     meta = mt.make_meta(spec, n_slots=n_slots, slots_per_slab=per_slab, slot_bytes=slot_bytes)
-    Slabs(path, n_slots, per_slab, slot_bytes, spec.block_bytes).create_missing()
     index_path = os.path.join(path, mt.INDEX_NAME)
-    os.makedirs(index_path, mode=0o700, exist_ok=True)
-    size, limit = index_sizes(n_slots, ix.record_dtype(spec.chunk_tokens).itemsize, map_size, map_max)
-    index = ix.Index(index_path, sync="full", map_size=size, map_max=limit)
+    made_index = not os.path.lexists(index_path)
+    made_slabs: list[int] = []
     try:
-        def init(txn):
-            # A half-made earlier attempt may have left an index: keep what it holds.
-            if txn.get(ix.INFO_N_SLOTS, db=index.info) is None:
-                ix.put_u64(txn, index.info, ix.INFO_N_SLOTS, n_slots)
-                ix.put_u64(txn, index.info, ix.INFO_HWM, 0)
-                ix.put_u64(txn, index.info, ix.INFO_GEN, 0)
-            txn.put(ix.INFO_META, mt.encode_meta(meta), db=index.info)
-        index.write(init)
+        made_slabs = Slabs(path, n_slots, per_slab, slot_bytes, spec.block_bytes).create_missing()
+        os.makedirs(index_path, mode=0o700, exist_ok=True)
+        size, limit = index_sizes(n_slots, ix.record_dtype(spec.chunk_tokens).itemsize, map_size, map_max)
+        index = ix.Index(index_path, sync="full", map_size=size, map_max=limit)
+        try:
+            index.write(lambda txn: ix.init_info(txn, index, n_slots, mt.encode_meta(meta)))
+        finally:
+            index.close()
+        mt.write_meta(path, meta)  # last: its presence means slabs and index are complete
+    except BaseException as exc:
+        # Leave nothing behind: a half-made tier on a full disk would hold the space a retry needs (and a
+        # sparse leftover on tmpfs turns into SIGBUS when touched).
+        for i in made_slabs:
+            _unlink_quiet(os.path.join(path, slab_name(i)))
+        if made_index:
+            shutil.rmtree(index_path, ignore_errors=True)
+            _unlink_quiet(os.path.join(path, OWNERS_NAME))
+        err = _disk_error(path, exc)
+        if err is exc:
+            raise
+        raise err from exc
+    return meta
+
+
+def _disk_error(path: str, exc: BaseException) -> BaseException:
+    """A creation failure as a tieredkv error: a full disk is a ``CapacityError``, other OS errors a
+    ``WarmTierUnavailable``; anything else (tieredkv errors, KeyboardInterrupt) as it is."""
+    full = os.strerror(errno.ENOSPC)
+    if isinstance(exc, OSError) and not isinstance(exc, TieredKVError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return CapacityError(f"cannot create the warm tier in {path}: the disk is full ({exc}); free "
+                                 f"space or pass a smaller capacity_bytes")
+        return WarmTierUnavailable(f"cannot create the warm tier in {path}: {exc}")
+    if isinstance(exc, WarmTierUnavailable) and ("disk is full" in str(exc) or full in str(exc)):
+        return CapacityError(f"cannot create the warm tier in {path}: {exc}; free space or pass a smaller "
+                             f"capacity_bytes")
+    return exc
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def index_state(path: str) -> str:
+    """State of a tier's index files, judged without letting LMDB touch a page.
+
+    Returns:
+        ``"ok"``, ``"missing"``, ``"empty"`` (no slot count and no record: deleted and recreated, or
+        emptied), ``"truncated: <sizes>"`` or ``"damaged: <why>"``.
+    """
+    index_dir = os.path.join(path, mt.INDEX_NAME)
+    problem = ix.data_file_problem(index_dir, exact=True) if os.path.isdir(index_dir) else "missing"
+    if problem is not None:
+        return problem
+    if os.path.getsize(os.path.join(index_dir, "data.mdb")) == 0:
+        return "empty"
+    index = open_index(path)
+    try:
+        empty = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_N_SLOTS) == 0
+                           and txn.stat(index.blocks)["entries"] == 0)
     finally:
         index.close()
-    mt.write_meta(path, meta)  # last: its presence means slabs and index are complete
-    return meta
+    return "empty" if empty else "ok"
+
+
+def rebuild_index(path: str, meta: dict[str, Any]) -> None:
+    """Replace a lost, emptied or truncated index with an empty one made from ``meta`` (under
+    ``init_lock``). Every slot is free afterwards: the blocks the old index named are lost.
+
+    Refused while any process has the tier open: it may still hold the old index, and two indexes over
+    one set of slabs would hand one slot to two blocks.
+
+    Raises:
+        CorruptState: live processes have the tier open.
+    """
+    registry = Owners(path, writable=False)
+    try:
+        others = registry.others()
+    finally:
+        registry.close()
+    if others:
+        raise CorruptState(f"{len(others)} process(es) have the warm tier {path} open; stop them, then run "
+                           f"`tieredkv verify --repair` again to rebuild its index")
+    index_dir = os.path.join(path, mt.INDEX_NAME)
+    shutil.rmtree(index_dir, ignore_errors=True)
+    os.makedirs(index_dir, mode=0o700, exist_ok=True)
+    index = open_index(path, write=True)
+    try:
+        index.write(lambda txn: ix.init_info(txn, index, meta["n_slots"], mt.encode_meta(meta)))
+    finally:
+        index.close()
 
 
 def slabs_of(path: str, meta: dict[str, Any], *, readonly: bool = False) -> Slabs:

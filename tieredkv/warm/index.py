@@ -21,7 +21,9 @@ Invariants (every write transaction keeps them):
   ``(slot, gen)`` after copying knows whether the bytes it copied were still that block's.
 
 The LMDB writer lock is a robust mutex (a writer killed inside a transaction releases it and the
-transaction is discarded), so every multi-step change here is one transaction.
+transaction is discarded), so every multi-step change here is one transaction. Every write transaction
+is also taken under the tier's own writer lock (``owners.Owners``), which has a deadline: a writer
+stopped inside a transaction costs the others a ``LockTimeout``, not a hang. Reads take no lock.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ import errno
 import os
 import struct
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
 
-from tieredkv.errors import CapacityError, WarmTierUnavailable
+from tieredkv.errors import CapacityError, CorruptState, WarmTierUnavailable
+from tieredkv.warm.owners import Owners, files_identity
 
 T = TypeVar("T")
 
@@ -51,7 +55,8 @@ INFO_GEN = b"gen"
 INFO_CORRUPT = b"corrupt_total"
 INFO_META = b"meta"
 
-#: in-flight claim: slot, owner pid, owner start time (clock ticks since boot, from /proc), claim time.
+#: in-flight claim: slot, owner (registry slot in ``owners``), owner token, claim time. Liveness comes
+#: from the owner's registry lock (see tieredkv.warm.owners), never from a pid: pids are per namespace.
 CLAIM = struct.Struct("<IIQq")
 U64 = struct.Struct("<Q")
 SLOT_KEY = struct.Struct(">I")  # big-endian so LMDB's byte order is slot order (free list: lowest first)
@@ -78,51 +83,131 @@ def slot_key(slot: int) -> bytes:
     return SLOT_KEY.pack(slot)
 
 
-# ---- liveness of claim owners ----------------------------------------------------------------------
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat), None if gone.
+# ---- the data file's size, checked before LMDB touches a page ----------------------------------------
+_META_MAGIC = 0xBEEFC0DE
+# An LMDB meta page: a 16-byte page header, then MDB_meta: magic u32, version u32, address, map size,
+# two MDB_db records of 48 bytes (the first one's pad word holds the page size), last page, txn id.
+_META = struct.Struct("<II8x8xI36xQ40xQQQ")  # magic, version, page size, free root, main root, last, txn
+_META_AT = 16
+_NO_PAGE = 2**64 - 1  # P_INVALID: an empty tree's root
+#: How many pages short of its meta page's last page a data.mdb may be and still pass the quick
+#: (not ``exact``) check; see ``data_file_problem``.
+_UNWRITTEN_TAIL_PAGES = 64
 
-    pid + start time names a process exactly: a reused pid has a later start time.
+
+def data_file_problem(index_dir: str, fd: int | None = None, *, exact: bool = False) -> str | None:
+    """Why ``data.mdb`` cannot be mapped safely (``"missing"``, ``"truncated: ..."``), or None if it can.
+
+    LMDB maps the file and touches the pages its trees reference; a file shorter than that (truncated
+    under it, or copied short) turns the first such touch into SIGBUS, which kills the process whatever
+    Python does. So the size is checked against both meta pages, read with pread, before LMDB opens the
+    file and before every transaction. An empty file is not a problem: LMDB initialises it as a new
+    index.
+
+    A healthy file may end short of the last page the meta page names: the last pages a transaction
+    allocated and freed again before its commit are never written. Without ``exact`` a file up to
+    ``_UNWRITTEN_TAIL_PAGES`` short passes (the roots must be inside); with ``exact`` (at open, in
+    ``verify``) a short file's trees are walked with pread and every page they reference must exist.
     """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return 0  # /proc unreadable: cannot tell, treat as alive (never steal a live writer's slot)
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = data[data.rfind(b")") + 2:].split()
-    if len(fields) > 1 and fields[0] == b"Z":
-        return None  # a zombie has finished writing for good
-    return int(fields[19]) if len(fields) > 19 else 0
-
-
-def owner_alive(pid: int, start: int) -> bool:
-    """True while the process that made a claim (pid, start time) still runs."""
-    if not os.path.exists("/proc/self/stat"):  # no procfs: fall back to signal 0 (pid reuse unsafe)
+    own = fd is None
+    if fd is None:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    current = process_start_time(pid)
-    return current is not None and (current == 0 or current == start)
+            fd = os.open(os.path.join(index_dir, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "missing"
+    try:
+        for _ in range(8):  # a commit during a walk may recycle pages it reads: walk that txn again
+            meta = _newest_meta(fd)
+            # Meta first, size second: a commit writes its pages (growing the file) before its meta
+            # page, so the size read after a meta page covers every page written for it.
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None
+            if meta is None:
+                return f"damaged: no valid LMDB meta page in {size} bytes"
+            txnid, psize, last_pg, roots = meta
+            pages = size // psize
+            need = max([2] + [r + 1 for r in roots])
+            if pages < need:
+                return f"truncated: {size} bytes, the index needs at least {need * psize}"
+            if pages > last_pg:
+                return None
+            if not exact:
+                if pages < last_pg + 1 - _UNWRITTEN_TAIL_PAGES:
+                    return f"truncated: {size} bytes, the index needs at least {(last_pg + 1) * psize}"
+                return None
+            missing = _first_missing_page(fd, psize, pages, roots)
+            again = _newest_meta(fd)
+            if again is not None and again[0] != txnid:
+                continue
+            if missing is None:
+                return None
+            return f"truncated: {size} bytes, page {missing} ({(missing + 1) * psize} bytes) is in use"
+        return None  # the index kept changing under the walk: it is being written, so it is mapped fine
+    finally:
+        if own:
+            os.close(fd)
 
 
-_SELF_START: dict[int, int] = {}
+def _newest_meta(fd: int) -> tuple[int, int, int, list[int]] | None:
+    """``(txn id, page size, last page, tree roots)`` of the newer valid meta page, or None."""
+    metas = []
+    psize = 4096
+    for page_no in (0, 1):  # meta page 1 sits one page size in: learn the page size from page 0
+        raw = os.pread(fd, _META.size, page_no * psize + _META_AT)
+        if len(raw) < _META.size:
+            continue
+        magic, _, page, free_root, main_root, last_pg, txnid = _META.unpack(raw)
+        if magic == _META_MAGIC and page >= 512 and not page & (page - 1):
+            metas.append((txnid, page, last_pg, [r for r in (free_root, main_root) if r != _NO_PAGE]))
+            psize = page
+    return max(metas, key=lambda m: m[0]) if metas else None
 
 
-def self_identity() -> tuple[int, int]:
-    """(pid, start time) of the calling process (cached per pid, so it stays right after fork)."""
-    pid = os.getpid()
-    start = _SELF_START.get(pid)
-    if start is None:
-        start = process_start_time(pid) or 0
-        _SELF_START[pid] = start
-    return pid, start
+_P_BRANCH, _P_LEAF, _P_OVERFLOW = 0x01, 0x02, 0x04
+_F_BIGDATA, _F_SUBDATA = 0x01, 0x02
+_NODE = struct.Struct("<HHHH")  # lo, hi, flags, key size (a branch node's child is lo | hi<<16 | flags<<32)
+
+
+def _first_missing_page(fd: int, psize: int, pages: int, roots: list[int]) -> int | None:
+    """Walk every tree from ``roots`` with pread; return a referenced page at or past ``pages``.
+
+    Follows branch children, named databases (a leaf's sub-database root) and overflow runs. Pages are
+    never touched through a map, so a short file is an answer here, not a signal.
+    """
+    stack, seen = list(roots), set()
+    while stack:
+        pg = stack.pop()
+        if pg in seen:
+            continue
+        seen.add(pg)
+        if pg >= pages or len(seen) > pages:
+            return pg
+        buf = os.pread(fd, psize, pg * psize)
+        if len(buf) < psize:
+            return pg
+        flags, lower = struct.unpack_from("<HH", buf, 10)
+        if flags & _P_OVERFLOW:
+            last = pg + struct.unpack_from("<I", buf, 12)[0] - 1
+            if last >= pages:
+                return last
+            continue
+        if not flags & (_P_BRANCH | _P_LEAF) or lower < 16 or lower > psize:
+            continue  # a sub-page or damaged header: nothing we can follow
+        for i in range((lower - 16) >> 1):
+            off = struct.unpack_from("<H", buf, 16 + 2 * i)[0]
+            if off + _NODE.size > psize:
+                continue
+            lo, hi, nflags, ksize = _NODE.unpack_from(buf, off)
+            if flags & _P_BRANCH:
+                stack.append(lo | hi << 16 | nflags << 32)
+            elif nflags & _F_BIGDATA and off + 8 + ksize + 8 <= psize:
+                stack.append(struct.unpack_from("<Q", buf, off + 8 + ksize)[0])
+            elif nflags & _F_SUBDATA and off + 8 + ksize + 48 <= psize:
+                root = struct.unpack_from("<Q", buf, off + 8 + ksize + 40)[0]
+                if root != _NO_PAGE:
+                    stack.append(root)
+    return None
 
 
 # ---- the environment -----------------------------------------------------------------------------
@@ -136,17 +221,27 @@ class Index:
         map_size: initial map size in bytes (LMDB reserves address space, not disk).
         map_max: the map never grows past this; a full map past it is a ``CapacityError``.
         readonly: open for reading only.
+        lock_timeout_s: longest wait for the writer lock (held by a live writer) before ``LockTimeout``.
+
+    Raises:
+        CorruptState: ``data.mdb`` is shorter than its own meta pages say (truncated).
+        WarmTierUnavailable: a live process uses other index files at this path (they were replaced
+            or deleted under it), or LMDB cannot open the files.
+        LockTimeout: a live writer held the writer lock for ``lock_timeout_s`` while we opened.
     """
 
-    def __init__(self, path: str, *, sync: str, map_size: int, map_max: int, readonly: bool = False):
+    def __init__(self, path: str, *, sync: str, map_size: int, map_max: int, readonly: bool = False,
+                 lock_timeout_s: float = 10.0):
         self.path = path
         self.readonly = readonly
         self.sync_mode = sync
         self.map_max = max(int(map_max), int(map_size))
+        self.lock_timeout_s = float(lock_timeout_s)
         self._key = (os.getpid(), os.path.realpath(path))
         shared = _ENVS.get(self._key)
         if shared is None:
-            shared = _SharedEnv(path, sync=sync, map_size=map_size, readonly=readonly)
+            shared = _SharedEnv(path, sync=sync, map_size=map_size, readonly=readonly,
+                                lock_timeout_s=self.lock_timeout_s)
             _ENVS[self._key] = shared
         elif shared.readonly and not readonly:
             raise WarmTierUnavailable(f"{path} is already open read-only in this process; close that "
@@ -154,11 +249,21 @@ class Index:
         shared.refs += 1
         self._shared = shared
         self.env = shared.env
+        self.owners = shared.owners
         # A handle asking for more durability than the environment was opened with syncs by hand.
         self._extra_sync = _SYNC_RANK[sync] > _SYNC_RANK[shared.sync]
         self.blocks, self.slots, self.free, self.inflight, self.info = shared.dbs
         self.writes = 0
         self._closed = False
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        """``(owner, token)`` that this process's claims carry."""
+        return self.owners.owner, self.owners.token
+
+    def claim_alive(self, owner: int, token: int) -> bool:
+        """Whether another process that made a claim as ``(owner, token)`` still has the tier open."""
+        return self.owners.alive(owner, token)
 
     def close(self) -> None:
         """Release this handle; the environment closes with its last handle in this process.
@@ -175,13 +280,14 @@ class Index:
             _ENVS.pop(self._key, None)
             if not self._shared.closed:
                 self._shared.closed = True
+                self._shared.owners.drop_inherited()
+                self._shared.close_data_fd()
                 self.env.close()
             return
         self._shared.refs -= 1
         if self._shared.refs == 0 and _ENVS.get(self._key) is self._shared:
             del _ENVS[self._key]
-            self._shared.closed = True
-            self.env.close()
+            self._shared.close()
 
     def reader_check(self) -> int:
         """Clear reader slots of dead processes (they pin old pages); return how many were cleared."""
@@ -193,6 +299,13 @@ class Index:
             return 0
 
     def begin_read(self) -> lmdb.Transaction:
+        """Begin a read transaction (never waits for a writer).
+
+        Raises:
+            CorruptState: the data file was truncated (reading it would be SIGBUS).
+            WarmTierUnavailable: LMDB failed (a damaged file, out of reader slots).
+        """
+        self._shared.check_size()
         try:
             try:
                 return self.env.begin(write=False, buffers=False)
@@ -207,6 +320,7 @@ class Index:
         """Run ``fn`` in a read transaction.
 
         Raises:
+            CorruptState: see ``begin_read``.
             WarmTierUnavailable: LMDB failed (the index is damaged or out of reader slots).
         """
         txn = self.begin_read()
@@ -217,17 +331,38 @@ class Index:
         finally:
             txn.abort()
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def write(self, fn: Callable[[lmdb.Transaction], T], *, wait_s: float | None = None) -> T:
         """Run ``fn`` in a write transaction and commit; grow the map and retry if it is full.
 
         ``fn`` must be safe to run again (it is re-run from scratch after a map-full abort).
 
+        Args:
+            fn: the transaction's body.
+            wait_s: longest wait for the writer lock; None: ``lock_timeout_s``; 0: only if free now
+                (bookkeeping on the read path never waits behind a writer).
+
         Raises:
-            WarmTierUnavailable: the index cannot be written (read-only, disk full, I/O error).
+            LockTimeout: another live process held the writer lock all that time.
+            WarmTierUnavailable: the index cannot be written (read-only, disk full, I/O error, its
+                files were replaced under this process).
+            CorruptState: the data file was truncated.
             CapacityError: the map would have to grow past ``map_max``.
         """
         if self.readonly:
             raise WarmTierUnavailable(f"warm tier index {self.path} is open read-only")
+        try:
+            self.owners.acquire_writer(self.lock_timeout_s if wait_s is None else wait_s)
+            self._shared.check_files()
+            result = self._write_locked(fn)
+        finally:
+            self.owners.release_writer()
+        self.writes += 1
+        if self.writes % 1024 == 0:
+            # A reader killed mid-transaction pins old pages until cleared; clear now and then.
+            self.reader_check()
+        return result
+
+    def _write_locked(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         while True:
             try:
                 txn = self.env.begin(write=True)
@@ -255,10 +390,6 @@ class Index:
                 raise
             if self._extra_sync:
                 self.env.sync(True)
-            self.writes += 1
-            if self.writes % 1024 == 0:
-                # A reader killed mid-transaction pins old pages until cleared; clear now and then.
-                self.reader_check()
             return result
 
     def _grow(self) -> None:
@@ -277,15 +408,50 @@ _SYNC_RANK = {"none": 0, "data": 1, "full": 2}
 
 
 class _SharedEnv:
-    """The one LMDB environment of a path in this process (LMDB allows only one per process)."""
+    """The one LMDB environment of a path in this process (LMDB allows only one per process), with
+    this process's registration in the tier's owner registry."""
 
-    def __init__(self, path: str, *, sync: str, map_size: int, readonly: bool):
+    def __init__(self, path: str, *, sync: str, map_size: int, readonly: bool, lock_timeout_s: float):
+        self.path = path
         self.sync = sync
         self.readonly = readonly
         self.refs = 0
         self.pid = os.getpid()
         self.closed = False
-        kwargs = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
+        self.broken: str | None = None
+        problem = data_file_problem(path, exact=True)
+        if problem is not None and problem != "missing":
+            raise CorruptState(f"the warm tier index {path}/data.mdb is {problem}; run `tieredkv verify "
+                               f"--repair {os.path.dirname(path)}` to rebuild it")
+        if problem == "missing" and readonly:
+            raise WarmTierUnavailable(f"the warm tier index {path} has no data.mdb (opened read-only)")
+        self.owners = Owners(os.path.dirname(path), writable=not readonly)
+        try:
+            try:
+                if not readonly:
+                    # open_db may run a write transaction: bounded like every other write.
+                    self.owners.acquire_writer(lock_timeout_s)
+                self._open_env(path, sync, map_size, readonly)
+                self.identity = files_identity(path)
+                if not readonly:
+                    self.owners.register(self.identity)
+                    self._check_peers()
+            finally:
+                self.owners.release_writer()
+            self._data_fd = os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+            self._seen_size = os.fstat(self._data_fd).st_size
+            self._checks = 0
+            self._dir_stamp: tuple[int, int, int] | None = None
+        except BaseException as exc:
+            if getattr(self, "env", None) is not None:
+                self.env.close()
+            self.owners.close()
+            if isinstance(exc, lmdb.Error):  # a full disk, an I/O error: the tier's state, not a bug
+                raise _unavailable(path, exc) from exc
+            raise
+
+    def _open_env(self, path: str, sync: str, map_size: int, readonly: bool) -> None:
+        kwargs: dict[str, Any] = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
                       meminit=False, max_readers=510, sync=sync != "none", metasync=sync == "full",
                       readonly=readonly, create=not readonly)
         try:
@@ -296,17 +462,91 @@ class _SharedEnv:
             # A read-only directory: the lock file cannot be opened for writing. Read without the
             # reader table; safe only because nobody can write here either.
             self.env = lmdb.open(path, lock=False, **kwargs)
-        try:
-            self.dbs = tuple(self.env.open_db(name, create=not readonly)
-                             for name in (DB_BLOCKS, DB_SLOTS, DB_FREE, DB_INFLIGHT, DB_INFO))
-        except BaseException:
-            self.env.close()
-            raise
+        self.dbs = tuple(self.env.open_db(name, create=not readonly)
+                         for name in (DB_BLOCKS, DB_SLOTS, DB_FREE, DB_INFLIGHT, DB_INFO))
+
+    def _check_peers(self) -> None:
+        """Refuse when a live owner uses other lock.mdb / data.mdb files than the ones at the path."""
+        for owner, ident in self.owners.others():
+            if ident != self.identity:
+                raise WarmTierUnavailable(
+                    f"{self.path}: a live process (owner {owner} in {self.owners.path}) has other index "
+                    f"files open than the ones now at this path: lock.mdb or data.mdb was deleted or "
+                    f"replaced while it ran. Two LMDB lock tables would let two writers commit at once; "
+                    f"stop every process using this tier, then reopen it")
+
+    def check_size(self) -> None:
+        """Raise instead of touching a truncated data file (SIGBUS). Marks the environment broken."""
+        if self.broken is None:
+            size = os.fstat(self._data_fd).st_size
+            self._checks += 1
+            # LMDB (without writemap) never shrinks data.mdb: a file smaller than we saw was truncated.
+            # A file of the size we last checked against its meta pages still holds every page they
+            # reference (referenced pages are written, and writing past the end grows the file), so
+            # the meta pages are read again only when the size changed, and now and then in case the
+            # file was grown by others and cut back to exactly the size we saw.
+            problem: str | None
+            if size < self._seen_size:
+                problem = f"truncated: {size} bytes, it had {self._seen_size}"
+            elif size != self._seen_size or self._checks % 64 == 0:
+                problem = data_file_problem(self.path, self._data_fd)
+            else:
+                problem = None
+            self._seen_size = max(self._seen_size, size)
+            if problem is not None:
+                self.broken = (f"the warm tier index {self.path}/data.mdb was {problem} while this process "
+                               f"had it open; its records are lost: run `tieredkv verify --repair "
+                               f"{os.path.dirname(self.path)}` after stopping the workers")
+        if self.broken is not None:
+            raise CorruptState(self.broken)
+
+    def check_files(self) -> None:
+        """Before a write: the index files at the path are still ours, and not truncated."""
+        self.check_size()
+        # Replacing or deleting a file changes its directory's mtime, and LMDB itself creates no file
+        # after open: an unchanged directory (one stat) means unchanged files (two more).
+        st = os.stat(self.path)
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        if stamp == self._dir_stamp:
+            return
+        now = files_identity(self.path)
+        if now == self.identity:
+            self._dir_stamp = stamp
+        else:
+            raise WarmTierUnavailable(
+                f"the warm tier index files in {self.path} were deleted or replaced while this process had "
+                f"them open (lock.mdb/data.mdb inodes {self.identity[1:]} -> {now[1:]}); this process "
+                f"stops writing so that two LMDB lock tables never hold two writers: restart the workers")
+
+    def close(self) -> None:
+        self.closed = True
+        self.env.close()
+        self.owners.close()
+        self.close_data_fd()
+
+    def close_data_fd(self) -> None:
+        fd, self._data_fd = self._data_fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 #: (pid, realpath) -> the environment shared by every handle of this process. Keyed by pid so a
 #: forked child never reuses its parent's environment.
 _ENVS: dict[tuple[int, str], _SharedEnv] = {}
+
+
+def _drop_inherited_registrations() -> None:
+    # A forked child holds the parent's registry lock through the inherited descriptor: drop it at
+    # once, or a child that never touches the tier keeps a dead parent's claims looking alive.
+    for shared in list(_ENVS.values()):
+        if shared.pid != os.getpid():
+            shared.owners.drop_inherited()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_registrations)
 
 
 def _is_permission(exc: Exception) -> bool:
@@ -332,3 +572,13 @@ def get_u64(txn: lmdb.Transaction, db, name: bytes, default: int = 0) -> int:
 
 def put_u64(txn: lmdb.Transaction, db, name: bytes, value: int) -> None:
     txn.put(name, U64.pack(int(value)), db=db)
+
+
+def init_info(txn: lmdb.Transaction, index: Index, n_slots: int, meta_bytes: bytes) -> None:
+    """Fill a new (or emptied) index's ``info``: slot count, high-water mark, gen, the meta copy."""
+    # A half-made earlier attempt may have left an index: keep what it holds.
+    if txn.get(INFO_N_SLOTS, db=index.info) is None:
+        put_u64(txn, index.info, INFO_N_SLOTS, n_slots)
+        put_u64(txn, index.info, INFO_HWM, 0)
+        put_u64(txn, index.info, INFO_GEN, 0)
+    txn.put(INFO_META, meta_bytes, db=index.info)

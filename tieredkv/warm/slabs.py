@@ -74,17 +74,26 @@ class Slabs:
             CapacityError: the disk cannot hold the preallocated size.
         """
         made = []
-        for i in range(self.n_slabs):
-            path = self.path(i)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            except FileExistsError:
-                continue
-            try:
-                self._preallocate(fd, self.expected_size(i), path)
-            finally:
-                os.close(fd)
-            made.append(i)
+        try:
+            for i in range(self.n_slabs):
+                path = self.path(i)
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                except FileExistsError:
+                    continue
+                made.append(i)
+                try:
+                    self._preallocate(fd, self.expected_size(i), path)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            # All or nothing: files this call made must not hold the disk space (or stay sparse).
+            for i in made:
+                try:
+                    os.unlink(self.path(i))
+                except OSError:
+                    pass
+            raise
         return made
 
     def restore_size(self, i: int) -> None:
@@ -248,4 +257,4 @@ class Slabs:
             try:
                 os.fdatasync(self.fds[i])
             except OSError as exc:
-                raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {os.strerror(exc.errno)}") from exc
+                raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {exc.strerror or exc}") from exc

@@ -1,9 +1,11 @@
 """WarmTier: blocks in preallocated slab files on SSD, found through an LMDB index that survives restarts.
 
-A put is three steps, each safe to die in (design.md section 7, "data first, index second")::
+A put is three steps, each safe to die in ("data first, index second": docs/architecture.md,
+invariant 7)::
 
     1. claim   write txn: take free slots (free list, high-water mark, or policy victims) and record
-               them in ``inflight`` under (pid, process start time)      -> crash: slots reaped as free
+               them in ``inflight`` under this process's registry entry   -> crash: slots reaped as free
+               (tieredkv.warm.owners: liveness by kernel locks, valid across PID namespaces)
     2. data    pwritev the payloads into the claimed slots (+ fdatasync with sync="data"/"full")
                                                                           -> crash: garbage in slots
                                                                              that are still only claimed
@@ -41,11 +43,10 @@ from typing import Any
 import lmdb
 import numpy as np
 import xxhash
-from numpy.random import default_rng  # at import: a lazy numpy.random import costs ~20 ms at open
+from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError, WarmTierUnavailable
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
@@ -56,17 +57,10 @@ from tieredkv.warm import meta as mt
 
 #: Claims this process holds right now, as (slot, claim time): a claim in the index that names this
 #: process is live only if it is here. Several WarmTier handles in one process share the LMDB
-#: environment and the process identity, so without this one handle would reap (and reuse the slot
+#: environment and the owner registration, so without this one handle would reap (and reuse the slot
 #: of) a claim another handle is still writing.
 _OWN_CLAIMS: set[tuple[int, int]] = set()
 _OWN_CLAIMS_LOCK = threading.Lock()
-
-
-def _claim_live(slot: int, pid: int, start: int, claim_time: int) -> bool:
-    if (pid, start) == ix.self_identity():
-        with _OWN_CLAIMS_LOCK:
-            return (slot, claim_time) in _OWN_CLAIMS
-    return ix.owner_alive(pid, start)
 
 
 def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int]:
@@ -97,9 +91,11 @@ class WarmTier(Tier):
             OS), ``"data"`` (payloads fdatasync'd before the index commit; a system crash may lose the
             last commit but no record points at unsynced data), ``"full"`` (also fsync the index per
             commit: a returned put survives power loss). See docs/warm-tier.md for the cost of each.
-        verify: check each payload's xxh3_64 on read: ``"always"``, ``"sampled"`` (a random
-            ``sample_rate`` share of blocks) or ``"never"``. A short or recycled read is detected in
-            every mode.
+        verify: check each payload's xxh3_64 on read: ``"always"`` (default), ``"sampled"`` (a random
+            ``sample_rate`` share of blocks) or ``"never"``. Only ``"always"`` protects against media
+            corruption: with the others a block damaged on disk is served to the caller (as KV)
+            unless its read happens to be sampled. A short or recycled read, and a record that breaks
+            the index's invariants, are detected in every mode. See docs/warm-tier.md.
         policy: eviction policy name or instance (``tieredkv.policies``).
         sample_rate: share of blocks checksummed per read with ``verify="sampled"``.
         flush_every: write batched hit bookkeeping to the index after this many hits (and at close).
@@ -107,13 +103,25 @@ class WarmTier(Tier):
         map_size_bytes, map_max_bytes: initial and largest LMDB map size (address space, not disk).
         readonly: open for reading only (``put_many``/``remove``/``evict`` raise
             ``WarmTierUnavailable``). Chosen automatically when the files cannot be opened for writing.
+        lock_timeout_s: longest wait for the tier's writer lock. A writer stopped inside a write
+            transaction (SIGSTOP, a debugger, a frozen container) makes other processes' stores raise
+            ``LockTimeout`` after this long instead of hanging; lookups never wait for a writer.
 
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
         FormatError: the meta file is damaged or from a newer tieredkv.
-        PermissionDenied: the directory belongs to another user.
-        CapacityError: the disk cannot hold ``capacity_bytes``.
-        InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier).
+        PermissionDenied: the directory (or a file in it) belongs to another user, is a symbolic
+            link, or has a mode open to others that cannot be restricted.
+        CapacityError: the disk cannot hold ``capacity_bytes`` (nothing the failed creation made is
+            left behind).
+        CorruptState: the index is truncated (run ``tieredkv verify --repair``) or disagrees with
+            ``meta.json``. A missing or emptied index is rebuilt empty instead, with a warning.
+        WarmTierUnavailable: the files cannot be opened, or a live process uses index files that
+            were since deleted or replaced.
+        LockTimeout: another process held the writer lock for ``lock_timeout_s`` (it is stopped
+            inside a write).
+        InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier, a
+            directory that is not a non-empty path).
 
     A ``WarmTier`` may be used from several threads (calls are serialised) and survives ``fork``:
     the child opens its own LMDB environment on its first call.
@@ -123,7 +131,7 @@ class WarmTier(Tier):
                  sync: str = "none", verify: str = "always", policy: Any = "lru",
                  sample_rate: float = 1 / 16, flush_every: int = 1024,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
-                 map_max_bytes: int | None = None, readonly: bool = False):
+                 map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         if sync not in SYNC_MODES:
@@ -132,6 +140,10 @@ class WarmTier(Tier):
             raise InvalidInput(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if not 0.0 < sample_rate <= 1.0:
             raise InvalidInput(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        if isinstance(lock_timeout_s, bool) or not isinstance(lock_timeout_s, (int, float)) \
+                or not 0 < lock_timeout_s < float("inf"):
+            raise InvalidInput(f"lock_timeout_s must be a positive number of seconds, got {lock_timeout_s!r}")
+        self.lock_timeout_s = float(lock_timeout_s)
         if capacity_bytes is not None and (not isinstance(capacity_bytes, (int, np.integer))
                                            or isinstance(capacity_bytes, bool) or capacity_bytes <= 0):
             raise InvalidInput(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
@@ -144,6 +156,10 @@ class WarmTier(Tier):
             self.policy = policies.make(policy)
         except (KeyError, TypeError) as e:  # UnknownPolicy's message lists the valid names
             raise InvalidInput(str(e)) from None
+        if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)) \
+                or not os.fspath(directory):
+            # "" would silently mean the current directory: wherever the worker happened to start.
+            raise InvalidInput(f"directory (warm_dir) must be a non-empty path, got {directory!r}")
         self.root = Path(directory)
         self.path = self.root / spec.namespace
         self.readonly = bool(readonly)
@@ -172,9 +188,7 @@ class WarmTier(Tier):
         path = str(self.path)
         if not self.readonly:
             files.make_dir(self.root, self.path)
-        if not self.path.is_dir():
-            raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)")
-        files.check_access(path)
+        files.check_access(path)  # also: the directory exists, is ours, is no symlink; modes 0700/0600
         with files.init_lock(path):
             self._open_locked(path, capacity_bytes, slab_bytes)
 
@@ -200,9 +214,22 @@ class WarmTier(Tier):
         self.block_bytes = self.spec.block_bytes
         self._rec = ix.record_dtype(self.spec.chunk_tokens)
         self._slabs = files.slabs_of(path, meta, readonly=self.readonly)
+        if not self.readonly:
+            os.makedirs(os.path.join(path, mt.INDEX_NAME), mode=0o700, exist_ok=True)
         self._open_index()
         if not self.readonly:
-            n_slots = self._index.read(lambda txn: ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS))
+            n_slots, n_blocks = self._index.read(lambda txn: (
+                ix.get_u64(txn, self._index.info, ix.INFO_N_SLOTS), txn.stat(self._index.blocks)["entries"]))
+            if n_slots == 0 and n_blocks == 0:
+                # The index was deleted or emptied (meta.json, written last at creation, says the tier
+                # was complete). Its records are gone, so every slot is free: start an empty index
+                # from meta.json rather than refuse to open forever.
+                self._index.write(lambda txn: ix.init_info(txn, self._index, meta["n_slots"], mt.encode_meta(meta)))
+                self._counts["recoveries"] += 1
+                warnings.warn(f"warm tier {path}: the index was missing or empty; rebuilt an empty one "
+                              f"from {mt.META_NAME} (the blocks it indexed are lost; the slabs are kept)",
+                              stacklevel=5)
+                n_slots = self.n_slots
             if n_slots != self.n_slots:
                 raise CorruptState(f"{path}: the index says {n_slots} slots, meta.json says "
                                    f"{self.n_slots}; run `tieredkv verify {path}`")
@@ -226,14 +253,16 @@ class WarmTier(Tier):
         size, limit = self._index_sizes()
         try:
             self._index = ix.Index(os.path.join(str(self.path), mt.INDEX_NAME), sync=self.sync,
-                                   map_size=size, map_max=limit, readonly=self.readonly)
-        except lmdb.Error as exc:
+                                   map_size=size, map_max=limit, readonly=self.readonly,
+                                   lock_timeout_s=self.lock_timeout_s)
+        except (lmdb.Error, WarmTierUnavailable) as exc:  # the latter: the owner registry
             if self.readonly or not ix._is_permission(exc):
                 raise WarmTierUnavailable(f"cannot open the warm tier index in {self.path}: {exc}") from exc
             self.readonly = True
             self._slabs.readonly = True
             self._index = ix.Index(os.path.join(str(self.path), mt.INDEX_NAME), sync=self.sync,
-                                   map_size=size, map_max=limit, readonly=True)
+                                   map_size=size, map_max=limit, readonly=True,
+                                   lock_timeout_s=self.lock_timeout_s)
         self._index.reader_check()
 
     def _repair_slabs(self) -> None:
@@ -288,12 +317,62 @@ class WarmTier(Tier):
         recs = np.frombuffer(b"".join(vals), dtype=self._rec) if m else np.zeros(0, self._rec)
         found = np.zeros(n, dtype=bool)
         if m:
-            found[:m] = ((recs["length"] == self.block_bytes)
+            # A damaged slot field must be a miss, never an index past the slabs.
+            found[:m] = ((recs["length"] == self.block_bytes) & (recs["slot"] < self.n_slots)
                          & (recs["parent"] == keys.parents[:m]).all(axis=1)
                          & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
         if prefix and not found.all():
             found[int(np.argmin(found)):] = False
         return recs, found
+
+    def _bad_records(self, txn, raw: bytes, keys: ChunkKeys, recs: np.ndarray, n: int) -> np.ndarray:
+        """Among the first ``n`` records (found for ``keys``), those that break an index invariant.
+
+        A record whose key and tokens match but whose slot is out of range, or whose slot's reverse
+        entry names another key, was damaged on disk (one flipped byte in the slot field is enough):
+        serving it would hand out another block's bytes or fail on every load. Returns a bool mask.
+        """
+        m = min(n, len(recs))
+        if not m:
+            return np.zeros(0, dtype=bool)
+        bad = ((recs["slot"][:m] >= self.n_slots) & (recs["length"][:m] == self.block_bytes)
+               & (recs["parent"][:m] == keys.parents[:m]).all(axis=1)
+               & (recs["tokens"][:m] == keys.tokens[:m]).all(axis=1))
+        if self.verify == "always":
+            # Another block's slot fails this block's checksum (dropped and counted there); the
+            # reverse lookups (one LMDB get per block) are needed only where bytes go unchecked.
+            return bad
+        get, db = txn.get, self._index.slots
+        for i in np.flatnonzero(~bad).tolist():
+            if get(ix.slot_key(int(recs["slot"][i])), db=db) != raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]:
+                bad[i] = True
+        return bad
+
+    def _drop_bad_records(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
+        """Delete records that break an invariant (if unchanged since read), counting them as corrupt.
+
+        Their slots are left alone: a damaged record cannot say which slot is really its own.
+        """
+        self._counts["corrupt"] += len(which)
+        if self.readonly or not len(which):
+            return
+        entries = [(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], int(recs["gen"][i])) for i in which.tolist()]
+
+        def drop(txn):
+            dropped = 0
+            for key, gen in entries:
+                v = txn.get(key, db=self._index.blocks)
+                if v is not None and len(v) == self._rec.itemsize \
+                        and int(np.frombuffer(v, dtype=self._rec)[0]["gen"]) == gen:
+                    txn.delete(key, db=self._index.blocks)
+                    dropped += 1
+            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
+            ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, total)
+
+        try:
+            self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
+        except TieredKVError:
+            pass  # dropped by a later read
 
     def _raw(self, keys: ChunkKeys) -> bytes:
         """The keys as LMDB key bytes, 16 per key, after checking them against the spec."""
@@ -341,7 +420,15 @@ class WarmTier(Tier):
             rows = out_rows(self.spec, out, n)
             if n == 0:
                 return 0
-            recs, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, n, True))
+            def first(txn):
+                recs, found = self._lookup(txn, raw, keys, n, True)
+                end = int(np.argmin(found)) if not found.all() else n
+                return recs, found, self._bad_records(txn, raw, keys, recs, end + 1)
+
+            recs, found, bad = self._index.read(first)
+            if bad.any():
+                self._drop_bad_records(raw, recs, np.flatnonzero(bad))
+                found[int(np.argmax(bad)):] = False
             run = int(found.sum())
             if run:
                 run = self._copy_checked(raw, keys, recs[:run], rows, sink)
@@ -426,31 +513,44 @@ class WarmTier(Tier):
 
         def drop(txn):
             removed = []
+            dropped = 0
             for key, slot, gen in entries:
-                if self._delete_record(txn, key, expect_gen=gen) is not None:
+                rec, owned = self._delete_record(txn, key, expect_gen=gen)
+                dropped += rec is not None
+                if owned:
                     txn.put(ix.slot_key(slot), b"", db=self._index.free)
                     removed.append(slot)
-            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + len(removed)
+            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
             ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, total)
             return removed
 
         try:
-            removed = self._index.write(drop)
-        except (WarmTierUnavailable, TieredKVError):
+            removed = self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
+        except TieredKVError:
             return  # index not writable now: the block stays bad and is detected again on every read
         self._view_forget(np.asarray(removed, dtype=np.int64))
 
-    def _delete_record(self, txn, key: bytes, *, expect_gen: int | None = None) -> np.ndarray | None:
-        """Delete ``key``'s record and reverse entry (not freeing the slot); return the record."""
+    def _delete_record(self, txn, key: bytes, *,
+                       expect_gen: int | None = None) -> tuple[np.ndarray | None, bool]:
+        """Delete ``key``'s record (and its reverse entry, not freeing the slot).
+
+        Returns:
+            ``(record, owned)``: the deleted record (None: absent, or not of ``expect_gen``), and
+            whether its slot was really its own (in range, the reverse entry names ``key``). A record
+            whose slot field was damaged is deleted but frees nothing: it cannot say which slot is its.
+        """
         v = txn.get(key, db=self._index.blocks)
         if v is None or len(v) != self._rec.itemsize:
-            return None
+            return None, False
         rec = np.frombuffer(v, dtype=self._rec)[0]
         if expect_gen is not None and int(rec["gen"]) != expect_gen:
-            return None
+            return None, False
         txn.delete(key, db=self._index.blocks)
-        txn.delete(ix.slot_key(int(rec["slot"])), db=self._index.slots)
-        return rec
+        slot = int(rec["slot"])
+        if slot >= self.n_slots or txn.get(ix.slot_key(slot), db=self._index.slots) != key:
+            return rec, False
+        txn.delete(ix.slot_key(slot), db=self._index.slots)
+        return rec, True
 
     # ================================================================================== puts
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
@@ -477,7 +577,7 @@ class WarmTier(Tier):
             kv = np.ascontiguousarray(keys.keys, dtype="<u8").view("V16").ravel()
             _, first = np.unique(kv, return_index=True)
             first.sort()
-            pid, start = ix.self_identity()
+            owner, token = self._index.identity  # this process in the tier's owner registry
             claim_time = ix.now_us()
 
             def claim(txn):
@@ -488,8 +588,8 @@ class WarmTier(Tier):
                         continue
                     c = txn.get(k, db=self._index.inflight)
                     if c is not None:
-                        slot, opid, ostart, ctime = ix.CLAIM.unpack(c)
-                        if _claim_live(slot, opid, ostart, ctime):
+                        slot, oowner, otoken, ctime = ix.CLAIM.unpack(c)
+                        if self._claim_live(slot, oowner, otoken, ctime):
                             continue  # a live writer (maybe another handle of ours) is writing it
                         # Its writer died (or is this process's own failed put): the slot is free.
                         txn.delete(k, db=self._index.inflight)
@@ -499,7 +599,7 @@ class WarmTier(Tier):
                 with _OWN_CLAIMS_LOCK:  # before the commit makes the claims visible
                     _OWN_CLAIMS.update((int(s), claim_time) for s in slots)
                 for i, s in zip(todo, slots):
-                    txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, pid, start, claim_time),
+                    txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, owner, token, claim_time),
                             db=self._index.inflight)
                 return todo, slots, evicted
 
@@ -516,9 +616,9 @@ class WarmTier(Tier):
                 touched = self._slabs.write(slot_arr, rows, idx)
                 if self.sync != "none":
                     self._slabs.sync(touched)  # data reaches the disk before the index points at it
-                stored = self._commit(raw, keys, idx, slot_arr, sums, pid, start)
+                stored = self._commit(raw, keys, idx, slot_arr, sums, owner, token)
             except BaseException:
-                self._release(raw, idx, slot_arr, pid, start)
+                self._release(raw, idx, slot_arr, owner, token)
                 raise
             finally:
                 with _OWN_CLAIMS_LOCK:
@@ -568,7 +668,7 @@ class WarmTier(Tier):
         return slots
 
     def _commit(self, raw: bytes, keys: ChunkKeys, idx: np.ndarray, slots: np.ndarray, sums: list[int],
-                pid: int, start: int) -> np.ndarray:
+                owner: int, token: int) -> np.ndarray:
         """Publish the written blocks: records in, claims out, one transaction. Return a stored mask."""
         m = len(idx)
         recs = np.zeros(m, dtype=self._rec)
@@ -581,7 +681,7 @@ class WarmTier(Tier):
         recs["last_access_us"] = t
         recs["position"] = keys.positions[idx]
         recs["tokens"] = keys.tokens[idx]
-        want = [ix.CLAIM.pack(int(s), pid, start, 0)[:16] for s in slots.tolist()]
+        want = [ix.CLAIM.pack(int(s), owner, token, 0)[:16] for s in slots.tolist()]
 
         def commit(txn):
             gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
@@ -619,14 +719,14 @@ class WarmTier(Tier):
                 out[j] = int(np.frombuffer(v, dtype=self._rec)["slot"][0])
         return out
 
-    def _release(self, raw: bytes, idx: np.ndarray, slots: np.ndarray, pid: int, start: int) -> None:
+    def _release(self, raw: bytes, idx: np.ndarray, slots: np.ndarray, owner: int, token: int) -> None:
         """Give back claims of a put that failed before its commit (best effort)."""
 
         def release(txn):
             for i, s in zip(idx.tolist(), slots.tolist()):
                 k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
                 c = txn.get(k, db=self._index.inflight)
-                if c is not None and ix.CLAIM.unpack(c)[:3] == (s, pid, start):
+                if c is not None and ix.CLAIM.unpack(c)[:3] == (s, owner, token):
                     txn.delete(k, db=self._index.inflight)
                     txn.put(ix.slot_key(s), b"", db=self._index.free)
 
@@ -638,12 +738,20 @@ class WarmTier(Tier):
             pass
 
     # ================================================================================== claims
+    def _claim_live(self, slot: int, owner: int, token: int, claim_time: int) -> bool:
+        """Whether the writer of a claim still runs: our own claims from ``_OWN_CLAIMS``, others' from
+        the owner registry's locks (valid across PID namespaces, immune to pid reuse)."""
+        if (owner, token) == self._index.identity:
+            with _OWN_CLAIMS_LOCK:
+                return (slot, claim_time) in _OWN_CLAIMS
+        return self._index.claim_alive(owner, token)
+
     def _reap_claims_in(self, txn) -> int:
         """Free the slots of claims whose writer is dead (or this process's own, between calls)."""
         dead = []
         for k, c in txn.cursor(db=self._index.inflight):
-            slot, pid, start, ctime = ix.CLAIM.unpack(c)
-            if not _claim_live(slot, pid, start, ctime):
+            slot, owner, token, ctime = ix.CLAIM.unpack(c)
+            if not self._claim_live(slot, owner, token, ctime):
                 dead.append((k, slot))
         for k, slot in dead:
             txn.delete(k, db=self._index.inflight)
@@ -664,24 +772,27 @@ class WarmTier(Tier):
         # Ticks are wall-clock microseconds (never going back), so last_access values written by
         # different processes into the records compare meaningfully.
         st = self._view
-        st.set_g("tick", max(st.g("tick"), ix.now_us()))
+        if st is not None:
+            st.set_g("tick", max(st.g("tick"), ix.now_us()))
 
     def _view_forget(self, slots: np.ndarray) -> None:
         if self._view is not None and len(slots):
             policies.remove(self.policy, self._view, slots)
 
-    def _build_view(self, txn) -> None:
-        """Rebuild the policy state from the records (index only, no data): insert order, fields."""
+    def _build_view(self, txn) -> policies.SlotState:
+        """Rebuild the policy state from the records (index only, no data): insert order, fields.
+        Returns it (it is also ``self._view``)."""
         keys, vals = [], []
         for k, v in txn.cursor(db=self._index.blocks):
-            if len(v) == self._rec.itemsize:
+            if len(v) == self._rec.itemsize \
+                    and np.frombuffer(v, dtype=self._rec, count=1)["slot"][0] < self.n_slots:
                 keys.append(k)
                 vals.append(v)
         st = policies.SlotState.private(self.policy, self.n_slots)
         self._view = st
         self._view_gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
         if not keys:
-            return
+            return st
         recs = np.frombuffer(b"".join(vals), dtype=self._rec)
         karr = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
         order = np.argsort(recs["insert_us"], kind="stable")
@@ -701,11 +812,12 @@ class WarmTier(Tier):
         st.hits[slots] = recs["hits"]
         st.set_g("tick", max(int(recs["last_access_us"].max()), ix.now_us()))
         # Hits of this process not yet flushed to the records still count.
-        for raw, gens, pslots, ticks in self._pending:
+        for raw, _, pslots, ticks in self._pending:
             key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
             live = (st.resident[pslots] == 1) & (st.key64[pslots] == key64)
             np.maximum.at(st.last_access, pslots[live], ticks[live])
             np.add.at(st.hits, pslots[live], 1)
+        return st
 
     def _choose_victims(self, txn, need: int) -> list[tuple[int, bytes, np.ndarray]]:
         """Evict up to ``need`` blocks chosen by the policy; return ``(slot, key, record)`` of each.
@@ -720,25 +832,25 @@ class WarmTier(Tier):
             gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
             if gen - self._view_gen > max(16, self.n_slots // 4):
                 self._view = None
-        if self._view is None:
-            self._build_view(txn)
+        st = self._view
+        if st is None:
+            st = self._build_view(txn)
             rebuilt = True
         while len(out) < need:
-            st = self._view
             victims = policies.evict(self.policy, st, need - len(out))
             if not len(victims):
                 if rebuilt:
                     break
-                self._build_view(txn)
+                st = self._build_view(txn)
                 rebuilt = True
                 continue
             for s in victims.tolist():
                 key = txn.get(ix.slot_key(s), db=self._index.slots)
                 if key is None or np.frombuffer(key, dtype="<u8")[0].view(np.int64) != st.key64[s]:
                     continue  # stale view: that slot no longer holds the block we chose
-                rec = self._delete_record(txn, key)
-                if rec is None or int(rec["slot"]) != s:
-                    continue
+                rec, owned = self._delete_record(txn, key)
+                if rec is None or not owned or int(rec["slot"]) != s:
+                    continue  # a damaged record: dropped, its slot left to `verify --repair`
                 out.append((s, key, rec))
         return out
 
@@ -758,10 +870,13 @@ class WarmTier(Tier):
         self._pending.append((raw, gens.copy(), slots_all, np.full(n, t, dtype=np.int64)))
         self._pending_n += n
         if self._pending_n >= self.flush_every:
-            self.flush()
+            self._flush(wait_s=0)  # on the read path: never wait behind a writer
 
     def flush(self) -> None:
         """Write batched hit bookkeeping (last access, hit count) into the records. One transaction."""
+        self._flush(wait_s=None)
+
+    def _flush(self, *, wait_s: float | None) -> None:
         with self._lock:
             if self._closed or not self._pending or os.getpid() != self._pid:
                 return
@@ -794,7 +909,12 @@ class WarmTier(Tier):
                     txn.put(k, rec.tobytes(), db=self._index.blocks)
 
             try:
-                self._index.write(write)
+                self._index.write(write, wait_s=wait_s)
+            except LockTimeout:
+                if wait_s is not None and self._pending_n < 16 * self.flush_every:
+                    # A writer holds the lock now: keep the hits for the next try (bounded memory).
+                    self._pending[:0] = pending
+                    self._pending_n += len(gens)
             except TieredKVError:
                 pass  # bookkeeping only: losing it skews the policy a little, never the data
 
@@ -809,17 +929,19 @@ class WarmTier(Tier):
             self._require_writable()
 
             def rm(txn):
-                freed = []
+                freed, gone = [], 0  # gone: damaged records dropped without a slot to free
                 for i in range(len(keys)):
-                    rec = self._delete_record(txn, raw[i * KEY_BYTES:(i + 1) * KEY_BYTES])
-                    if rec is not None:
+                    rec, owned = self._delete_record(txn, raw[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+                    if owned:
                         txn.put(ix.slot_key(int(rec["slot"])), b"", db=self._index.free)
                         freed.append(int(rec["slot"]))
-                return freed
+                    elif rec is not None:
+                        gone += 1
+                return freed, gone
 
-            freed = self._index.write(rm)
+            freed, gone = self._index.write(rm)
             self._view_forget(np.asarray(freed, dtype=np.int64))
-            return len(freed)
+            return len(freed) + gone
 
     def evict(self, n: int, *, with_payloads: bool = True) -> Evicted:
         """Evict up to ``n`` blocks chosen by the policy and hand them back.

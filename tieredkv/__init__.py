@@ -13,6 +13,7 @@ from tieredkv.errors import (
     InvalidPayload,
     LockTimeout,
     PermissionDenied,
+    RemoteUnavailable,
     SpecMismatch,
     TieredKVError,
     WarmTierUnavailable,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "HotTier": "tieredkv.hot",
     "WarmTier": "tieredkv.warm",
+    "RemoteTier": "tieredkv.remote",
     "TieredCache": "tieredkv.cache",
     "PrefixHit": "tieredkv.cache",
 }
@@ -43,5 +45,5 @@ def __getattr__(name: str):
 
 __all__ = ["CapacityError", "ChunkKeys", "CorruptState", "Evicted", "FormatError", "HotTier", "InvalidInput",
            "InvalidName", "InvalidPayload", "KVSpec", "LockTimeout", "PermissionDenied", "PrefixHit",
-           "PutResult", "SpecMismatch", "Tier", "TierStats", "TieredCache", "TieredKVError", "WarmTier",
-           "WarmTierUnavailable", "chunk_keys"]
+           "PutResult", "RemoteTier", "RemoteUnavailable", "SpecMismatch", "Tier", "TierStats", "TieredCache",
+           "TieredKVError", "WarmTier", "WarmTierUnavailable", "chunk_keys"]

@@ -5,6 +5,8 @@ lookup(tokens) --keys--> hot.contains_many --(misses)--> warm.contains_many --> 
 load(hit, out)  : hot blocks copied straight from shared memory into ``out`` (one copy, pinned);
                   warm blocks read into a kept staging buffer, copied into ``out``, promoted from there
 store(tokens,kv): new full chunks -> hot (evictions demoted to warm) [+ warm if write-through]
+remote (optional): lookup asks it for the run after the local hit (one call, with a deadline); load
+                  promotes its blocks into hot; store queues blocks for it on a background writer
 ```
 
 A block may be hot while its parent is warm: the hit is the longest run of leading blocks each found
@@ -26,7 +28,9 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, policies
+from tieredkv.background import BackgroundWriter
 from tieredkv.errors import (
+    CapacityError,
     CorruptState,
     FormatError,
     InvalidInput,
@@ -46,11 +50,11 @@ from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier
 
-HOT, WARM = 0, 1
+HOT, WARM, REMOTE = 0, 1, 2
 
-#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer) after which a
-#: TieredCache starts hot-only instead of not at all.
-_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, OSError)
+#: Failures of the warm tier's state (damaged or unreachable files, a stuck writer, a disk too full to
+#: create it) after which a TieredCache starts hot-only instead of not at all.
+_WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, CapacityError, OSError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +65,7 @@ class PrefixHit:
         tokens: cached prefix length in tokens (a multiple of ``chunk_tokens``, always < the prompt).
         prompt_tokens: the prompt's length.
         keys: the keys of the hit blocks.
-        where: per hit block, ``HOT`` (0) or ``WARM`` (1).
+        where: per hit block, ``HOT`` (0), ``WARM`` (1) or ``REMOTE`` (2).
     """
 
     tokens: int
@@ -80,6 +84,10 @@ class PrefixHit:
     @property
     def warm_blocks(self) -> int:
         return int(np.count_nonzero(self.where == WARM))
+
+    @property
+    def remote_blocks(self) -> int:
+        return int(np.count_nonzero(self.where == REMOTE))
 
     @property
     def prefill_tokens(self) -> int:
@@ -108,17 +116,30 @@ class TieredCache:
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
         lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
             lock, the warm tier's writer lock) before ``LockTimeout``.
+        remote: a store shared by the fleet: a URL (``"valkey://host:port"``, ``"mooncake://host:port"``,
+            options in the query string, see ``RemoteTier``) or a ``RemoteTier``. The cache closes it.
+        remote_write: which blocks go to the remote tier: ``"write_through"`` (every stored block),
+            ``"on_evict"`` (blocks leaving the host: evicted from warm, or from hot without a warm
+            tier) or ``"on_nth_hit:N"`` (those of them hit at least N times); see docs/fleet.md.
+        remote_queue_blocks: bound on blocks waiting to be written to the remote tier; beyond it writes
+            are dropped and counted (``remote_drops``).
+        remote_flush_s: how long ``close()`` waits for queued remote writes.
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
-        TieredKVError: a tier could not be opened (see ``HotTier`` and ``WarmTier``).
+        TieredKVError: a tier could not be opened (see ``HotTier`` and ``WarmTier``). A warm tier
+            whose files are damaged, unreachable or locked by a stopped writer, or that a full disk
+            cannot hold, does not raise: the cache starts hot-only with a ``RuntimeWarning`` (and
+            ``warm_errors`` counted). Another user's warm files raise ``PermissionDenied``.
     """
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
                  eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
                  hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none",
                  warm_verify: str = "always",
-                 numa_node: int | None = None, lock_timeout_s: float = 10.0):
+                 numa_node: int | None = None, lock_timeout_s: float = 10.0, remote=None,
+                 remote_write: str = "write_through", remote_queue_blocks: int = 256,
+                 remote_flush_s: float = 5.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -132,6 +153,7 @@ class TieredCache:
             policies.make(eviction)
             self.promotion = promotion_rules.make(promotion)
             self.demotion = demotion_rules.make(demotion)
+            self.remote_write = demotion_rules.make(remote_write)
         except (KeyError, ValueError, TypeError) as e:
             raise InvalidInput(str(e.args[0]) if e.args else str(e)) from None
         if warm_dir is not None and (isinstance(warm_dir, bytes) or not isinstance(warm_dir, (str, os.PathLike))
@@ -150,14 +172,19 @@ class TieredCache:
         self._private_counters = counters.private()
         self.warm: Tier | None = None
         self.hot: Tier  # set below; close() copes with a constructor that failed before it
+        self.remote: Tier | None = None
+        self._remote_writer: BackgroundWriter | None = None
         warm_failed = False
         try:
+            if remote is not None:
+                self._open_remote(remote, remote_queue_blocks, remote_flush_s)
             if warm_dir is not None:
                 from tieredkv.warm import WarmTier
 
                 try:
                     self.warm = WarmTier(spec, warm_dir, warm_bytes, sync=warm_sync, verify=warm_verify,
-                                         policy=eviction, lock_timeout_s=lock_timeout_s)
+                                         policy=eviction, lock_timeout_s=lock_timeout_s,
+                                         on_evict=self._remote_demote if self._remote_on_evict else None)
                 except _WARM_STATE_ERRORS as e:
                     if isinstance(e, PermissionDenied):
                         raise  # another user's files: an operator decision, never silently worked around
@@ -170,7 +197,7 @@ class TieredCache:
                     warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
-                               on_evict=self._demote if self.warm is not None else None)
+                               on_evict=self._demote if self.warm is not None or self._remote_on_evict else None)
             if warm_failed:
                 self._count(warm_errors=1)
         except BaseException:
@@ -198,11 +225,14 @@ class TieredCache:
                 n = self._warm_call(lambda: warm.match(keys.take(missing)), default=0)
                 where[missing[:n]] = WARM
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
+        if self.remote is not None and run < len(where):
+            run = self._remote_lookup(keys, where, run)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
                         where=where[:run].copy())
         C = self.spec.chunk_tokens
         self._count(lookups=1, prompt_tokens=len(ids), hit_tokens=hit.tokens, hot_hit_tokens=hit.hot_blocks * C,
-                    warm_hit_tokens=hit.warm_blocks * C, prefill_tokens=hit.prefill_tokens)
+                    warm_hit_tokens=hit.warm_blocks * C, remote_hit_tokens=hit.remote_blocks * C,
+                    prefill_tokens=hit.prefill_tokens)
         self._observe("lookup", time.perf_counter() - started)
         return hit
 
@@ -229,7 +259,7 @@ class TieredCache:
         target, finish = self._host_view(out, hit.tokens)
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
-        promote: list[tuple[ChunkKeys, np.ndarray]] = []
+        promote: list[tuple[ChunkKeys, np.ndarray, int]] = []
         n_warm = hit.warm_blocks
         with self._warm_lock if n_warm else contextlib.nullcontext():  # one kept staging buffer
             staging = self._warm_staging(n_warm) if n_warm else None
@@ -237,19 +267,25 @@ class TieredCache:
             edges = np.flatnonzero(np.diff(hit.where)) + 1
             for i, j in zip([0, *edges.tolist()], [*edges.tolist(), hit.blocks]):
                 run = hit.keys[i:j]
-                if hit.where[i] == HOT:
+                tier = hit.where[i]
+                if tier == HOT:
                     got = self._load_hot(run, target, i)
-                else:
+                elif tier == WARM:
                     got = self._load_warm(run, target, i, staging[staged:staged + j - i], promote)
                     staged += j - i
+                else:
+                    got = self._load_remote(run, target, i, promote)
                 loaded += got
                 if got < j - i:
                     break
             finish(loaded * C)
             # Promote only now: promoting mid-load could evict this very hit's hot blocks before they
             # were read (a full hot tier), cutting the restore short.
-            for keys, payloads in promote:
-                self._promote(keys, payloads)
+            for keys, payloads, src in promote:
+                if src == WARM:
+                    self._promote(keys, payloads)
+                else:
+                    self._promote_remote(keys, payloads)
         self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
         return loaded * C
 
@@ -264,7 +300,7 @@ class TieredCache:
         return got
 
     def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int, staging: np.ndarray,
-                   promote: list[tuple[ChunkKeys, np.ndarray]]) -> int:
+                   promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
         """Read warm blocks into ``staging`` rows (checksummed there); each group read is copied into
         ``target`` while the next one is read. The staged bytes are kept for promotion."""
         C = self.spec.chunk_tokens
@@ -277,7 +313,7 @@ class TieredCache:
         got = self._warm_call(lambda: warm.get_many(keys, staging, sink), default=0)
         self._count(corrupt_blocks=warm.corrupt_seen - corrupt_before)
         if got:
-            promote.append((keys[:got], staging[:got]))
+            promote.append((keys[:got], staging[:got], WARM))
         self._count(warm_bytes_read=got * self.spec.block_bytes)
         return got
 
@@ -295,8 +331,8 @@ class TieredCache:
             self._staging = page_aligned_empty(need)
         return self._staging[:need].reshape(n_blocks, self.spec.block_bytes)
 
-    def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
-        """Promote warm blocks just read, per the promotion rule, from the bytes in hand."""
+    def _promotion_chosen(self, keys: ChunkKeys) -> np.ndarray:
+        """Count a hit below hot for each key; return the rows the promotion rule promotes."""
         with self._lock:
             counts = np.empty(len(keys), dtype=np.int64)
             for i, k in enumerate(keys):
@@ -305,7 +341,11 @@ class TieredCache:
                 counts[i] = n
             while len(self._warm_hits) > 65536:  # a bounded, per-process memory of warm hits
                 self._warm_hits.popitem(last=False)
-        chosen = np.flatnonzero(self.promotion.should_promote(counts))
+        return np.flatnonzero(self.promotion.should_promote(counts))
+
+    def _promote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Promote warm blocks just read, per the promotion rule, from the bytes in hand."""
+        chosen = self._promotion_chosen(keys)
         if len(chosen):
             codes = self.hot.put_many(keys.take(chosen), payloads[chosen])
             self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
@@ -355,12 +395,18 @@ class TieredCache:
             if wcodes is not None:
                 n = int(np.count_nonzero(wcodes == PutResult.STORED))
                 self._count(warm_bytes_written=n * self.spec.block_bytes)
+        if self.remote is not None and self.remote_write.at_store:
+            self._remote_send(new, payloads)
         self._count(stored_blocks=stored, hot_bytes_written=stored * self.spec.block_bytes)
         return stored
 
     def _demote(self, evicted: Evicted) -> None:
         """The hot tier's on_evict hook: write evicted blocks to warm per the demotion rule."""
         if evicted.payloads is None or not len(evicted.keys):
+            return
+        if self.warm is None:
+            if self._remote_on_evict:  # no warm tier: blocks leaving hot leave the host
+                self._remote_demote(evicted)
             return
         chosen = np.flatnonzero(self.demotion.should_demote(evicted.hits))
         if not len(chosen):
@@ -391,6 +437,140 @@ class TieredCache:
                 warnings.warn(f"tieredkv: warm tier failed ({e}); serving from the hot tier",
                               RuntimeWarning, stacklevel=3)
             return default
+
+    # ---- remote tier ------------------------------------------------------------------------------
+    # Everything the remote tier adds lives here; lookup/load/store/_demote/close each call one helper.
+    def _open_remote(self, remote: Any, queue_blocks: int, flush_s: float) -> None:
+        from tieredkv.remote import RemoteTier
+        from tieredkv.tier import Tier
+
+        if isinstance(remote, str):
+            remote = RemoteTier(self.spec, remote)
+        elif not isinstance(remote, Tier):
+            raise InvalidInput(f"remote must be a URL such as 'valkey://host:6379' or a Tier, got "
+                               f"{type(remote).__name__}")
+        if getattr(remote, "spec", self.spec) != self.spec:
+            raise InvalidInput("remote tier was opened for another spec; open it with this cache's spec")
+        if not isinstance(flush_s, (int, float)) or flush_s < 0:
+            raise InvalidInput(f"remote_flush_s must be a number >= 0, got {flush_s!r}")
+        self._remote_writer = BackgroundWriter("tieredkv-remote-writer", queue_blocks,
+                                               on_error=lambda e: self._count(remote_errors=1))
+        self._remote_flush_s = float(flush_s)
+        self.remote = remote
+        if isinstance(remote, RemoteTier):
+            remote.observer = self._remote_event
+
+    def _rt(self) -> Tier:
+        """The remote tier; the helpers below run only when the cache has one."""
+        if self.remote is None:
+            raise InvalidInput("this TieredCache has no remote tier (or is closed)")
+        return self.remote
+
+    def _rw(self) -> BackgroundWriter:
+        if self._remote_writer is None:
+            raise InvalidInput("this TieredCache has no remote tier (or is closed)")
+        return self._remote_writer
+
+    @property
+    def _remote_on_evict(self) -> bool:
+        return self.remote is not None and not self.remote_write.at_store
+
+    def _remote_event(self, deltas: dict) -> None:
+        """RemoteTier's counter hook: its failed/skipped calls and refused values, per host."""
+        errors = deltas.get("errors", 0) + deltas.get("skipped", 0)
+        self._count(remote_errors=errors, remote_corrupt=deltas.get("corrupt", 0))
+
+    def _remote_call(self, fn, default):
+        """A call to the remote tier that must not fail a request (RemoteTier never raises on a dead
+        store; a Tier of the user's might)."""
+        try:
+            return fn()
+        except (TieredKVError, OSError):
+            self._count(remote_errors=1)
+            return default
+
+    def _remote_lookup(self, keys: ChunkKeys, where: np.ndarray, run: int) -> int:
+        """Ask the remote tier, in one call, for the blocks after the local run that no local tier
+        holds; mark the ones it has and return the new run."""
+        rest = np.flatnonzero(where[run:] < 0) + run
+        found = self._remote_call(lambda: self._rt().contains_many(keys.take(rest)),
+                                  default=np.zeros(len(rest), dtype=bool))
+        where[rest[np.asarray(found, dtype=bool)]] = REMOTE
+        new_run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
+        if new_run < len(where):
+            self._count(remote_misses=1)
+        return new_run
+
+    def _load_remote(self, keys: ChunkKeys, target: np.ndarray, first: int,
+                     promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
+        C = self.spec.chunk_tokens
+        staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        got = self._remote_call(lambda: self._rt().get_many(keys, staging), default=0)
+        if got:  # one copy for the run
+            blocks_to_model(self.spec, staging[:got].reshape(got, -1).view(np.uint8), target, first * C)
+        self._count(remote_bytes_read=got * self.spec.block_bytes)
+        if got:
+            promote.append((keys[:got], staging[:got], REMOTE))
+        return got
+
+    def _promote_remote(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Promote remote hits per the promotion rule into hot, so this host's other workers find them
+        locally, and into warm, so the host keeps them across restarts."""
+        chosen = self._promotion_chosen(keys)
+        if not len(chosen):
+            return
+        keys, payloads = keys.take(chosen), payloads[chosen]
+        codes = self.hot.put_many(keys, payloads)
+        self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
+        if self.warm is not None:
+            wcodes = self._warm_call(lambda: self.warm.put_many(keys, payloads), default=None)
+            if wcodes is not None:
+                self._count(warm_bytes_written=int(np.count_nonzero(wcodes == PutResult.STORED))
+                            * self.spec.block_bytes)
+
+    def _remote_send(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """Queue blocks for the remote tier. ``payloads`` must be owned by this call (not reused)."""
+        n = len(keys)
+        if n and not self._rw().submit(lambda: self._remote_put(keys, payloads), n):
+            self._count(remote_drops=n)  # backpressure: the store is behind, never an unbounded queue
+
+    def _remote_put(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        """On the writer thread."""
+        codes = self._rt().put_many(keys, payloads)
+        self._count(remote_bytes_written=int(np.count_nonzero(codes == PutResult.STORED)) * self.spec.block_bytes)
+
+    def _remote_demote(self, evicted: Evicted) -> None:
+        """Blocks leaving this host's last local tier (warm if there is one, else hot), for the
+        ``on_evict`` / ``on_nth_hit`` remote rules."""
+        if evicted.payloads is None or not len(evicted.keys):
+            return
+        chosen = np.flatnonzero(self.remote_write.should_demote(evicted.hits))
+        if len(chosen):
+            self._remote_send(evicted.keys.take(chosen), evicted.payloads[chosen])
+
+    def flush_remote(self, timeout_s: float = 10.0) -> bool:
+        """Wait until queued remote writes are done (at most ``timeout_s``); True when none is left."""
+        return self._remote_writer.flush(timeout_s) if self._remote_writer is not None else True
+
+    def _remote_stats(self) -> dict | None:
+        if self.remote is None:
+            return None
+        doc = self._rt().stats().to_dict()
+        w = self._rw()
+        doc["queue"] = {"pending_blocks": w.pending_blocks, "max_blocks": w.max_blocks, "jobs": w.submitted,
+                        "dropped_blocks": w.dropped_blocks, "failed_jobs": w.failed}
+        return doc
+
+    def _close_remote(self) -> None:
+        writer, self._remote_writer = self._remote_writer, None
+        if writer is not None:
+            before = writer.dropped_blocks
+            writer.close(self._remote_flush_s)
+            if writer.dropped_blocks > before and getattr(self, "hot", None) is not None:
+                self._count(remote_drops=writer.dropped_blocks - before)
+        remote, self.remote = self.remote, None
+        if remote is not None:
+            remote.close()
 
     # ---- tensors ----------------------------------------------------------------------------------
     def _expected_shape(self, n_tokens: int) -> tuple[int, ...]:
@@ -515,6 +695,7 @@ class TieredCache:
         doc["prefix_hit_rate"] = counters.prefix_hit_rate(doc)
         doc["hot"] = self.hot.stats().to_dict()
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
+        doc["remote"] = self._remote_stats()
         return doc
 
     def unlink_hot(self) -> None:
@@ -529,7 +710,11 @@ class TieredCache:
         self.close()
 
     def close(self) -> None:
-        """Close both tiers (idempotent). Shared state stays for other processes and restarts."""
+        """Close every tier (idempotent). Shared state stays for other processes and restarts.
+
+        Remote writes still queued are flushed first, for at most ``remote_flush_s``; what is left
+        then is dropped and counted."""
+        self._close_remote()
         for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()

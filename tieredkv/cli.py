@@ -115,6 +115,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         from tieredkv.warm.admin import list_warm_tiers
 
         warm = list_warm_tiers(args.warm_dir)
+    remote = _remote_namespaces(args.remote) if args.remote else None
     nodes = numa.nodes()
     from tieredkv.hot import segment as seg
 
@@ -133,13 +134,45 @@ def cmd_ls(args: argparse.Namespace) -> int:
                       f"{w.get('blocks', 0)}/{w.get('capacity_blocks', 0)}", w.get("error") or ""] for w in warm]
             out += f"\nwarm tiers under {args.warm_dir}:\n" + (
                 _table(wrows, ["path", "model", "size", "blocks/capacity", "note"]) if wrows else "  none")
+        if remote is not None:
+            out += "\n" + _remote_text(remote)
         if len(nodes) > 1:
             out += f"\nNUMA: {len(nodes)} nodes; use one segment per node (docs/tuning.md, NUMA)"
         return out
 
-    _emit(args, {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()},
-                 "shm_dir": str(where), "huge_pages": huge}, text)
+    doc = {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()},
+           "shm_dir": str(where), "huge_pages": huge}
+    if remote is not None:
+        doc["remote"] = remote
+    _emit(args, doc, text)
     return 0
+
+
+def _remote_namespaces(url: str) -> dict:
+    """The store's namespaces and numbers; a store that cannot list names still shows its numbers."""
+    from tieredkv.errors import InvalidInput
+    from tieredkv.remote import admin
+
+    try:
+        return admin.namespaces(url)
+    except InvalidInput as e:  # cannot enumerate (Mooncake), or a bad URL
+        if "cannot list" not in str(e):
+            raise UsageError(str(e)) from None
+        store = admin.connect(url)
+        try:
+            return {"url": store.url, "server": store.info(), "namespaces": None, "note": str(e)}
+        finally:
+            store.close()
+
+
+def _remote_text(doc: dict) -> str:
+    server = doc["server"]
+    facts = ", ".join(f"{k} {human(v) if k.endswith('_bytes') else v}" for k, v in server.items() if k != "url")
+    out = f"remote store {doc['url']}: {facts}"
+    if doc.get("namespaces") is None:
+        return out + f"\n  ({doc.get('note', 'names not listed')})"
+    rows = [[n["fingerprint"], n["blocks"]] for n in doc["namespaces"]]
+    return out + "\n" + (_table(rows, ["namespace fingerprint", "blocks"]) if rows else "  no tieredkv blocks")
 
 
 def _pick_segment(name: str | None) -> str:
@@ -217,6 +250,12 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
               f"hot written {human(c['hot_bytes_written'])}, warm written {human(c['warm_bytes_written'])}",
               f"  recoveries {k['recoveries']} (scrubs {doc['scrubs']}), reclaimed slots {k['reclaimed']}, "
               f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}"]
+    if any(c.get(f, 0) for f in ("remote_hit_tokens", "remote_misses", "remote_errors", "remote_drops",
+                                 "remote_bytes_written")):
+        lines.append(f"  remote: hit tokens {c['remote_hit_tokens']:,}, misses {c['remote_misses']:,}, errors "
+                     f"{c['remote_errors']:,}, dropped writes {c['remote_drops']:,} blocks, refused values "
+                     f"{c['remote_corrupt']:,}; read {human(c['remote_bytes_read'])}, written "
+                     f"{human(c['remote_bytes_written'])}")
     return "\n".join(lines)
 
 
@@ -225,6 +264,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     if args.count is not None and args.count < 1:
         raise UsageError("--count must be >= 1")
+    if args.remote:
+        if args.name or args.watch or args.prometheus is not None:
+            raise UsageError("--remote shows the store's own numbers; give it without a NAME, --watch or --prometheus")
+        doc = _remote_namespaces(args.remote)
+        _emit(args, doc, lambda: _remote_text(doc))
+        return 0
     if args.prometheus is not None:
         from tieredkv import metrics
 
@@ -324,6 +369,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tieredkv.warm.admin import verify
 
+    if bool(args.directory) == bool(args.remote):
+        raise UsageError("give a warm tier DIRECTORY or --remote URL (one of them)")
+    if args.remote:
+        return _verify_remote(args)
     if not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory} is not a directory")
     report = verify(args.directory, repair=args.repair)
@@ -357,6 +406,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # Damage found and repaired is a success: `verify --repair && start-workers` must work.
         return 0 if all(t["repaired"] and not t.get("error") for t in tiers) else 2
     return 0 if report.get("ok", True) else 2
+
+
+def _verify_remote(args: argparse.Namespace) -> int:
+    from tieredkv.errors import InvalidInput
+    from tieredkv.remote import admin
+
+    try:
+        report = admin.verify(args.remote, repair=args.repair)
+    except InvalidInput as e:
+        raise UsageError(str(e)) from None
+
+    def text() -> str:
+        lines = [f"{report['url']}: {report['checked']:,} values checked, {len(report['bad']):,} bad"
+                 + (f", {report['removed']:,} removed" if args.repair else "")
+                 + ("" if report["ok"] else "  <-- DAMAGED")]
+        lines += [f"    {b['name']}: {b['reason']}" for b in report["bad"][:10]]
+        if len(report["bad"]) > 10:
+            lines.append(f"    ... {len(report['bad']) - 10} more (all of them in --json)")
+        return "\n".join(lines)
+
+    _emit(args, report, text)
+    if args.repair:  # every bad value deleted is a success, as for a warm tier
+        return 0 if report["removed"] == len(report["bad"]) else 2
+    return 0 if report["ok"] else 2
 
 
 # ---- simulate / demo / bench -------------------------------------------------------------------
@@ -432,14 +505,16 @@ EXAMPLES = {
     "estimate": ["tieredkv estimate --layers 28 --kv-heads 2 --head-dim 128 --prefix-tokens 4096 "
                  "--concurrency 4 --workers 8",
                  "tieredkv estimate --config path/to/config.json --prefix-tokens 2048 --prompt-tokens 3000 --json -"],
-    "ls": ["tieredkv ls", "tieredkv ls --warm-dir /var/cache/tieredkv --json -"],
+    "ls": ["tieredkv ls", "tieredkv ls --warm-dir /var/cache/tieredkv --json -",
+           "tieredkv ls --remote valkey://10.0.0.5:6379"],
     "stats": ["tieredkv stats --watch 2                  # the only segment, refreshed every 2 s",
               "tieredkv stats /tieredkv-NAME --json -",
-              "tieredkv stats --prometheus 9400 --addr 0.0.0.0 --warm-dir /var/cache/tieredkv"],
+              "tieredkv stats --prometheus 9400 --addr 0.0.0.0 --warm-dir /var/cache/tieredkv",
+              "tieredkv stats --remote valkey://10.0.0.5:6379    # the shared store's own numbers"],
     "rm": ["tieredkv rm --stale --dry-run", "tieredkv rm --stale --idle", "tieredkv rm /tieredkv-NAME",
            "tieredkv rm --stale --match '/tieredkv-test-*'"],
-    "verify": ["tieredkv verify /var/cache/tieredkv",
-               "tieredkv verify /var/cache/tieredkv --repair --json report.json"],
+    "verify": ["tieredkv verify /var/cache/tieredkv", "tieredkv verify /var/cache/tieredkv --repair --json report.json",
+               "tieredkv verify --remote valkey://10.0.0.5:6379 --repair"],
     "simulate": ["tieredkv simulate --trace mooncake.jsonl --policy lru,s3fifo --capacity 1000,5% --plot mrc.png",
                  "tieredkv simulate --synthetic 20000 --policy lru,arc --hot 5% --warm 20% --json -"],
     "bench": ["tieredkv bench hot_tier -- --quick", "tieredkv bench --json warm.json warm_tier -- --quick"],
@@ -500,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("ls", cmd_ls, "list hot-tier segments (and warm tiers with --warm-dir)")
     p.add_argument("--warm-dir", help="also list the warm tiers under this directory")
     p.add_argument("--match", metavar="PATTERN", help="only segments whose name matches this shell pattern")
+    p.add_argument("--remote", metavar="URL", help="also list what a remote store holds, per namespace "
+                                                   "(valkey://host:port; a mooncake:// store shows its numbers only)")
     _add_json(p, "every segment's description")
 
     p = add("stats", cmd_stats, "counters of a segment, prefix hit rate first (live with --watch, or for "
@@ -517,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --prometheus: address to bind (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--warm-dir", help="with --prometheus: also expose the usage of the warm tiers under this "
                                       "directory")
+    p.add_argument("--remote", metavar="URL", help="instead of a segment: the remote store's own numbers and "
+                                                   "blocks per namespace")
     _add_json(p, "the counters (with --watch: '-' prints one JSON document per line and refresh)")
 
     p = add("rm", cmd_rm, "remove segments by name, or the stale ones",
@@ -534,12 +613,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="say what would be removed")
     _add_json(p, "what was removed")
 
-    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged, 1 if no tier; "
-            "with --repair 0 once repaired)",
+    p = add("verify", cmd_verify, "check every checksum of a warm tier or a remote store (exit 2 if damaged, 1 if "
+            "no tier; with --repair 0 once repaired)",
             "Safe while workers use the tier. --repair drops bad blocks from the index, reaps dead writers'\n"
-            "claims, restores slab sizes and rewrites a damaged meta.json (see docs/warm-tier.md).")
-    p.add_argument("directory", help="a warm tier directory, or a root holding several")
-    p.add_argument("--repair", action="store_true", help="drop the bad blocks from the index")
+            "claims, restores slab sizes and rewrites a damaged meta.json (see docs/warm-tier.md).\n"
+            "With --remote URL: fetch every tieredkv value of the store and check its framing, checksum,\n"
+            "namespace and key against its name; --repair deletes the bad ones (see docs/fleet.md).")
+    p.add_argument("directory", nargs="?", help="a warm tier directory, or a root holding several")
+    p.add_argument("--remote", metavar="URL", help="check a remote store instead (valkey://host:port)")
+    p.add_argument("--repair", action="store_true", help="drop the bad blocks from the index (or the store)")
     _add_json(p, "the full report (every bad block)")
 
     p = add("bench", cmd_bench, "run a benchmark from benchmarks/ (source checkout)",

@@ -49,6 +49,11 @@ class WarmTierUnavailable(TieredKVError):
     """The warm tier cannot be written (read-only directory, disk full, I/O error)."""
 
 
+class RemoteUnavailable(TieredKVError):
+    """The remote store did not answer (refused, reset, or past the deadline). The remote tier turns
+    this into a counted miss on the serving path; only administrative calls let it through."""
+
+
 # ---- argument checks shared by the public constructors ----------------------------------------
 def require_positive_int(name: str, value: object, example: str = "") -> int:
     """Return ``value`` as an int, or raise ``InvalidInput`` naming ``name``.

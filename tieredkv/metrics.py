@@ -152,6 +152,13 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
     corrupt = C("tieredkv_corrupt_blocks", "warm blocks whose checksum failed on a load (dropped, never "
                 "served)", labels=L)
     warm_err = C("tieredkv_warm_errors", "warm-tier calls that failed (the cache went on without it)", labels=L)
+    remote_err = C("tieredkv_remote_errors", "remote-store calls that failed, timed out or were skipped while "
+                   "the store was marked down (each a miss)", labels=L)
+    remote_miss = C("tieredkv_remote_misses", "lookups whose run ended at a block the remote store lacked", labels=L)
+    remote_drop = C("tieredkv_remote_dropped_blocks", "blocks not written to the remote store because its "
+                    "queue was full (backpressure)", labels=L)
+    remote_bad = C("tieredkv_remote_corrupt_values", "remote values refused by a check (damaged or foreign; "
+                   "deleted, never served)", labels=L)
     torn = C("tieredkv_hot_torn_reads", "hot-tier reads that saw a block change under them (retried or missed)",
              labels=L)
     recov = C("tieredkv_hot_recoveries", "hot-tier repairs after a process died holding the lock", labels=L)
@@ -175,10 +182,11 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
         prompt.add_metric(lv, c["prompt_tokens"])
         hits.add_metric(lv + ["hot"], c["hot_hit_tokens"])
         hits.add_metric(lv + ["warm"], c["warm_hit_tokens"])
+        hits.add_metric(lv + ["remote"], c["remote_hit_tokens"])
         prefill.add_metric(lv, c["prefill_tokens"])
         loaded.add_metric(lv, c["loaded_tokens"])
         lookups.add_metric(lv, c["lookups"])
-        for tier in ("hot", "warm"):
+        for tier in ("hot", "warm", "remote"):
             moved.add_metric(lv + [tier, "read"], c[f"{tier}_bytes_read"])
             moved.add_metric(lv + [tier, "written"], c[f"{tier}_bytes_written"])
         stored.add_metric(lv, c["stored_blocks"])
@@ -188,6 +196,10 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
         lost.add_metric(lv, c["lost_blocks"])
         corrupt.add_metric(lv, c["corrupt_blocks"])
         warm_err.add_metric(lv, c["warm_errors"])
+        remote_err.add_metric(lv, c["remote_errors"])
+        remote_miss.add_metric(lv, c["remote_misses"])
+        remote_drop.add_metric(lv, c["remote_drops"])
+        remote_bad.add_metric(lv, c["remote_corrupt"])
         torn.add_metric(lv, k["torn_reads"])
         recov.add_metric(lv, k["recoveries"])
         no_space.add_metric(lv, k["no_space"])
@@ -206,7 +218,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
             fam.add_metric(lv, cumulative, sum_value=ns / 1e9)
 
     out = [hit_rate, up, prompt, hits, prefill, loaded, lookups, moved, stored, evictions, promotions, demotions,
-           lost, corrupt, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
+           lost, corrupt, warm_err, remote_err, remote_miss, remote_drop, remote_bad, torn, recov, no_space, slots,
+           seg_bytes, block_bytes, handles, lookup_h, load_h]
     if warm_rows:
         WL = ["path", "model"]
         w_used = G("tieredkv_warm_blocks", "warm-tier blocks by state (capacity: all slots)", labels=WL + ["state"])

@@ -54,10 +54,11 @@ SETLK = _SETLK
 UNLOCK_META = _flock(fcntl.F_UNLCK, META_LOCK_BYTE)
 
 
-def try_lock(fd: int, start: int, length: int = 1) -> bool:
-    """Take an exclusive lock on ``[start, start+length)`` if free; True if taken."""
+def try_lock(fd: int, start: int, length: int = 1, *, shared: bool = False) -> bool:
+    """Take an exclusive (or, with ``shared``, a read) lock on ``[start, start+length)`` if free;
+    True if taken. A shared lock needs only read access to the file."""
     try:
-        fcntl.fcntl(fd, _SETLK, _flock(fcntl.F_WRLCK, start, length))
+        fcntl.fcntl(fd, _SETLK, _flock(fcntl.F_RDLCK if shared else fcntl.F_WRLCK, start, length))
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):

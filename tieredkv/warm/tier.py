@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,9 @@ class WarmTier(Tier):
         lock_timeout_s: longest wait for the tier's writer lock. A writer stopped inside a write
             transaction (SIGSTOP, a debugger, a frozen container) makes other processes' stores raise
             ``LockTimeout`` after this long instead of hanging; lookups never wait for a writer.
+        on_evict: called with an ``Evicted`` (keys, verified bytes, hits) for the blocks ``put_many``
+            evicts to make room, before their slots are rewritten: the hook that passes blocks leaving
+            the warm tier on to a lower tier (a remote store). Costs one slab read per evicted block.
 
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
@@ -131,7 +135,8 @@ class WarmTier(Tier):
                  sync: str = "none", verify: str = "always", policy: Any = "lru",
                  sample_rate: float = 1 / 16, flush_every: int = 1024,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
-                 map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0):
+                 map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0,
+                 on_evict: Callable[[Evicted], None] | None = None):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         if sync not in SYNC_MODES:
@@ -163,6 +168,7 @@ class WarmTier(Tier):
         self.root = Path(directory)
         self.path = self.root / spec.namespace
         self.readonly = bool(readonly)
+        self.on_evict = on_evict
         self._closed = True
         self._lock = threading.RLock()
         self._rng = default_rng()
@@ -189,7 +195,7 @@ class WarmTier(Tier):
         if not self.readonly:
             files.make_dir(self.root, self.path)
         files.check_access(path)  # also: the directory exists, is ours, is no symlink; modes 0700/0600
-        with files.init_lock(path):
+        with files.init_lock(path, self.lock_timeout_s):
             self._open_locked(path, capacity_bytes, slab_bytes)
 
     def _open_locked(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> None:
@@ -595,23 +601,28 @@ class WarmTier(Tier):
                         txn.delete(k, db=self._index.inflight)
                         txn.put(ix.slot_key(slot), b"", db=self._index.free)
                     todo.append(i)
-                slots, evicted = self._take_slots(txn, len(todo))
+                slots, victims = self._take_slots(txn, len(todo))
                 with _OWN_CLAIMS_LOCK:  # before the commit makes the claims visible
                     _OWN_CLAIMS.update((int(s), claim_time) for s in slots)
                 for i, s in zip(todo, slots):
                     txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, owner, token, claim_time),
                             db=self._index.inflight)
-                return todo, slots, evicted
+                return todo, slots, victims
 
-            todo, slots, evicted = self._index.write(claim)
+            todo, slots, victims = self._index.write(claim)
+            evicted = np.asarray([v[0] for v in victims], dtype=np.int64)
             self._counts["evictions"] += len(evicted)
-            self._view_forget(np.asarray(evicted, dtype=np.int64))
+            self._view_forget(evicted)
             codes[todo[len(slots):]] = PutResult.NO_SPACE
             if not slots:
                 return codes
             idx = np.asarray(todo[:len(slots)], dtype=np.int64)
             slot_arr = np.asarray(slots, dtype=np.int64)
             try:
+                if len(victims) and self.on_evict is not None:
+                    # The victims' slots are claimed by this call and not rewritten yet: read them now.
+                    gone = np.empty((len(victims), self.block_bytes), dtype=np.uint8)
+                    self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
                 sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in idx.tolist()]
                 touched = self._slabs.write(slot_arr, rows, idx)
                 if self.sync != "none":
@@ -629,25 +640,25 @@ class WarmTier(Tier):
             self._counts["bytes_in"] += n_stored * self.block_bytes
             return codes
 
-    def _take_slots(self, txn, need: int) -> tuple[list[int], list[int]]:
+    def _take_slots(self, txn, need: int) -> tuple[list[int], list]:
         """Claim up to ``need`` free slots in ``txn``: free list, then never-used, then policy victims.
 
         Returns:
-            ``(slots, evicted)``: the claimed slots, and which of them were freed by evicting a block.
+            ``(slots, victims)``: the claimed slots, and ``(slot, key, record)`` of each block evicted
+            to free one of them.
         """
         if need <= 0:
             return [], []
         slots = self._pop_free(txn, need)
-        evicted: list[int] = []
+        victims: list = []
         if len(slots) < need:
             # Claims of dead writers first: cheaper than evicting live blocks.
             if self._reap_claims_in(txn):
                 slots += self._pop_free(txn, need - len(slots))
         if len(slots) < need:
             victims = self._choose_victims(txn, need - len(slots))
-            evicted = [int(s) for s, _, _ in victims]
-            slots += evicted
-        return slots, evicted
+            slots += [int(s) for s, _, _ in victims]
+        return slots, victims
 
     def _pop_free(self, txn, need: int) -> list[int]:
         slots: list[int] = []
@@ -961,36 +972,45 @@ class WarmTier(Tier):
             self._check()
             n = check_count(n)
             self._require_writable()
-            chunk = self.spec.chunk_tokens
 
             def ev(txn):
                 victims = self._choose_victims(txn, n) if n > 0 else []
                 m = len(victims)
                 rows = np.empty((m, self.block_bytes), dtype=np.uint8) if with_payloads else None
-                keep = np.ones(m, dtype=bool)
-                if with_payloads and m:
-                    # The slots cannot be claimed by anyone before this transaction commits.
-                    complete = self._slabs.read(np.asarray([v[0] for v in victims], dtype=np.int64), rows)
-                    for j, (_, _, rec) in enumerate(victims):
-                        keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
+                # The slots cannot be claimed by anyone before this transaction commits.
+                keep = self._read_verified(victims, rows) if with_payloads else np.ones(m, dtype=bool)
                 for s, _, _ in victims:
                     txn.put(ix.slot_key(s), b"", db=self._index.free)
                 return victims, rows, keep
 
             victims, rows, keep = self._index.write(ev)
             self._counts["evictions"] += len(victims)
-            self._counts["corrupt"] += int((~keep).sum())
-            kept = [v for v, k in zip(victims, keep) if k]
-            m = len(kept)
-            raw = b"".join(v[1] for v in kept)
-            karr = np.frombuffer(raw, dtype="<u8").reshape(m, 2)
-            recs = np.array([v[2] for v in kept], dtype=self._rec).reshape(m)
-            keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
-                             recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
-                             recs["position"].astype(np.int64))
-            hits = recs["hits"].astype(np.int64) + self._pending_hits(raw, recs["gen"])
-            payloads = rows[keep] if rows is not None else None
-            return Evicted(keys, payloads, hits)
+            return self._evicted(victims, rows, keep)
+
+    def _read_verified(self, victims: list, rows: np.ndarray) -> np.ndarray:
+        """Read the victims' slots into ``rows``; bool per victim: complete and its checksum holds."""
+        keep = np.ones(len(victims), dtype=bool)
+        if victims:
+            complete = self._slabs.read(np.asarray([v[0] for v in victims], dtype=np.int64), rows)
+            for j, (_, _, rec) in enumerate(victims):
+                keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
+        return keep
+
+    def _evicted(self, victims: list, rows: np.ndarray | None, keep: np.ndarray) -> Evicted:
+        """``Evicted`` of the victims whose bytes verified (the others are counted corrupt)."""
+        chunk = self.spec.chunk_tokens
+        self._counts["corrupt"] += int((~keep).sum())
+        kept = [v for v, k in zip(victims, keep) if k]
+        m = len(kept)
+        raw = b"".join(v[1] for v in kept)
+        karr = np.frombuffer(raw, dtype="<u8").reshape(m, 2)
+        recs = np.array([v[2] for v in kept], dtype=self._rec).reshape(m)
+        keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
+                         recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
+                         recs["position"].astype(np.int64))
+        hits = recs["hits"].astype(np.int64) + self._pending_hits(raw, recs["gen"])
+        payloads = rows[keep] if rows is not None else None
+        return Evicted(keys, payloads, hits)
 
     def _pending_hits(self, raw: bytes, gens: np.ndarray) -> np.ndarray:
         """Hits this process noted for each (key, gen) but has not flushed into the records yet."""

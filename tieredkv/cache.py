@@ -262,7 +262,7 @@ class TieredCache:
         promote: list[tuple[ChunkKeys, np.ndarray, int]] = []
         n_warm = hit.warm_blocks
         with self._warm_lock if n_warm else contextlib.nullcontext():  # one kept staging buffer
-            staging = self._warm_staging(n_warm) if n_warm else None
+            staging = self._warm_staging(n_warm)  # (0, block_bytes) when no block is warm
             staged = 0  # warm runs take consecutive staging rows: promotion reads them after the loop
             edges = np.flatnonzero(np.diff(hit.where)) + 1
             for i, j in zip([0, *edges.tolist()], [*edges.tolist(), hit.blocks]):
@@ -326,10 +326,13 @@ class TieredCache:
         part of a hit and is released at ``close``.
         """
         need = n_blocks * self.spec.block_bytes
-        if self._staging is None or self._staging.size < need:
-            self._staging = None
-            self._staging = page_aligned_empty(need)
-        return self._staging[:need].reshape(n_blocks, self.spec.block_bytes)
+        if not need:
+            return np.empty((0, self.spec.block_bytes), dtype=np.uint8)
+        buf = self._staging
+        if buf is None or buf.size < need:
+            self._staging = None  # drop the old one before allocating the larger one
+            buf = self._staging = page_aligned_empty(need)
+        return buf[:need].reshape(n_blocks, self.spec.block_bytes)
 
     def _promotion_chosen(self, keys: ChunkKeys) -> np.ndarray:
         """Count a hit below hot for each key; return the rows the promotion rule promotes."""

@@ -166,7 +166,7 @@ def test_fresh_host_buffer_per_call_gives_the_same_result(models, namespace, tmp
     model = models("llama")
     ids = prompt(100, seed=11)
     with open_cache(model, namespace, tmp_path) as cache:
-        runner = CachedPrefill(model, cache, reuse_host_buffer=False)
+        runner = hf.CachedPrefill(model, cache, reuse_host_buffer=False)
         runner.prefill(ids[:, :70])
         res = runner.prefill(ids, all_logits=True)
         assert runner._host_buf is None and res.cached_tokens == 64

@@ -43,9 +43,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (a smoke run)")
     ap.add_argument("--skip-model", action="store_true", help="skip the SmolLM2 restore row (loads a model)")
     ap.add_argument("--skip-sim", action="store_true", help="skip the simulator row")
-    ap.add_argument("--trace", default=os.path.join(HERE.parent.parent, "shared", "traces",
-                                                   "mooncake_synthetic_trace.jsonl"),
-                    help="the Mooncake trace for the simulator row (default: as benchmarks/simulate.py)")
+    ap.add_argument("--trace", default=os.path.join(HERE, "traces", "mooncake_synthetic_trace.jsonl"),
+                    help="the Mooncake trace for the simulator row (default: benchmarks/traces/)")
     ap.add_argument("--json", metavar="OUT", help="write the rows as JSON")
     args = ap.parse_args(argv)
     q = args.quick

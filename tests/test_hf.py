@@ -162,11 +162,23 @@ def test_decode_continues_from_a_restored_cache(models, namespace, tmp_path):
         assert out.tolist() == ref.tolist()
 
 
+def test_fresh_host_buffer_per_call_gives_the_same_result(models, namespace, tmp_path):
+    model = models("llama")
+    ids = prompt(100, seed=11)
+    with open_cache(model, namespace, tmp_path) as cache:
+        runner = hf.CachedPrefill(model, cache, reuse_host_buffer=False)
+        runner.prefill(ids[:, :70])
+        res = runner.prefill(ids, all_logits=True)
+        assert runner._host_buf is None and res.cached_tokens == 64
+        assert_matches_full(model, res, ids, torch.float32)
+
+
 def test_reused_cpu_host_buffer_gives_the_same_result(models, namespace, tmp_path):
     model = models("llama")
     ids = prompt(100, seed=10)
     with open_cache(model, namespace, tmp_path) as cache:
-        runner = hf.CachedPrefill(model, cache, reuse_host_buffer=True)
+        runner = hf.CachedPrefill(model, cache)  # the default on CPU too: restores into touched memory
+        assert runner.reuse_host_buffer
         runner.prefill(ids[:, :70])
         first = runner.prefill(ids, all_logits=True)
         kept = runner._host_buf

@@ -32,11 +32,11 @@ def _write_then_hang(spec, name, keys, ready):
 
     from tieredkv.hot import tier as hot_tier
 
-    def hang(dst, src):  # the slots are claimed (WRITING) when the payload copy starts
+    def hang(dst, src, skewed):  # the slots are claimed (WRITING) when the payload copy starts
         ready.set()
         time.sleep(3600)
 
-    hot_tier.copy_into = hang  # patched in the child only
+    hot_tier.copy_rows = hang  # patched in the child only: every data copy of put_many goes through it
     tier.put_many(keys, payload_for(spec, keys))
 
 

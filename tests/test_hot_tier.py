@@ -200,16 +200,16 @@ def _arm(tier, point, fn, monkeypatch=None):
 
         tier._take_free = take
         return
-    real_copy = hot_tier_module.copy_into
+    real_copy = hot_tier_module.copy_rows  # every data copy of get_many and put_many goes through it
 
-    def copy(dst, src):
+    def copy(dst, src, skewed):
         fn()
-        return real_copy(dst, src)
+        return real_copy(dst, src, skewed)
 
     if monkeypatch is not None:
-        monkeypatch.setattr(hot_tier_module, "copy_into", copy)
+        monkeypatch.setattr(hot_tier_module, "copy_rows", copy)
     else:
-        hot_tier_module.copy_into = copy
+        hot_tier_module.copy_rows = copy
 
 
 def _stop_at(spec, name, hook, ready, seed):

@@ -384,6 +384,39 @@ def test_read_into_delivers_each_leading_block_in_order(make):
     assert counts(tier.stats())[4] == 3 * SPEC.block_bytes
 
 
+def test_read_runs_delivers_the_leading_blocks_in_order_each_once(make):
+    tier = make()
+    keys = prompt(6, seed=16)
+    data = blocks(keys)
+    tier.put_many(keys[:4], data[:4])
+    got: list[tuple[int, bytes]] = []
+    assert tier.read_runs(keys, lambda i, rows: got.append((i, rows.tobytes()))) == 4
+    assert got[0][0] == 0
+    starts = [i for i, _ in got]
+    assert starts == sorted(starts)  # in key order, runs back to back
+    assert b"".join(r for _, r in got) == data[:4].tobytes()  # each block exactly once
+    assert counts(tier.stats())[:2] == (4, 2)
+
+
+def test_get_many_sink_sees_every_returned_row_in_order(make):
+    tier = make()
+    keys = prompt(5, seed=17)
+    data = blocks(keys)
+    tier.put_many(keys[:3], data[:3])
+    out = np.zeros((5, SPEC.block_bytes), np.uint8)
+    seen: list[tuple[int, bytes]] = []
+    assert tier.get_many(keys, out, lambda i, rows: seen.append((i, rows.tobytes()))) == 3
+    assert out[:3].tobytes() == data[:3].tobytes()
+    assert b"".join(r for _, r in seen)[:3 * SPEC.block_bytes] == data[:3].tobytes()
+    assert [i for i, _ in seen] == sorted(i for i, _ in seen)
+
+    def boom(i, rows):
+        raise RuntimeError("sink failed")
+
+    with pytest.raises(RuntimeError, match="sink failed"):
+        tier.get_many(keys, out, boom)
+
+
 def test_corrupt_seen_and_cache_counters_are_there(make):
     tier = make()
     assert tier.corrupt_seen == 0

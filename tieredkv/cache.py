@@ -3,7 +3,7 @@
 ```
 lookup(tokens) --keys--> hot.contains_many --(misses)--> warm.contains_many --> PrefixHit
 load(hit, out)  : hot blocks copied straight from shared memory into ``out`` (one copy, pinned);
-                  warm blocks read into a staging buffer, scattered into ``out``, promoted from there
+                  warm blocks read into a kept staging buffer, copied into ``out``, promoted from there
 store(tokens,kv): new full chunks -> hot (evictions demoted to warm)
                   [+ warm: write-behind (default, background thread) or write-through (before returning)]
 remote (optional): lookup asks it for the run after the local hit (one call, with a deadline); load
@@ -48,7 +48,7 @@ from tieredkv.errors import (
 )
 from tieredkv.hot import HotTier
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import copy_into, overlaps_itself
+from tieredkv.layout import blocks_to_model, model_to_blocks, overlaps_itself, page_aligned_empty
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
@@ -193,6 +193,8 @@ class TieredCache:
         self._spare_lock = threading.Lock()
         self._lock = threading.Lock()
         self._staging_lock = threading.Lock()
+        self._warm_lock = threading.Lock()
+        self._staging: np.ndarray | None = None
         self._pinned = None
         self._warned = False
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -298,61 +300,79 @@ class TieredCache:
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
         promote: list[tuple[ChunkKeys, np.ndarray, int]] = []
-        i = 0
-        while i < hit.blocks:
-            j = i
-            tier = hit.where[i]
-            while j < hit.blocks and hit.where[j] == tier:
-                j += 1
-            run = hit.keys[i:j]
-            if tier == HOT:
-                got = self._load_hot(run, target, i)
-            elif tier == WARM:
-                got = self._load_warm(run, target, i, promote)
-            else:
-                got = self._load_remote(run, target, i, promote)
-            loaded += got
-            if got < j - i:
-                break
-            i = j
-        finish(loaded * C)
-        # Promote only now: promoting mid-load could evict this very hit's hot blocks before they
-        # were read (a full hot tier), cutting the restore short.
-        for keys, payloads, src in promote:
-            if src == WARM:
-                self._promote(keys, payloads)
-            else:
-                self._promote_remote(keys, payloads)
+        n_warm = hit.warm_blocks
+        with self._warm_lock if n_warm else contextlib.nullcontext():  # one kept staging buffer
+            staging = self._warm_staging(n_warm)  # (0, block_bytes) when no block is warm
+            staged = 0  # warm runs take consecutive staging rows: promotion reads them after the loop
+            edges = np.flatnonzero(np.diff(hit.where)) + 1
+            for i, j in zip([0, *edges.tolist()], [*edges.tolist(), hit.blocks]):
+                run = hit.keys[i:j]
+                tier = hit.where[i]
+                if tier == HOT:
+                    got = self._load_hot(run, target, i)
+                elif tier == WARM:
+                    got = self._load_warm(run, target, i, staging[staged:staged + j - i], promote)
+                    staged += j - i
+                else:
+                    got = self._load_remote(run, target, i, promote)
+                loaded += got
+                if got < j - i:
+                    break
+            finish(loaded * C)
+            # Promote only now: promoting mid-load could evict this very hit's hot blocks before they
+            # were read (a full hot tier), cutting the restore short.
+            for keys, payloads, src in promote:
+                if src == WARM:
+                    self._promote(keys, payloads)
+                else:
+                    self._promote_remote(keys, payloads)
         self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
         return loaded * C
 
     def _load_hot(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
         C = self.spec.chunk_tokens
-        shape = self.spec.block_shape
 
-        def sink(i: int, block: np.ndarray) -> None:
-            at = (first + i) * C
-            copy_into(target[:, :, :, at:at + C, :], block.view(self.spec.numpy_dtype).reshape(shape))
+        def sink(i: int, rows: np.ndarray) -> None:  # one copy per run of adjacent slots
+            blocks_to_model(self.spec, rows, target, (first + i) * C)
 
-        got = self.hot.read_into(keys, sink)
+        got = self.hot.read_runs(keys, sink)
         self._count(hot_bytes_read=got * self.spec.block_bytes)
         return got
 
-    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int,
+    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int, staging: np.ndarray,
                    promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
+        """Read warm blocks into ``staging`` rows (checksummed there); each group read is copied into
+        ``target`` while the next one is read. The staged bytes are kept for promotion."""
         C = self.spec.chunk_tokens
-        staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+
+        def sink(i: int, rows: np.ndarray) -> None:  # runs while the warm tier reads the next group
+            blocks_to_model(self.spec, rows, target, (first + i) * C)
+
         warm = self._warm_tier()
         corrupt_before = warm.corrupt_seen
-        got = self._warm_call(lambda: warm.get_many(keys, staging), default=0)
+        got = self._warm_call(lambda: warm.get_many(keys, staging, sink), default=0)
         self._count(corrupt_blocks=warm.corrupt_seen - corrupt_before)
-        for i in range(got):
-            at = (first + i) * C
-            copy_into(target[:, :, :, at:at + C, :], staging[i])
-        self._count(warm_bytes_read=got * self.spec.block_bytes)
         if got:
             promote.append((keys[:got], staging[:got], WARM))
+        self._count(warm_bytes_read=got * self.spec.block_bytes)
         return got
+
+    def _warm_staging(self, n_blocks: int) -> np.ndarray:
+        """``(n_blocks, block_bytes)`` rows of the kept staging buffer (call under ``_warm_lock``).
+
+        Kept and reused, never allocated per call: a fresh buffer costs a page fault per 4 KiB on
+        every load. Page-aligned: the kernel's copy into a buffer 16 bytes off (where malloc puts
+        large ones) runs at half speed on some CPUs (docs/benchmarks.md). It grows to the largest warm
+        part of a hit and is released at ``close``.
+        """
+        need = n_blocks * self.spec.block_bytes
+        if not need:
+            return np.empty((0, self.spec.block_bytes), dtype=np.uint8)
+        buf = self._staging
+        if buf is None or buf.size < need:
+            self._staging = None  # drop the old one before allocating the larger one
+            buf = self._staging = page_aligned_empty(need)
+        return buf[:need].reshape(n_blocks, self.spec.block_bytes)
 
     def _promotion_chosen(self, keys: ChunkKeys) -> np.ndarray:
         """Count a hit below hot for each key; return the rows the promotion rule promotes."""
@@ -399,8 +419,10 @@ class TieredCache:
             return 0
         new = keys.take(todo)
         payloads = self._payload_rows(len(todo))
-        for row, b in enumerate(todo.tolist()):
-            copy_into(payloads[row], src[:, :, :, b * C:(b + 1) * C, :])
+        # One gather per run of consecutive new chunks (all of them, for a fresh prompt).
+        edges = np.flatnonzero(np.diff(todo) != 1) + 1
+        for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(todo)]):
+            model_to_blocks(self.spec, src, int(todo[a]) * C, payloads[a:b])
         codes = self.hot.put_many(new, payloads)
         stored = int(np.count_nonzero(codes == PutResult.STORED))
         to_warm = None
@@ -605,9 +627,8 @@ class TieredCache:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         got = self._remote_call(lambda: self._rt().get_many(keys, staging), default=0)
-        for i in range(got):
-            at = (first + i) * C
-            copy_into(target[:, :, :, at:at + C, :], staging[i])
+        if got:  # one copy for the run
+            blocks_to_model(self.spec, staging[:got].reshape(got, -1).view(np.uint8), target, first * C)
         self._count(remote_bytes_read=got * self.spec.block_bytes)
         if got:
             promote.append((keys[:got], staging[:got], REMOTE))
@@ -828,6 +849,7 @@ class TieredCache:
         for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()
+        self._staging = None
 
     def __enter__(self) -> TieredCache:
         return self

@@ -130,15 +130,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         warm = list_warm_tiers(args.warm_dir)
     remote = _remote_namespaces(args.remote) if args.remote else None
     nodes = numa.nodes()
+    from tieredkv.hot import segment as seg
+
+    where, huge = seg.shm_dir(), seg.huge_page_policy()
 
     def text() -> str:
         rows = [[d["name"], d.get("model_id") or "-", human(d.get("size_bytes", 0)),
                  f"{d.get('ready_slots', 0)}/{d.get('n_slots', 0)}", d.get("hits", 0), d.get("misses", 0),
                  f"{100 * d.get('prefix_hit_rate', 0):.1f}%", d.get("live_handles", 0),
-                 d["reason"] or ""] for d in segments]
-        out = "hot tier segments (/dev/shm):\n" + (_table(rows, ["segment", "model", "size", "used/slots", "hits",
-                                                                "misses", "prefix hit", "handles", "note"])
-                                                   + "\n" + _LS_LEGEND if rows else "  none")
+                 d.get("huge_pages", "-"), d["reason"] or ""] for d in segments]
+        out = f"hot tier segments ({where}, huge pages: {huge}):\n" + (
+            _table(rows, ["segment", "model", "size", "used/slots", "hits", "misses", "prefix hit", "handles",
+                          "huge", "note"]) + "\n" + _LS_LEGEND if rows else "  none")
         if args.warm_dir:
             wrows = [[w.get("path"), w.get("model") or "-", human(w.get("size_bytes") or 0),
                       f"{w.get('blocks', 0)}/{w.get('capacity_blocks', 0)}", w.get("error") or ""] for w in warm]
@@ -150,7 +153,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             out += f"\nNUMA: {len(nodes)} nodes; use one segment per node (docs/tuning.md, NUMA)"
         return out
 
-    doc = {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()}}
+    doc = {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()},
+           "shm_dir": str(where), "huge_pages": huge}
     if remote is not None:
         doc["remote"] = remote
     _emit(args, doc, text)
@@ -160,7 +164,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 #: What the columns of ``tieredkv ls`` count (printed under the table).
 _LS_LEGEND = ("  hits / misses: blocks the hot tier delivered / could not deliver to loads, over the segment's "
               "life;\n  prefix hit: prompt tokens served from cache / prompt tokens looked up; handles: "
-              "processes that have it open")
+              "processes that have it open; huge: whether its pages are huge pages (docs/tuning.md)")
 
 
 def _remote_namespaces(url: str) -> dict:
@@ -391,7 +395,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         name = seg.check_name(name)
         try:
             if args.dry_run:
-                os.stat(seg.SHM_DIR / name.lstrip("/"))
+                os.stat(seg._shm_path(name))
             else:
                 admin.remove(name)
             removed.append({"name": name, "reason": "named"})

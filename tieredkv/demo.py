@@ -491,9 +491,10 @@ def drop_hot_tier(spec: KVSpec) -> bool:
     import posix_ipc
 
     from tieredkv.hot.segment import default_name
+    from tieredkv.hot.segment import unlink as seg_unlink
 
     try:
-        posix_ipc.unlink_shared_memory(default_name(spec))
+        seg_unlink(default_name(spec))
     except posix_ipc.ExistentialError:
         return False
     return True

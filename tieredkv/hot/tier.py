@@ -44,7 +44,7 @@ from tieredkv.hot import segment as seg
 from tieredkv.hot.index import HotIndex
 from tieredkv.hot.segment import FREE, READY, STAT_FIELDS, WRITING
 from tieredkv.keys import ChunkKeys
-from tieredkv.layout import as_block_bytes, copy_into
+from tieredkv.layout import address, as_block_bytes, copy_rows, run_rows, slot_runs
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
 
@@ -585,10 +585,15 @@ class HotTier(Tier):
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
         rec["state"][slots] = FREE
         self._index.remove(slots, rec["key"][slots])
+        self._push_free(slots)
+
+    def _push_free(self, slots: np.ndarray) -> None:
+        """Push FREE slots onto the stack, highest first, so that they pop lowest first: a batch
+        freed together is taken again as one ascending run of adjacent slots. Under the lock."""
         top = int(self._h["free_top"])
         if top + len(slots) > self.n_slots:
             raise _Damage(f"free stack holds {top} entries, {len(slots)} more would pass its {self.n_slots}")
-        self._free[top:top + len(slots)] = slots
+        self._free[top:top + len(slots)] = np.sort(slots)[::-1]
         self._h["free_top"] = top + len(slots)
 
     def _take_free(self, n: int) -> np.ndarray:
@@ -669,27 +674,54 @@ class HotTier(Tier):
         return n
 
     @_survives_damage
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+    def get_many(self, keys: ChunkKeys, out: np.ndarray,
+                 sink: Callable[[int, np.ndarray], None] | None = None) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
         ``out``: the spec's dtype (or uint8) holding at least ``len(keys)`` blocks. Rows past the
-        returned count are untouched or partially written; never use them.
+        returned count are untouched or partially written; never use them. ``sink(i, rows)``, if
+        given, gets each run of ``out``'s rows right after it is copied (see ``Tier.get_many``).
         """
         self._check()
         self._check_keys(keys)
         dst = out_rows(self.spec, out, len(keys))
+        data = self._data
+        # Alignment is decided once per call: slot strides are multiples of 64, so every row pair has
+        # the same skew when the destination's row stride is one too (else per run, by arithmetic).
+        dst0, src0, dstride, sstride = address(dst), address(data), dst.strides[0], data.strides[0]
+        uniform = dstride % 64 == 0
+        skew0 = (dst0 - src0) % 64 != 0
 
+        def copy(first: int, slots: np.ndarray) -> None:
+            # One copy per run of adjacent slots (ascending or descending), the common case: a prompt
+            # stored in one call. Not np.take: slower than row copies from a shared mapping.
+            for a, b, s, step in slot_runs(slots):
+                at = first + a
+                lowest = s if step == 1 else s - (b - a) + 1
+                skew = skew0 if uniform else (dst0 + at * dstride - src0 - lowest * sstride) % 64 != 0
+                copy_rows(dst[at:first + b], run_rows(data, s, b - a, step), skew)
+                if sink is not None:
+                    sink(at, dst[at:first + b])
+
+        return self._read(keys, copy)
+
+    @_survives_damage(user_code=True)
+    def read_runs(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
+        """Like ``get_many``, but hand each run of blocks to ``sink(i, rows)`` while it is pinned.
+
+        ``rows`` is a ``(k, block_bytes)`` uint8 view of ``k`` adjacent slots in shared memory holding
+        blocks ``i .. i+k-1`` of ``keys``, valid only during the call: copy it where it belongs (e.g.
+        a model-layout tensor, ``tieredkv.layout.blocks_to_model``), which saves the intermediate
+        copy ``get_many`` would make. A prefix stored in one call is one run. Returns how many
+        leading blocks were delivered.
+        """
+        self._check()
+        self._check_keys(keys)
         data = self._data
 
         def copy(first: int, slots: np.ndarray) -> None:
-            # Runs of consecutive slots (the common case: a prompt stored in one batch) are one copy.
-            # Not np.take: slower than row copies from a shared mapping (docs/benchmarks.md, notes).
-            if not len(slots):
-                return
-            breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-            for run in np.split(np.arange(len(slots)), breaks):
-                a, b, s = int(run[0]), int(run[-1]) + 1, int(slots[run[0]])
-                copy_into(dst[first + a:first + b], data[s:s + b - a])
+            for a, b, s, step in slot_runs(slots):
+                sink(first + a, run_rows(data, s, b - a, step))
 
         return self._read(keys, copy)
 
@@ -853,12 +885,17 @@ class HotTier(Tier):
                             n_free = len(slots)
                             if n_free < len(todo):
                                 victims, old = self._choose_victims(want, incoming, claim)
-                    if len(victims):
-                        slots = np.concatenate([slots, victims])
-                    stored = todo[: len(slots)]
-                    codes[todo[len(slots):]] = _NO_SPACE
-                    use, spare = slots[: len(stored)], slots[len(stored):]  # spare: surplus victims only
-                    self._claim(use[:n_free], claim)  # victims are claimed already
+                    self._claim(slots, claim)  # victims are claimed already
+                    # A batch gets adjacent, ascending slots where it can: free slots come off the
+                    # stack in ascending runs (see _push_free), the lowest victims are used and the
+                    # surplus (spare) goes back; so a prefix stored in one call is one run, and reads
+                    # copy it in one piece.
+                    by_slot = np.sort(victims)
+                    need = max(len(todo) - n_free, 0)
+                    spare = by_slot[need:]
+                    use = np.sort(np.concatenate([slots, by_slot[:need]]))
+                    stored = todo[: len(use)]
+                    codes[todo[len(use):]] = _NO_SPACE
                     rec["key"][use] = keys.keys[stored]
                     rec["parent"][use] = keys.parents[stored]
                     rec["position"][use] = keys.positions[stored]
@@ -874,9 +911,7 @@ class HotTier(Tier):
                     payload = self._data[victims].copy() if self.on_evict is not None else None
                     evicted = Evicted(old.keys, payload, old.hits)
                 self._tokens[use] = keys.tokens[stored]
-                data = self._data
-                for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
-                    copy_into(data[slot], src[row])
+                self._write_rows(use, src, stored)
             except BaseException:
                 # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
                 # rather than leave them WRITING until this handle closes.
@@ -921,6 +956,23 @@ class HotTier(Tier):
             self.on_evict(evicted)
         return codes
 
+    def _write_rows(self, slots: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
+        """Copy ``src[rows[j]]`` into slot ``slots[j]``: one copy per run where both are adjacent
+        (both ascending: ``put_many`` sorts its slots), alignment decided once per call."""
+        if not len(slots):
+            return
+        data = self._data
+        dst0, src0, sstride, rstride = address(data), address(src), data.strides[0], src.strides[0]
+        uniform = rstride % 64 == 0
+        skew0 = (dst0 - src0) % 64 != 0
+        edges = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
+        begins = np.concatenate(([0], edges)).tolist()
+        ends = np.concatenate((edges, [len(slots)])).tolist()
+        for b, e in zip(begins, ends):
+            s, r = int(slots[b]), int(rows[b])
+            skew = skew0 if uniform else (dst0 + s * sstride - src0 - r * rstride) % 64 != 0
+            copy_rows(data[s:s + e - b], src[r:r + e - b], skew)
+
     def _reclaim_abandoned(self, found: np.ndarray) -> int:
         """Free WRITING slots among ``found`` whose writer died, so their keys can be stored again.
         Returns how many were freed."""
@@ -942,9 +994,7 @@ class HotTier(Tier):
         gen = rec["gen"][spare]
         rec["gen"][spare] = gen + 1 + (gen + 1) % 2
         rec["state"][spare] = FREE
-        top = int(self._h["free_top"])
-        self._free[top:top + len(spare)] = spare
-        self._h["free_top"] = top + len(spare)
+        self._push_free(spare)
 
     @_survives_damage
     def remove(self, keys: ChunkKeys) -> int:
@@ -1003,6 +1053,8 @@ class HotTier(Tier):
             hits=s["hits"], misses=s["misses"], bytes_in=s["bytes_in"], bytes_out=s["bytes_out"],
             puts=s["puts"], evictions=s["evictions"], recoveries=s["recoveries"],
             extra={"segment": self.name, "policy": self._policy.name, "segment_bytes": self._map.size,
+                   "shm_dir": str(seg.shm_dir()), "huge_pages": seg.huge_page_policy(),
+                   "huge_mapped_bytes": seg.huge_mapped_bytes(self._map),
                    "writing_blocks": int(np.count_nonzero(state == WRITING)),
                    "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
                    **{k: s[k] for k in ("lookups", "exists", "no_space", "removed", "reclaimed", "torn_reads")}})
@@ -1041,7 +1093,7 @@ class HotTier(Tier):
         """Remove the segment's name (mappers keep their mapping until they close). Then close."""
         try:
             if self._still_published():
-                posix_ipc.unlink_shared_memory(self.name)
+                seg.unlink(self.name)
         finally:
             self.close()
 

@@ -137,11 +137,13 @@ class CachedPrefill:
             without a cache (a baseline with the same code path).
         spec: the spec to key blocks with; default the cache's ``spec`` attribute, else
             ``spec_for_model(model)``.
-        reuse_host_buffer: keep one host buffer (the largest prompt's KV) for all calls. Default: yes on
-            CUDA (a pinned buffer: pinning is expensive), no on CPU, where the restored prefix becomes the
-            cache's own memory and a kept buffer would hold one more prefix-sized copy per worker between
-            requests. On CPU, ``True`` trades that memory for the page faults of fresh memory (about
-            3x a memcpy for 4 KiB pages; ``THP_MEM_ALLOC_ENABLE=1`` makes torch use huge pages instead).
+        reuse_host_buffer: keep one host buffer (the largest prompt's KV) for all calls (default: yes).
+            A restore into memory already touched runs at memcpy speed; into a freshly allocated
+            tensor it pays a page fault per 4 KiB first, several times the copy itself. On CUDA the
+            buffer is pinned (pinning is expensive). On CPU the restored prefix is adopted by the cache
+            layers only until the tail's forward concatenates them into new tensors; a buffer a layer
+            still views after the call is handed over to that cache and a new one is made next time.
+            ``False``: a new tensor per call (one less prompt-sized allocation kept per worker).
 
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
@@ -178,7 +180,7 @@ class CachedPrefill:
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward_params),
                                None)
         self._on_cuda = self.device.type == "cuda"
-        self.reuse_host_buffer = self._on_cuda if reuse_host_buffer is None else bool(reuse_host_buffer)
+        self.reuse_host_buffer = True if reuse_host_buffer is None else bool(reuse_host_buffer)
         # The reused host buffer (pinned on CUDA). The event marks the end of the last host->device copy
         # out of it; the next load into it waits for that event.
         self._host_buf: torch.Tensor | None = None
@@ -188,8 +190,8 @@ class CachedPrefill:
     def _host_buffer(self, n_tokens: int) -> torch.Tensor:
         """A ``(layers, 2, kv_heads, n_tokens, head_dim)`` host tensor in the model's dtype.
 
-        Not reused (CPU default): a new tensor per call; its restored part becomes the cache layers' own
-        memory (adopted, not copied). Reused: a view of the kept buffer (pinned on CUDA), after the
+        Not reused: a new tensor per call; its restored part becomes the cache layers' own memory
+        (adopted, not copied). Reused (the default): a view of the kept buffer (pinned on CUDA), after the
         previous copy out of it has finished; on CPU the layers stop viewing it during the tail's forward
         (``update`` concatenates into new tensors), which ``prefill`` checks before the next reuse.
         """

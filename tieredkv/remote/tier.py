@@ -264,11 +264,13 @@ class RemoteTier(Tier):
         found = self.contains_many(keys)
         return int(np.argmin(found)) if not found.all() else len(found)
 
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+    def get_many(self, keys: ChunkKeys, out: np.ndarray,
+                 sink: Callable[[int, np.ndarray], None] | None = None) -> int:
         """Copy the leading blocks the store holds into ``out`` (row per key); return how many.
 
         The run ends at the first block that is absent, fails a check (counted as corrupt, deleted
-        from the store) or when the store does not answer in time (counted as an error).
+        from the store) or when the store does not answer in time (counted as an error). ``sink``
+        (see ``Tier.get_many``) gets the run's rows in one call once they are in ``out``.
         """
         keys = check_keys(self.spec, keys)
         n = len(keys)
@@ -284,6 +286,8 @@ class RemoteTier(Tier):
             guard.cancel()  # a late call must not write into the caller's rows any more
             run, bad = 0, False
         self._count(hits=run, misses=n - run, bytes_out=run * self.spec.block_bytes, corrupt=int(bad))
+        if sink is not None and run:
+            sink(0, rows[:run])
         return run
 
     def _fetch(self, keys: ChunkKeys, names: list[str], rows: np.ndarray, guard: _Guard) -> tuple[int, bool]:

@@ -37,6 +37,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,20 @@ from tieredkv.warm import meta as mt
 _OWN_CLAIMS: set[tuple[int, int]] = set()
 _OWN_CLAIMS_LOCK = threading.Lock()
 
+
+def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int]:
+    """Checksum ``rows[which]`` and hand ``rows[b:e]`` to ``sink``; returns the digests."""
+    sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in which.tolist()]
+    if sink is not None:
+        sink(b, rows[b:e])
+    return sums
+
+
+#: A verified read larger than this is split into groups of about this size: one group is hashed
+#: (and handed to the caller's sink) on a helper thread while the next one is read. Smaller reads
+#: stay one read on the caller's thread: on a busy host the hand-off costs more than it saves (see
+#: docs/benchmarks.md, the speed table).
+READ_GROUP_BYTES = 32 << 20
 
 SYNC_MODES = ("none", "data", "full")
 VERIFY_MODES = ("always", "sampled", "never")
@@ -175,6 +190,7 @@ class WarmTier(Tier):
         self._pending_n = 0
         self._view: policies.SlotState | None = None
         self._view_gen = 0
+        self._hasher: ThreadPoolExecutor | None = None
 
     def _open(self, capacity_bytes: int | None, slab_bytes: int) -> None:
         path = str(self.path)
@@ -387,13 +403,18 @@ class WarmTier(Tier):
             _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), False))
             return found
 
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+    def get_many(self, keys: ChunkKeys, out: np.ndarray, sink=None) -> int:
         """Copy the leading stored blocks into ``out`` and return how many were copied and verified.
 
         Args:
             keys: the blocks, in prompt order.
             out: a writable array with at least one row per key: ``(m, block_bytes)`` uint8 or the
                 spec's dtype shaped ``(m, *block_shape)``, ``m >= len(keys)``.
+            sink: ``sink(i, rows)`` is called with each group of rows (``(k, block_bytes)`` uint8,
+                blocks ``i .. i+k-1``) as soon as it is read, on a helper thread while the next group is
+                read, before the blocks are verified: use it to move bytes on (into a model layout, say)
+                without a second pass. As with ``out``, only the leading rows this call returns are
+                valid. An exception in ``sink`` is raised by ``get_many``.
 
         Returns:
             The length of the leading run returned. The run ends at the first block that is absent,
@@ -418,7 +439,7 @@ class WarmTier(Tier):
                 found[int(np.argmax(bad)):] = False
             run = int(found.sum())
             if run:
-                run = self._copy_checked(raw, keys, recs[:run], rows)
+                run = self._copy_checked(raw, keys, recs[:run], rows, sink)
             self._counts["hits"] += run
             self._counts["misses"] += n - run
             self._counts["bytes_out"] += run * self.block_bytes
@@ -426,11 +447,14 @@ class WarmTier(Tier):
                 self._note_hits(raw[:run * KEY_BYTES], recs["gen"][:run], recs["slot"][:run])
             return run
 
-    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray) -> int:
+    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray, sink=None) -> int:
         """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
         run = len(recs)
         slots = recs["slot"].astype(np.int64)
-        complete = self._slabs.read(slots, rows)
+        check = np.full(run, self.verify != "never")
+        if self.verify == "sampled":
+            check &= self._rng.random(run) < self.sample_rate
+        complete, sums = self._read_hashing(slots, rows, check, sink)
         # Re-check after the copy (see the module docstring): same slot and gen <=> bytes were stable.
         again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
         stable = found.copy()
@@ -438,18 +462,54 @@ class WarmTier(Tier):
         stable[:m] &= (again["slot"] == recs["slot"][:m]) & (again["gen"] == recs["gen"][:m])
         stable[m:] = False
         bad = stable & ~complete
-        if self.verify != "never":
-            check = stable & complete
-            if self.verify == "sampled":
-                check &= self._rng.random(run) < self.sample_rate
-            for i in np.flatnonzero(check):
-                if xxhash.xxh3_64_intdigest(rows[i]) != int(recs["checksum"][i]):
-                    bad[i] = True
+        bad |= stable & complete & check & (sums != recs["checksum"])
         end = np.flatnonzero(~stable | bad)
         good = int(end[0]) if len(end) else run
         if bad.any():
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))
         return good
+
+    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray,
+                      sink=None) -> tuple[np.ndarray, np.ndarray]:
+        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, hashing (and handing to
+        ``sink``) one group of blocks on a helper thread while the next group is read (xxhash, numpy
+        copies and preadv all release the GIL).
+
+        Returns:
+            ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
+        """
+        n = len(slots)
+        sums = np.zeros(n, dtype=np.uint64)
+        per_group = max(1, READ_GROUP_BYTES // self.block_bytes)
+        if n <= per_group or not (check.any() or sink is not None):
+            complete = self._slabs.read(slots, rows)
+            which = np.flatnonzero(check & complete)
+            sums[which] = _work(rows, which, sink, 0, n)
+            return complete, sums
+        complete = np.zeros(n, dtype=bool)
+        self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the groups, as for one read
+        hasher = self._hasher_pool()
+        pending = []
+        try:
+            for b in range(0, n, per_group):
+                e = min(n, b + per_group)
+                complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
+                todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
+                pending.append((todo, hasher.submit(_work, rows, todo, sink, b, e)))
+        finally:
+            # Wait for every task, even after an error: none may touch ``rows`` once we return.
+            outcomes = [(todo, fut, fut.exception()) for todo, fut in pending]
+        for todo, fut, exc in outcomes:
+            if exc is not None:
+                raise exc
+            sums[todo] = fut.result()
+        return complete, sums
+
+    def _hasher_pool(self) -> ThreadPoolExecutor:
+        """This process's hashing thread (threads do not survive fork: made lazily per process)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-warm-hash")
+        return self._hasher
 
     def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
         """Count bad blocks and remove their records (if still the same gen) so they are never served."""
@@ -1001,6 +1061,9 @@ class WarmTier(Tier):
                 self.flush()
             finally:
                 self._closed = True
+                if self._hasher is not None:
+                    self._hasher.shutdown(wait=True)
+                    self._hasher = None
                 self._index.close()
                 self._slabs.close()
 

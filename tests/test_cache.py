@@ -67,6 +67,27 @@ def test_store_lookup_load_roundtrip_hot_only(spec, make):
     assert stats["prefix_hit_rate"] == pytest.approx(20 / 44)
 
 
+def test_store_from_token_skips_the_restored_chunks(spec, make):
+    cache = make(warm=False)
+    tokens = prompt(4 * 5 + 2)
+    kv = kv_for(spec, tokens)
+    garbage = kv.copy()
+    garbage[:, :, :, :8] = 7  # positions before from_token are never read
+    assert cache.store(tokens, garbage, from_token=8) == 3
+    hot = cache.hot
+    from tieredkv.keys import chunk_keys
+    keys = chunk_keys(spec, tokens[:20])
+    assert hot.contains_many(keys).tolist() == [False, False, True, True, True]
+    assert cache.store(tokens, kv) == 2  # the first two, now from real bytes
+    out = np.zeros_like(kv)
+    assert cache.load(cache.lookup(tokens), out) == 20
+    assert same_bytes(out[:, :, :, :20], kv[:, :, :, :20])
+    assert cache.store(tokens, kv, from_token=400) == 0  # past the end: nothing to store
+    for bad in (-4, 3, 4.0, True, "8"):
+        with pytest.raises(InvalidInput, match="from_token"):
+            cache.store(tokens, kv, from_token=bad)
+
+
 def test_whole_prompt_hit_leaves_one_token(spec, make):
     cache = make(warm=False)
     tokens = prompt(16)

@@ -27,6 +27,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,9 @@ from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM, REMOTE = 0, 1, 2
+#: ``place(rows, at_token, from_hot)``: copy ``(k, block_bytes)`` uint8 rows of blocks into the load's
+#: destination at ``at_token``, in the model layout; ``from_hot``: the rows are hot-tier shared memory.
+Placer = Callable[[np.ndarray, int, bool], None]
 #: Payload buffers a write-behind cache keeps for reuse (one for the store in flight, one spare).
 _SPARE_BUFFERS = 2
 
@@ -195,7 +199,8 @@ class TieredCache:
         self._staging_lock = threading.Lock()
         self._warm_lock = threading.Lock()
         self._staging: np.ndarray | None = None
-        self._pinned = None
+        self._host_registry: Any = None   # tieredkv.cuda.HostRegistry, on the first load into CUDA
+        self._device_stage: Any = None    # kept device staging buffer of those loads
         self._warned = False
         self._warm_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._private_counters = counters.private()
@@ -282,7 +287,9 @@ class TieredCache:
 
         ``out``: numpy array or torch tensor shaped ``(layers, 2, kv_heads, >= hit.tokens, head_dim)``
         in the spec's dtype (bfloat16: a torch bfloat16 tensor, or numpy uint16). A CUDA tensor is
-        filled through pinned host memory. Blocks evicted since ``lookup`` truncate the result.
+        filled by DMA straight out of the hot segment (registered with CUDA on first use) and
+        re-laid out on the GPU (``tieredkv/cuda.py``). Blocks evicted since ``lookup`` truncate the
+        result.
         """
         if not isinstance(hit, PrefixHit):
             raise InvalidInput("load() takes the PrefixHit returned by lookup()")
@@ -290,13 +297,13 @@ class TieredCache:
             return 0
         started = time.perf_counter()
         on_device = _torch_or_none(out) is not None and out.device.type != "cpu"
-        with self._staging_lock if on_device else contextlib.nullcontext():  # one pinned buffer
+        with self._staging_lock if on_device else contextlib.nullcontext():  # one device staging buffer
             loaded = self._load(hit, out)
         self._observe("load", time.perf_counter() - started)
         return loaded
 
     def _load(self, hit: PrefixHit, out: Any) -> int:
-        target, finish = self._host_view(out, hit.tokens)
+        place, finish = self._placer(out, hit.tokens)
         C = self.spec.chunk_tokens
         loaded = 0  # leading blocks in place
         promote: list[tuple[ChunkKeys, np.ndarray, int]] = []
@@ -309,12 +316,12 @@ class TieredCache:
                 run = hit.keys[i:j]
                 tier = hit.where[i]
                 if tier == HOT:
-                    got = self._load_hot(run, target, i)
+                    got = self._load_hot(run, place, i)
                 elif tier == WARM:
-                    got = self._load_warm(run, target, i, staging[staged:staged + j - i], promote)
+                    got = self._load_warm(run, place, i, staging[staged:staged + j - i], promote)
                     staged += j - i
                 else:
-                    got = self._load_remote(run, target, i, promote)
+                    got = self._load_remote(run, place, i, promote)
                 loaded += got
                 if got < j - i:
                     break
@@ -329,24 +336,24 @@ class TieredCache:
         self._count(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
         return loaded * C
 
-    def _load_hot(self, keys: ChunkKeys, target: np.ndarray, first: int) -> int:
+    def _load_hot(self, keys: ChunkKeys, place: Placer, first: int) -> int:
         C = self.spec.chunk_tokens
 
         def sink(i: int, rows: np.ndarray) -> None:  # one copy per run of adjacent slots
-            blocks_to_model(self.spec, rows, target, (first + i) * C)
+            place(rows, (first + i) * C, True)
 
         got = self.hot.read_runs(keys, sink)
         self._count(hot_bytes_read=got * self.spec.block_bytes)
         return got
 
-    def _load_warm(self, keys: ChunkKeys, target: np.ndarray, first: int, staging: np.ndarray,
+    def _load_warm(self, keys: ChunkKeys, place: Placer, first: int, staging: np.ndarray,
                    promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
         """Read warm blocks into ``staging`` rows (checksummed there); each group read is copied into
-        ``target`` while the next one is read. The staged bytes are kept for promotion."""
+        place while the next one is read. The staged bytes are kept for promotion."""
         C = self.spec.chunk_tokens
 
         def sink(i: int, rows: np.ndarray) -> None:  # runs while the warm tier reads the next group
-            blocks_to_model(self.spec, rows, target, (first + i) * C)
+            place(rows, (first + i) * C, False)
 
         warm = self._warm_tier()
         corrupt_before = warm.corrupt_seen
@@ -394,10 +401,12 @@ class TieredCache:
             self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
 
     # ---- store ----------------------------------------------------------------------------------
-    def store(self, tokens: Any, kv: Any, salt: bytes = b"") -> int:
+    def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0) -> int:
         """Cache the full chunks among the first ``n_tokens`` tokens, ``n_tokens = kv.shape[3]``.
 
         Blocks already present in a tier (or being written by another process) are skipped.
+        ``from_token`` (a multiple of ``chunk_tokens``): chunks before it are not stored and ``kv``'s
+        positions before it are never read (the caller just restored them, e.g. into a GPU cache).
         Returns the number of blocks newly stored in the hot tier.
         """
         ids = as_tokens(tokens)
@@ -406,10 +415,14 @@ class TieredCache:
         if n_tokens > len(ids):
             raise InvalidInput(f"kv holds {n_tokens} tokens but only {len(ids)} token ids were given")
         C = self.spec.chunk_tokens
+        if isinstance(from_token, bool) or not isinstance(from_token, (int, np.integer)) or from_token < 0 \
+                or from_token % C:
+            raise InvalidInput(f"from_token must be a non-negative multiple of chunk_tokens={C}, got {from_token!r}")
         keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt)
         if not len(keys):
             return 0
-        todo = np.flatnonzero(~self.hot.contains_many(keys))
+        skip = min(int(from_token) // C, len(keys))
+        todo = skip + np.flatnonzero(~self.hot.contains_many(keys[skip:]))
         warm = self.warm
         if len(todo) and warm is not None and not self.demotion.at_store:
             in_warm = self._warm_call(lambda: warm.contains_many(keys.take(todo)),
@@ -622,13 +635,13 @@ class TieredCache:
             self._count(remote_misses=1)
         return new_run
 
-    def _load_remote(self, keys: ChunkKeys, target: np.ndarray, first: int,
+    def _load_remote(self, keys: ChunkKeys, place: Placer, first: int,
                      promote: list[tuple[ChunkKeys, np.ndarray, int]]) -> int:
         C = self.spec.chunk_tokens
         staging = np.empty((len(keys), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
         got = self._remote_call(lambda: self._rt().get_many(keys, staging), default=0)
         if got:  # one copy for the run
-            blocks_to_model(self.spec, staging[:got].reshape(got, -1).view(np.uint8), target, first * C)
+            place(staging[:got].reshape(got, -1).view(np.uint8), first * C, False)
         self._count(remote_bytes_read=got * self.spec.block_bytes)
         if got:
             promote.append((keys[:got], staging[:got], REMOTE))
@@ -694,10 +707,6 @@ class TieredCache:
             remote.close()
 
     # ---- tensors ----------------------------------------------------------------------------------
-    def _expected_shape(self, n_tokens: int) -> tuple[int, ...]:
-        s = self.spec
-        return (s.num_layers, 2, s.num_kv_heads, n_tokens, s.head_dim)
-
     def _check_array(self, arr: np.ndarray, what: str, min_tokens: int) -> None:
         s = self.spec
         if arr.ndim != 5 or arr.shape[:3] != (s.num_layers, 2, s.num_kv_heads) or arr.shape[4] != s.head_dim:
@@ -721,9 +730,10 @@ class TieredCache:
     def _torch_dtype_ok(self, t) -> bool:
         return str(t.dtype).removeprefix("torch.") == self.spec.dtype
 
-    def _host_view(self, out: Any, min_tokens: int):
-        """A writable numpy view of ``out`` (or of a pinned staging buffer) and a ``finish(n)`` to
-        call once ``n`` tokens are in place."""
+    def _placer(self, out: Any, min_tokens: int) -> tuple[Placer, Callable[[int], None]]:
+        """``place(rows, at_token, from_hot)``, which copies ``(k, block_bytes)`` rows of blocks into
+        ``out`` at ``at_token`` in the model layout, and ``finish(n)`` to call once ``n`` tokens are in
+        place. Checks ``out`` first."""
         if isinstance(out, np.ndarray):
             if out.dtype != self.spec.numpy_dtype:
                 raise InvalidPayload(f"out dtype {out.dtype} != the spec's {self.spec.dtype} "
@@ -732,7 +742,7 @@ class TieredCache:
                 raise InvalidPayload("out is read-only")
             self._check_array(out, "out", min_tokens)
             self._check_no_overlap(out)
-            return out, lambda n: None
+            return self._host_placer(out), lambda n: None
         torch = _torch_or_none(out)
         if torch is None:
             raise InvalidPayload(f"out must be a numpy array or a torch tensor, got {type(out).__name__}")
@@ -745,25 +755,34 @@ class TieredCache:
                                  "without requires_grad (or pass out.detach(), which shares its memory)")
         self._check_no_overlap(out)
         if out.device.type == "cpu":
-            return _numpy_of(out, self.spec.numpy_dtype), lambda n: None
-        # An accelerator tensor: fill pinned host memory, then one asynchronous copy per call. The
-        # pinned buffer is kept and reused (pinning costs milliseconds); it grows to the largest hit.
-        staging = self._pinned_staging(torch, out.dtype, min_tokens)
-        host = _numpy_of(staging, self.spec.numpy_dtype)
+            return self._host_placer(_numpy_of(out, self.spec.numpy_dtype)), lambda n: None
+        # A CUDA tensor: hot rows are DMA'd straight out of the segment (registered once), other rows
+        # through the driver; the re-layout runs on the GPU into a kept device staging buffer.
+        from tieredkv import cuda
+
+        if self._host_registry is None:
+            self._host_registry = cuda.HostRegistry()
+        registry = self._host_registry
+        device = cuda.DeviceRestore(self.spec, out, self._device_stage)
+
+        def place(rows: np.ndarray, at_token: int, from_hot: bool) -> None:
+            if from_hot:
+                registry.register(rows)
+            device.place(rows, at_token)
 
         def finish(n: int) -> None:
-            if n:
-                out[:, :, :, :n, :].copy_(staging[:, :, :, :n, :], non_blocking=True)
-                torch.cuda.current_stream(out.device).synchronize()  # staging must outlive the copy
+            device.finish()
+            self._device_stage = device.stage
 
-        return host, finish
+        return place, finish
 
-    def _pinned_staging(self, torch, dtype, n_tokens: int):
-        buf = self._pinned
-        if buf is None or buf.dtype != dtype or buf.shape[3] < n_tokens:
-            buf = torch.empty(self._expected_shape(n_tokens), dtype=dtype, pin_memory=True)
-            self._pinned = buf
-        return buf[:, :, :, :n_tokens]
+    def _host_placer(self, target: np.ndarray) -> Placer:
+        spec = self.spec
+
+        def place(rows: np.ndarray, at_token: int, from_hot: bool) -> None:
+            blocks_to_model(spec, rows, target, at_token)
+
+        return place
 
     def _host_source(self, kv: Any) -> np.ndarray:
         if isinstance(kv, np.ndarray):
@@ -846,6 +865,9 @@ class TieredCache:
             writer.close(self._flush_s)
             if writer.dropped_blocks > before and self.hot is not None:
                 self._count(warm_dropped_blocks=writer.dropped_blocks - before)
+        if getattr(self, "_host_registry", None) is not None:
+            self._host_registry.unregister_all()  # before the segment it pins is unmapped
+        self._device_stage = None
         for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()

@@ -9,8 +9,20 @@ sieve, s3fifo, arc, prefix_aware (wraps any of them), cost_aware. Tier movement 
 """
 
 from . import arc, clock, cost_aware, demotion, fifo, lfu, lru, prefix_aware, promotion, s3fifo, sieve  # noqa: F401  (register)
-from .base import EvictionPolicy, UnknownPolicy, evict, hit, insert, make, names, register, remove
+from .base import (
+    ENTRY_POINT_GROUP,
+    EvictionPolicy,
+    UnknownPolicy,
+    evict,
+    hit,
+    import_policy,
+    insert,
+    make,
+    names,
+    register,
+    remove,
+)
 from .state import SlotState, StateLayout
 
-__all__ = ["EvictionPolicy", "SlotState", "StateLayout", "UnknownPolicy", "demotion", "evict", "hit",
-           "insert", "make", "names", "promotion", "register", "remove"]
+__all__ = ["ENTRY_POINT_GROUP", "EvictionPolicy", "SlotState", "StateLayout", "UnknownPolicy", "demotion", "evict",
+           "hit", "import_policy", "insert", "make", "names", "promotion", "register", "remove"]

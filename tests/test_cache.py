@@ -96,7 +96,7 @@ def test_store_takes_only_the_first_n_tokens_of_kv(spec, make):
 
 
 def test_demotion_on_evict_and_promotion_on_load(spec, make):
-    cache = make(hot_slots=4)
+    cache = make(hot_slots=4, demotion="on_evict")
     a, b = prompt(17, 1), prompt(17, 2)
     kv_a, kv_b = kv_for(spec, a), kv_for(spec, b)
     cache.store(a, kv_a)
@@ -147,6 +147,7 @@ def test_salt_isolates_tenants_in_every_tier(spec, make):
     tokens = prompt(17)
     cache.store(tokens, kv_for(spec, tokens, b"alice"), salt=b"alice")
     cache.store(prompt(17, 9), kv_for(spec, prompt(17, 9)))  # pushes alice's blocks to warm
+    assert cache.flush()                                     # (written behind: wait for it)
     assert cache.lookup(tokens, salt=b"alice").tokens == 16
     assert cache.lookup(tokens, salt=b"bob").tokens == 0
     assert cache.lookup(tokens).tokens == 0
@@ -186,6 +187,7 @@ def test_promotion_never_and_nth(spec, make):
     a = prompt(9, 1)
     cache.store(a, kv_for(spec, a))
     cache.store(prompt(17, 2), kv_for(spec, prompt(17, 2)))
+    assert cache.flush()                         # a's blocks, written behind, are in warm
     out = np.zeros((2, 2, 2, 9, 8), np.float16)
     cache.load(cache.lookup(a), out)
     assert cache.lookup(a).warm_blocks == 2      # first warm hit: not promoted yet
@@ -282,6 +284,7 @@ def test_store_larger_than_hot_sends_the_rest_to_warm(spec, make):
     tokens = prompt(33)
     kv = kv_for(spec, tokens)
     assert cache.store(tokens, kv) == 4          # 4 fit in hot...
+    assert cache.flush()
     hit = cache.lookup(tokens)
     assert (hit.hot_blocks, hit.warm_blocks) == (4, 4)  # ...the other 4 went straight to warm
     out = np.zeros_like(kv)
@@ -296,6 +299,7 @@ def test_promotion_never_evicts_the_hit_being_loaded(spec, make):
     tokens = prompt(33)
     kv = kv_for(spec, tokens)
     cache.store(tokens, kv)                      # blocks 0-3 hot, 4-7 warm
+    assert cache.flush()
     keys = cache.lookup(tokens).keys
     front = cache.hot.evict(4)                   # 0-3 -> warm
     cache.warm.put_many(front.keys, front.payloads)
@@ -332,6 +336,7 @@ def test_warm_read_errors_degrade_to_a_miss(spec, make, monkeypatch):
     kv = kv_for(spec, tokens)
     cache.store(tokens, kv)
     cache.store(prompt(17, 5), kv_for(spec, prompt(17, 5)))  # tokens' blocks now live in warm
+    assert cache.flush()
     hit = cache.lookup(tokens)
     assert hit.warm_blocks == 4
 
@@ -354,6 +359,7 @@ def test_corrupt_warm_blocks_are_counted_per_host_and_never_served(spec, make):
     kv = kv_for(spec, tokens)
     cache.store(tokens, kv)
     cache.store(prompt(17, 5), kv_for(spec, prompt(17, 5)))  # tokens' 4 blocks now live in warm
+    assert cache.flush()
     hit = cache.lookup(tokens)
     assert hit.warm_blocks == 4
     # Damage the second block's bytes on disk, where the warm tier keeps it.

@@ -88,7 +88,8 @@ def test_demotion_failing_does_not_stop_eviction(seg_name, tmp_path, monkeypatch
     from tieredkv import policies
 
     hot_bytes = seg.Layout.compute(SPEC, 8, policies.StateLayout.for_policy(policies.make("lru"), 8).nbytes).total_bytes
-    with TieredCache(SPEC, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=tmp_path / "warm", warm_bytes=MiB) as c:
+    with TieredCache(SPEC, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=tmp_path / "warm", warm_bytes=MiB,
+                     demotion="on_evict") as c:  # demotion on the request path (write-behind: test_restart.py)
         monkeypatch.setattr(os, "pwritev", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
         with pytest.warns(RuntimeWarning, match="warm tier failed"):
             for s in range(5):

@@ -186,6 +186,7 @@ def _host_a(spec, url, tokens, seg, warm_dir, done):
         posix_ipc.unlink_shared_memory(seg)
 
 
+@pytest.mark.procs
 def test_two_hosts_share_one_store_bit_exact(spec, store_url, host, tmp_path):
     tokens = prompt(64 + 3, seed=7)  # 16 full chunks, 16 usable for a hit of 67 tokens
     done = SPAWN.Queue()
@@ -314,6 +315,7 @@ def test_valkey_killed_mid_run_then_restarted(spec, host):
         server.stop()
 
 
+@pytest.mark.procs  # kills and restarts the store's server process
 def test_mooncake_master_killed_mid_run_then_restarted(spec, host):
     why = _mooncake_missing()
     if why:
@@ -488,10 +490,11 @@ def test_prometheus_exposes_the_remote_counters(spec, valkey_server, host):
 def test_remote_write_on_evict_sends_what_leaves_the_warm_tier(spec, valkey_server, host, tmp_path):
     from tieredkv.warm.slabs import slot_bytes_for
 
-    # 4 hot slots and 8 warm slots: 16 blocks stored push the oldest 4 out of the host.
+    # 4 hot slots and 8 warm slots: 16 blocks stored push the oldest 4 out of the host (blocks reach
+    # warm when hot evicts them: demotion="on_evict", so the count is exact).
     cache = TieredCache(spec, hot_blocks=4, hot_name=_seg(), warm_dir=tmp_path / "warm",
                         warm_bytes=8 * slot_bytes_for(spec.block_bytes), remote=generous(valkey_server.url),
-                        remote_write="on_evict")
+                        remote_write="on_evict", demotion="on_evict")
     try:
         prompts = [prompt(17, seed=200 + i) for i in range(4)]
         for p in prompts:

@@ -4,7 +4,8 @@
 lookup(tokens) --keys--> hot.contains_many --(misses)--> warm.contains_many --> PrefixHit
 load(hit, out)  : hot blocks copied straight from shared memory into ``out`` (one copy, pinned);
                   warm blocks read into a kept staging buffer, copied into ``out``, promoted from there
-store(tokens,kv): new full chunks -> hot (evictions demoted to warm) [+ warm if write-through]
+store(tokens,kv): new full chunks -> hot (evictions demoted to warm)
+                  [+ warm: write-behind (default, background thread) or write-through (before returning)]
 remote (optional): lookup asks it for the run after the local hit (one call, with a deadline); load
                   promotes its blocks into hot; store queues blocks for it on a background writer
 ```
@@ -16,13 +17,16 @@ truncates the load, it never corrupts it.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -51,6 +55,8 @@ from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier
 
 HOT, WARM, REMOTE = 0, 1, 2
+#: Payload buffers a write-behind cache keeps for reuse (one for the store in flight, one spare).
+_SPARE_BUFFERS = 2
 
 #: Failures of the warm tier's state (damaged or unreachable files, a stuck writer, a disk too full to
 #: create it) after which a TieredCache starts hot-only instead of not at all.
@@ -98,6 +104,16 @@ class PrefixHit:
 class TieredCache:
     """A hot (shared memory) tier in front of an optional warm (SSD) tier, for one KV spec.
 
+    Restart-safe by default: with a ``warm_dir``, every block ``store`` puts in the hot tier is also
+    written to the warm tier by a background thread (``demotion="write_behind"``), so ``store`` returns
+    as soon as the block is in shared memory and a new process finds the prefix in warm after a
+    reboot removed the segment. ``close()`` (or leaving the ``with`` block, or a normal interpreter
+    exit) waits up to ``warm_flush_s`` for the queued writes; a process killed with SIGKILL loses at most
+    what was queued (at most ``warm_queue_bytes``). A full queue drops the warm write, counted in
+    ``stats()["warm_dropped_blocks"]``. ``demotion="write_through"`` makes the warm write before ``store``
+    returns; ``"on_evict"`` writes a block only when the hot tier evicts it (it does not survive a
+    reboot until then).
+
     Args:
         spec: the model's KV geometry and namespace.
         hot_bytes: size of the shared-memory segment to create, metadata included (attaching processes
@@ -107,7 +123,9 @@ class TieredCache:
         warm_bytes: warm tier capacity (required with ``warm_dir``).
         eviction: eviction policy name for both tiers (see ``tieredkv.policies.names()``).
         promotion: ``"always"``, ``"on_nth_hit:N"`` or ``"never"`` (warm -> hot on load).
-        demotion: ``"on_evict"``, ``"write_through"`` or ``"on_nth_hit:N"`` (hot -> warm).
+        demotion: when a block reaches warm: ``"write_behind"`` (default: at store, on a background
+            thread), ``"write_through"`` (at store, before returning), ``"on_evict"`` or
+            ``"on_nth_hit:N"`` (when the hot tier evicts it).
         hot_name: segment name (default derived from the spec).
         warm_sync: the warm tier's durability, ``"none" | "data" | "full"``.
         warm_verify: checksum verification on warm reads, ``"always" | "sampled" | "never"``. Only
@@ -116,6 +134,9 @@ class TieredCache:
         numa_node: one hot segment per NUMA node (see docs/tuning.md).
         lock_timeout_s: longest wait for a lock held by another live process (the hot tier's metadata
             lock, the warm tier's writer lock) before ``LockTimeout``.
+        warm_queue_bytes: with write-behind, the most block bytes queued for the warm tier (the
+            queue holds copies); at least one block is always allowed.
+        warm_flush_s: with write-behind, how long ``close()`` waits for the queued warm writes.
         remote: a store shared by the fleet: a URL (``"valkey://host:port"``, ``"mooncake://host:port"``,
             options in the query string, see ``RemoteTier``) or a ``RemoteTier``. The cache closes it.
         remote_write: which blocks go to the remote tier: ``"write_through"`` (every stored block),
@@ -134,12 +155,12 @@ class TieredCache:
     """
 
     def __init__(self, spec: KVSpec, hot_bytes: int | None = None, warm_dir=None, warm_bytes: int | None = None,
-                 eviction: str = "lru", promotion: str = "always", demotion: str = "on_evict", *,
+                 eviction: str = "lru", promotion: str = "always", demotion: str = "write_behind", *,
                  hot_blocks: int | None = None, hot_name: str | None = None, warm_sync: str = "none",
                  warm_verify: str = "always",
-                 numa_node: int | None = None, lock_timeout_s: float = 10.0, remote=None,
-                 remote_write: str = "write_through", remote_queue_blocks: int = 256,
-                 remote_flush_s: float = 5.0):
+                 numa_node: int | None = None, lock_timeout_s: float = 10.0, warm_queue_bytes: int = 256 << 20,
+                 warm_flush_s: float = 10.0, remote=None, remote_write: str = "write_through",
+                 remote_queue_blocks: int = 256, remote_flush_s: float = 5.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -162,6 +183,14 @@ class TieredCache:
             raise InvalidInput(f"warm_dir must be a non-empty path (str or os.PathLike) or None, got {warm_dir!r}")
         if warm_dir is not None and not warm_bytes:
             raise InvalidInput("warm_bytes is required with warm_dir (e.g. warm_bytes=64 << 30)")
+        if isinstance(warm_queue_bytes, bool) or not isinstance(warm_queue_bytes, int) or warm_queue_bytes < 0:
+            raise InvalidInput(f"warm_queue_bytes must be an int >= 0 (bytes), got {warm_queue_bytes!r}")
+        if isinstance(warm_flush_s, bool) or not isinstance(warm_flush_s, (int, float)) or not warm_flush_s >= 0:
+            raise InvalidInput(f"warm_flush_s must be a number of seconds >= 0, got {warm_flush_s!r}")
+        self._flush_s = float(warm_flush_s)
+        self._writer: BackgroundWriter | None = None
+        self._spare: list[np.ndarray] = []       # write-behind payload buffers, back from their jobs
+        self._spare_lock = threading.Lock()
         self._lock = threading.Lock()
         self._staging_lock = threading.Lock()
         self._warm_lock = threading.Lock()
@@ -197,12 +226,23 @@ class TieredCache:
                     warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,
-                               on_evict=self._demote if self.warm is not None or self._remote_on_evict else None)
+                               # Rules that write to warm at store time have every block there already:
+                               # no hook for them, so the hot tier does not copy out what it evicts. Without
+                               # a warm tier, blocks leaving hot leave the host (the remote on_evict rules).
+                               on_evict=self._demote if ((self.warm is not None and not self.demotion.at_store)
+                                                         or (self.warm is None and self._remote_on_evict))
+                               else None)
             if warm_failed:
                 self._count(warm_errors=1)
         except BaseException:
             self.close()
             raise
+        if self.warm is not None and self.demotion.at_store and self.demotion.background:
+            self._writer = BackgroundWriter(f"tieredkv-warm-writer-{self.hot.name}",
+                                            max_blocks=max(warm_queue_bytes // spec.block_bytes, 1),
+                                            on_error=self._write_behind_failed)
+            # A process that exits normally without close() still gets its queue written.
+            atexit.register(_flush_at_exit, weakref.ref(self))
 
     # ---- lookup ---------------------------------------------------------------------------------
     def lookup(self, tokens: Any, salt: bytes = b"") -> PrefixHit:
@@ -378,7 +418,7 @@ class TieredCache:
         if not len(todo):
             return 0
         new = keys.take(todo)
-        payloads = np.empty((len(todo), *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+        payloads = self._payload_rows(len(todo))
         # One gather per run of consecutive new chunks (all of them, for a fresh prompt).
         edges = np.flatnonzero(np.diff(todo) != 1) + 1
         for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(todo)]):
@@ -394,14 +434,92 @@ class TieredCache:
                 to_warm = np.flatnonzero(codes == PutResult.NO_SPACE)
         if to_warm is not None:
             wkeys, wpayloads = (new, payloads) if len(to_warm) == len(new) else (new.take(to_warm), payloads[to_warm])
-            wcodes = self._warm_call(lambda: self._warm_tier().put_many(wkeys, wpayloads), default=None)
-            if wcodes is not None:
-                n = int(np.count_nonzero(wcodes == PutResult.STORED))
-                self._count(warm_bytes_written=n * self.spec.block_bytes)
+            if self._writer is not None and self.demotion.at_store:
+                # ``payloads`` is this call's own copy (never the caller's kv, which it may reuse):
+                # the queued job keeps it until the write is done, then hands it back for reuse,
+                # unless the remote writer holds it too (it may still be reading it then).
+                shared = self.remote is not None and self.remote_write.at_store
+                self._write_behind(wkeys, wpayloads, None if shared else payloads)
+            else:
+                self._write_warm(wkeys, wpayloads)
         if self.remote is not None and self.remote_write.at_store:
             self._remote_send(new, payloads)
         self._count(stored_blocks=stored, hot_bytes_written=stored * self.spec.block_bytes)
         return stored
+
+    def _payload_rows(self, n: int) -> np.ndarray:
+        """``n`` rows of block payloads for ``store`` to copy into.
+
+        With write-behind a buffer travels with its job and comes back when the warm write is done;
+        handing it to the next ``store`` spares that request the page faults of fresh memory (with
+        the buffer kept by the job, the allocator cannot reuse its pages: a fresh allocation per store
+        made it several times slower, benchmarks/store_latency.py). At most ``_SPARE_BUFFERS`` are
+        kept per process.
+        """
+        if self._writer is not None:
+            with self._spare_lock:
+                fits = [i for i, buf in enumerate(self._spare) if len(buf) >= n]
+                if fits:
+                    best = min(fits, key=lambda i: len(self._spare[i]))
+                    return self._spare.pop(best)[:n]
+        return np.empty((n, *self.spec.block_shape), dtype=self.spec.numpy_dtype)
+
+    def _give_back(self, rows: np.ndarray) -> None:
+        """Keep the buffer behind ``rows`` for a later ``store`` (see ``_payload_rows``)."""
+        base = rows if rows.base is None else rows.base
+        if not isinstance(base, np.ndarray) or base.dtype != self.spec.numpy_dtype:
+            return
+        with self._spare_lock:
+            if len(self._spare) < _SPARE_BUFFERS:
+                self._spare.append(base)
+
+    def _write_warm(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
+        codes = self._warm_call(lambda: self._warm_tier().put_many(keys, payloads), default=None)
+        if codes is not None:
+            n = int(np.count_nonzero(codes == PutResult.STORED))
+            self._count(warm_bytes_written=n * self.spec.block_bytes)
+
+    def _write_behind(self, keys: ChunkKeys, payloads: np.ndarray, buffer: np.ndarray | None) -> None:
+        """Queue the warm write of ``keys`` in jobs of at most the queue's bound (a store larger than
+        the whole queue is written in part rather than not at all). ``buffer`` holds ``payloads`` and
+        is handed back for reuse once nothing refers to it (``None``: someone else may still use it;
+        a store split into several jobs: never)."""
+        writer = self._writer
+        if writer is None:
+            raise InvalidInput("this TieredCache does not write behind (demotion is not 'write_behind')")
+        step = writer.max_blocks
+        whole = buffer is not None and len(keys) <= step
+
+        def job(k: ChunkKeys, p: np.ndarray) -> None:
+            try:
+                self._write_warm(k, p)
+            finally:
+                if whole and buffer is not None:
+                    self._give_back(buffer)
+
+        for i in range(0, len(keys), step):
+            k, p = keys[i:i + step], payloads[i:i + step]
+            if writer.submit(functools.partial(job, k, p), blocks=len(k)):
+                self._count(warm_queued_blocks=len(k))
+            else:
+                self._count(warm_dropped_blocks=len(k))
+                if whole and buffer is not None:
+                    self._give_back(buffer)
+
+    def _write_behind_failed(self, error: BaseException) -> None:
+        # _write_warm already turns tier errors into counted misses; anything else is a bug that must
+        # not kill the writer thread silently.
+        self._count(warm_errors=1)
+        warnings.warn(f"tieredkv: a background warm write failed: {error!r}", RuntimeWarning, stacklevel=2)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the queued warm writes are done (at most ``timeout_s``, default ``warm_flush_s``).
+
+        Returns whether the queue is empty (always True without write-behind).
+        """
+        if self._writer is None:
+            return True
+        return self._writer.flush(self._flush_s if timeout_s is None else timeout_s)
 
     def _demote(self, evicted: Evicted) -> None:
         """The hot tier's on_evict hook: write evicted blocks to warm per the demotion rule."""
@@ -691,13 +809,16 @@ class TieredCache:
 
     def stats(self) -> dict:
         """Per-host counters of every process using this cache (they live in the hot segment), the
-        prefix hit rate (hit tokens / prompt tokens) and each tier's ``TierStats``."""
+        prefix hit rate (hit tokens / prompt tokens), each tier's ``TierStats``, and
+        ``warm_queue_blocks``: blocks this process has queued for the warm tier and not written yet
+        (``warm_queued_blocks`` / ``warm_dropped_blocks`` are the per-host totals)."""
         if getattr(self, "hot", None) is None:
             raise InvalidInput("this TieredCache is closed")
         doc = self._counters().totals()
         doc["prefix_hit_rate"] = counters.prefix_hit_rate(doc)
         doc["hot"] = self.hot.stats().to_dict()
         doc["warm"] = self.warm.stats().to_dict() if self.warm is not None else None
+        doc["warm_queue_blocks"] = self._writer.pending_blocks if self._writer is not None else 0
         doc["remote"] = self._remote_stats()
         return doc
 
@@ -715,9 +836,16 @@ class TieredCache:
     def close(self) -> None:
         """Close every tier (idempotent). Shared state stays for other processes and restarts.
 
-        Remote writes still queued are flushed first, for at most ``remote_flush_s``; what is left
-        then is dropped and counted."""
+        Writes still queued are flushed first: the remote tier's for at most ``remote_flush_s``, the
+        warm tier's (write-behind) for at most ``warm_flush_s``; what is left then is dropped and
+        counted."""
         self._close_remote()
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            before = writer.dropped_blocks
+            writer.close(self._flush_s)
+            if writer.dropped_blocks > before and self.hot is not None:
+                self._count(warm_dropped_blocks=writer.dropped_blocks - before)
         for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()
@@ -732,6 +860,12 @@ class TieredCache:
     def __repr__(self) -> str:
         warm = "" if self.warm is None else f", warm={self.warm!r}"
         return f"TieredCache({self.spec.namespace}, hot={getattr(self, 'hot', None)!r}{warm})"
+
+
+def _flush_at_exit(ref: weakref.ref[TieredCache]) -> None:
+    cache = ref()
+    if cache is not None and cache._writer is not None:
+        cache.flush()
 
 
 def _torch_or_none(obj: Any):

@@ -68,6 +68,10 @@ def _spec_from_args(args: argparse.Namespace) -> KVSpec:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from tieredkv.estimate import estimate
 
+    for flag in ("prefix_tokens", "prompt_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
     try:
         spec = _spec_from_args(args)
         doc = estimate(spec, prompt_tokens=args.prompt_tokens or args.prefix_tokens,
@@ -89,8 +93,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                 ["KV in total, prefix shared", human(doc["kv_total_shared_bytes"])]]
         if "prefill_saved_ms_per_request" in doc:
             rows.append(["prefill saved per request", f"{doc['prefill_saved_ms_per_request']:.1f} ms"])
-        return f"{spec.model_id}: {spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x " \
-               f"{spec.head_dim} x {spec.dtype_bytes} B\n" + _table(rows, ["", "size"])
+        rows += [["set hot_bytes (TieredCache)", human(doc["hot_bytes"])],
+                 ["set /dev/shm size (2 x hot_bytes)", human(doc["shm_size_bytes"])]]
+        return (f"{spec.model_id}: {spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x "
+                f"{spec.head_dim} x {spec.dtype_bytes} B\n" + _table(rows, ["", "size"]) +
+                f"\n\nTieredCache(spec, hot_bytes={doc['hot_bytes']})   # {doc['hot_blocks']:,} blocks: the prefix "
+                f"once + each concurrent request's own chunks\n"
+                f"docker run --shm-size={doc['shm_size_bytes'] >> 20}m ...   # or a Kubernetes emptyDir "
+                f"(medium: Memory) of sizeLimit {doc['shm_size_bytes'] >> 20}Mi; see docs/deploy.md")
 
     _emit(args, doc, text)
     return 0
@@ -109,6 +119,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from tieredkv import numa
     from tieredkv.hot import admin
 
+    if args.warm_dir and not os.path.isdir(args.warm_dir):
+        raise UsageError(f"--warm-dir {args.warm_dir}: " + ("not a directory; give the warm tiers' root directory"
+                                                            if os.path.exists(args.warm_dir) else "does not exist"))
     segments = _matching(admin.list_segments(), args.match)
     warm = []
     if args.warm_dir:
@@ -128,7 +141,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                  d.get("huge_pages", "-"), d["reason"] or ""] for d in segments]
         out = f"hot tier segments ({where}, huge pages: {huge}):\n" + (
             _table(rows, ["segment", "model", "size", "used/slots", "hits", "misses", "prefix hit", "handles",
-                          "huge", "note"]) if rows else "  none")
+                          "huge", "note"]) + "\n" + _LS_LEGEND if rows else "  none")
         if args.warm_dir:
             wrows = [[w.get("path"), w.get("model") or "-", human(w.get("size_bytes") or 0),
                       f"{w.get('blocks', 0)}/{w.get('capacity_blocks', 0)}", w.get("error") or ""] for w in warm]
@@ -146,6 +159,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         doc["remote"] = remote
     _emit(args, doc, text)
     return 0
+
+
+#: What the columns of ``tieredkv ls`` count (printed under the table).
+_LS_LEGEND = ("  hits / misses: blocks the hot tier delivered / could not deliver to loads, over the segment's "
+              "life;\n  prefix hit: prompt tokens served from cache / prompt tokens looked up; handles: "
+              "processes that have it open")
 
 
 def _remote_namespaces(url: str) -> dict:
@@ -176,14 +195,29 @@ def _remote_text(doc: dict) -> str:
 
 
 def _pick_segment(name: str | None) -> str:
+    """The segment ``stats`` should show: ``name`` exactly, else the one segment whose name starts with
+    ``name`` (``/`` and ``tieredkv-`` optional) or whose model id is ``name``; no name: the only one."""
     from tieredkv.hot import segment as seg
 
-    if name:
-        return seg.check_name(name)
     names = seg.list_segment_names(published_only=True)
-    if len(names) != 1:
-        raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
-    return names[0]
+    if not name:
+        if len(names) != 1:
+            raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
+        return names[0]
+    bare = name.lstrip("/")
+    if "/" + bare in names or os.path.exists(seg.SHM_DIR / bare):
+        return seg.check_name(name)
+    found = [n for n in names if n[1:].startswith(bare) or n[1:].startswith(seg.PREFIX + bare)]
+    if not found:
+        from tieredkv.hot import admin
+
+        found = [n for n in names if admin.inspect(n).get("model_id") == name]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise UsageError(f"{name!r} matches {len(found)} segments ({', '.join(found)}); give more of the name")
+    raise TieredKVError(f"no segment named {name!r}, starting with it, or caching model {name!r}; "
+                     f"segments (`tieredkv ls` describes them): {', '.join(names) or 'none'}")
 
 
 def _quantile_bound(hist: list[int], q: float) -> float | None:
@@ -249,7 +283,9 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
               f"  bytes: hot read {human(c['hot_bytes_read'])}, warm read {human(c['warm_bytes_read'])}, "
               f"hot written {human(c['hot_bytes_written'])}, warm written {human(c['warm_bytes_written'])}",
               f"  recoveries {k['recoveries']} (scrubs {doc['scrubs']}), reclaimed slots {k['reclaimed']}, "
-              f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}"]
+              f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}",
+              f"  write-behind to warm: {c['warm_queued_blocks']:,} blocks queued, "
+              f"{c['warm_dropped_blocks']:,} dropped (queue full)"]
     if any(c.get(f, 0) for f in ("remote_hit_tokens", "remote_misses", "remote_errors", "remote_drops",
                                  "remote_bytes_written")):
         lines.append(f"  remote: hit tokens {c['remote_hit_tokens']:,}, misses {c['remote_misses']:,}, errors "
@@ -264,6 +300,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     if args.count is not None and args.count < 1:
         raise UsageError("--count must be >= 1")
+    if args.watch is not None and not args.watch > 0:
+        raise UsageError(f"--watch SECONDS must be > 0, got {args.watch:g}")
+    if args.prometheus is not None and not 0 <= args.prometheus <= 65535:
+        raise UsageError(f"--prometheus PORT must be in 0..65535 (0: any free port), got {args.prometheus}")
+    if args.warm_dir and not os.path.isdir(args.warm_dir):
+        raise UsageError(f"--warm-dir {args.warm_dir}: not a directory")
     if args.remote:
         if args.name or args.watch or args.prometheus is not None:
             raise UsageError("--remote shows the store's own numbers; give it without a NAME, --watch or --prometheus")
@@ -273,8 +315,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.prometheus is not None:
         from tieredkv import metrics
 
-        server = metrics.serve_metrics(args.prometheus, [args.name] if args.name else None,
-                                       warm_dir=args.warm_dir, addr=args.addr)
+        names = [_pick_segment(args.name)] if args.name else None
+        server = metrics.serve_metrics(args.prometheus, names, warm_dir=args.warm_dir, addr=args.addr)
         host = args.addr if args.addr != "0.0.0.0" else "localhost"
         print(f"serving Prometheus metrics on http://{host}:{server.server_port}/metrics "
               f"({args.name or 'every segment'}); Ctrl-C stops", flush=True)
@@ -633,18 +675,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written before any work is done."""
+    if not path or path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {p / 'out.json'}")
+    if not p.parent.is_dir():
+        raise UsageError(f"{flag} {path}: the directory {p.parent} does not exist; create it first")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tieredkv`` command with ``argv`` (default: ``sys.argv[1:]``). Returns the exit status."""
     args = build_parser().parse_args(argv)
     if getattr(args, "rest", None) and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]
     try:
+        _check_output("--json", getattr(args, "json", None))
+        _check_output("--plot", getattr(args, "plot", None))
         return args.func(args) or 0
     except UsageError as e:
         print(f"tieredkv {args.command}: {e}", file=sys.stderr)
         return 2
     except TieredKVError as e:  # the command could not do its job (a missing or damaged segment...)
         print(f"tieredkv {args.command}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the system refused (a file that cannot be written, a full disk...)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"tieredkv {args.command}: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -4,6 +4,9 @@ Running out of room is a result (``PutResult.NO_SPACE``), never an exception. Ev
 "the call was wrong" or "the state is not what it must be"; each message says how to fix the call.
 """
 
+import math
+import numbers
+
 
 class TieredKVError(Exception):
     """Base class of every error tieredkv raises on purpose."""
@@ -61,8 +64,6 @@ def require_positive_int(name: str, value: object, example: str = "") -> int:
     Bools and strings are refused even though Python would convert some of them: ``"8M"`` or
     ``True`` as a size is always a caller's mistake.
     """
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         hint = f" (e.g. {name}={example})" if example else ""
         raise InvalidInput(f"{name} must be a positive integer{hint}, got {value!r}")
@@ -71,9 +72,6 @@ def require_positive_int(name: str, value: object, example: str = "") -> int:
 
 def require_positive_seconds(name: str, value: object) -> float:
     """Return ``value`` as a finite, positive float of seconds, or raise ``InvalidInput`` naming ``name``."""
-    import math
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise InvalidInput(f"{name} must be a positive, finite number of seconds (e.g. {name}=10.0), got {value!r}")
     return float(value)

@@ -18,14 +18,16 @@ The first number to look at is the prefix hit rate, the share of prompt tokens s
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import InvalidInput, TieredKVError
 
 __all__ = ["SegmentCollector", "serve_metrics", "render", "MissingDependency"]
 
@@ -151,6 +153,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
              "(evicted meanwhile, or corrupt and dropped)", labels=L)
     corrupt = C("tieredkv_corrupt_blocks", "warm blocks whose checksum failed on a load (dropped, never "
                 "served)", labels=L)
+    behind = C("tieredkv_warm_write_behind_blocks", "blocks handed to the background warm writer: queued, or "
+               "dropped because its queue was full", labels=L + ["outcome"])
     warm_err = C("tieredkv_warm_errors", "warm-tier calls that failed (the cache went on without it)", labels=L)
     remote_err = C("tieredkv_remote_errors", "remote-store calls that failed, timed out or were skipped while "
                    "the store was marked down (each a miss)", labels=L)
@@ -196,6 +200,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
         lost.add_metric(lv, c["lost_blocks"])
         corrupt.add_metric(lv, c["corrupt_blocks"])
         warm_err.add_metric(lv, c["warm_errors"])
+        behind.add_metric(lv + ["queued"], c["warm_queued_blocks"])
+        behind.add_metric(lv + ["dropped"], c["warm_dropped_blocks"])
         remote_err.add_metric(lv, c["remote_errors"])
         remote_miss.add_metric(lv, c["remote_misses"])
         remote_drop.add_metric(lv, c["remote_drops"])
@@ -218,8 +224,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
             fam.add_metric(lv, cumulative, sum_value=ns / 1e9)
 
     out = [hit_rate, up, prompt, hits, prefill, loaded, lookups, moved, stored, evictions, promotions, demotions,
-           lost, corrupt, warm_err, remote_err, remote_miss, remote_drop, remote_bad, torn, recov, no_space, slots,
-           seg_bytes, block_bytes, handles, lookup_h, load_h]
+           lost, corrupt, behind, warm_err, remote_err, remote_miss, remote_drop, remote_bad, torn, recov, no_space,
+           slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
     if warm_rows:
         WL = ["path", "model"]
         w_used = G("tieredkv_warm_blocks", "warm-tier blocks by state (capacity: all slots)", labels=WL + ["state"])
@@ -279,8 +285,11 @@ def serve_metrics(port: int, names: Sequence[str] | None = None, warm_dir: str |
 
     Raises:
         MissingDependency: ``prometheus_client`` is not installed.
-        OSError: the port is taken.
+        InvalidInput: ``port`` is not in 0..65535, or ``addr:port`` cannot be bound (the port is taken,
+            the address is not one of this host's, or it does not resolve); the message says which.
     """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidInput(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
     _prometheus()
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -288,7 +297,21 @@ def serve_metrics(port: int, names: Sequence[str] | None = None, warm_dir: str |
     registry.register(SegmentCollector(names, warm_dir))
     # Our own small server rather than start_http_server: the returned object can be shut down on
     # every prometheus_client version the extra allows, and scrapes do not log to stderr.
-    server = make_server(addr, port, make_wsgi_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+    try:
+        server = make_server(addr, port, make_wsgi_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+    except socket.gaierror as e:
+        raise InvalidInput(f"addr {addr!r} does not resolve ({e.strerror}); give an IP address or host name "
+                           "of this host (127.0.0.1: this host only, 0.0.0.0: every interface)") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            hint = f"port {port} is in use: choose another (0: any free port)"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            hint = f"{addr} is not an address of this host: use one of its own (or 0.0.0.0: every interface)"
+        elif e.errno == errno.EACCES:
+            hint = f"port {port} needs privileges: use a port above 1023"
+        else:
+            hint = e.strerror or str(e)
+        raise InvalidInput(f"cannot serve metrics on {addr}:{port}: {hint}") from None
     threading.Thread(target=server.serve_forever, name="tieredkv-metrics", daemon=True).start()
     return server
 

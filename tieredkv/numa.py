@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tieredkv.errors import InvalidInput
 
-__all__ = ["SYSFS_NODE_ROOT", "parse_cpulist", "nodes", "node_of_cpu", "current_cpu", "pin_to_node",
-           "choose_node", "node_for_worker"]
+__all__ = ["SYSFS_NODE_ROOT", "parse_cpulist", "nodes", "check_node", "node_of_cpu", "current_cpu",
+           "pin_to_node", "choose_node", "node_for_worker"]
 
 #: Where Linux describes NUMA nodes.
 SYSFS_NODE_ROOT = Path("/sys/devices/system/node")
@@ -93,6 +93,22 @@ def nodes(root: str | os.PathLike | None = None) -> dict[int, list[int]]:
         if cpus:
             out[int(m.group(1))] = cpus
     return dict(sorted(out.items()))
+
+
+def check_node(node: int, root: str | os.PathLike | None = None) -> int:
+    """Return ``node`` if this host has it (a host without NUMA information has node 0 only).
+
+    Raises:
+        InvalidInput: ``node`` is not an int or not one of the host's nodes; the message lists them.
+    """
+    if isinstance(node, bool) or not isinstance(node, int):
+        raise InvalidInput(f"numa_node must be an int node number or None, got {node!r}")
+    have = list(nodes(root)) or [0]
+    if node not in have:
+        hint = ("this host has one node: leave numa_node=None" if len(have) == 1
+                else f"this host's nodes: {', '.join(map(str, have))}")
+        raise InvalidInput(f"numa_node={node} does not exist ({hint})")
+    return node
 
 
 def node_of_cpu(cpu: int, root: str | os.PathLike | None = None) -> int | None:

@@ -36,7 +36,7 @@ def inspect(name: str) -> dict:
         os.close(fd)
     doc.update(live=state == seg.LIVE, stale=state == seg.STALE, idle=state == seg.IDLE, reason=reason)
     if seg.temp_owner(name) is not None or state == seg.STALE:
-        if state == seg.STALE and not seg.temp_owner(name) is not None:
+        if state == seg.STALE and seg.temp_owner(name) is None:
             doc["error"] = (reason or "").removeprefix("unusable: ")
         return doc
     try:

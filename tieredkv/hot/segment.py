@@ -49,7 +49,9 @@ from tieredkv.hot.index import index_slots_for
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
-LAYOUT_VERSION = 2  # 2: the hash index holds (key word, slot) entries (hot/index.py)
+# 2: the hash index holds (key word, slot) entries (hot/index.py);
+# 3: remote-tier and write-behind counters in the owner rows.
+LAYOUT_VERSION = 3
 #: Where POSIX shared memory lives on Linux. Segments go here unless ``TIEREDKV_SHM_DIR`` names
 #: another tmpfs directory, e.g. one mounted with ``huge=always`` (docs/tuning.md, huge pages).
 SHM_DIR = Path("/dev/shm")
@@ -79,7 +81,7 @@ HEADER_DTYPE = np.dtype([
     ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
     ("free_top", "<u8"),       # entries in the free stack
     ("repin", "<u8"),          # nonzero: a reader dropped its pins without the lock; recount them
-    ("_spare", "<u8"),         # a spare header word (layout version 1 keeps it zero)
+    ("_spare", "<u8"),         # a spare header word (this layout version keeps it zero)
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
     ("fingerprint", "S16"), ("policy", f"S{POLICY_BYTES}"), ("spec_json", "S1024"),
 ])

@@ -15,6 +15,10 @@ on exit. A holder that finds ``dirty`` set knows the previous holder died inside
 scrubs: it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot
 table. A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of
 space (owner = registry index + token; liveness = the owner's registry lock is held).
+
+Interrupts (an exception from a signal handler can be raised between any two calls of the main
+thread) leave nothing held: see ``_enter`` for the lock, ``_read_batch`` for pins and ``put_many`` for
+claims. Damage to a derived structure is a miss plus a scrub (``_survives_damage``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import posix_ipc
 
-from tieredkv import counters, policies
+from tieredkv import counters, numa, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
@@ -75,6 +79,11 @@ class _Unpublished(Exception):
 class _Damage(Exception):
     """A derived structure (index, free stack, pin list, policy state) holds a value it cannot hold:
     a damaged word. Never reaches a caller: the call is a miss and the segment is scrubbed."""
+
+
+#: What policy code raises when its state holds garbage: an index out of range, a size that asks for
+#: terabytes, a choice its own checks refuse (``policies.evict`` raises RuntimeError).
+_POLICY_FAULTS = (IndexError, ValueError, RuntimeError, OverflowError, MemoryError)
 
 
 def _survives_damage(method=None, *, user_code: bool = False):
@@ -148,6 +157,8 @@ class HotTier(Tier):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        if numa_node is not None:
+            numa.check_node(numa_node)
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
         self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
@@ -230,8 +241,11 @@ class HotTier(Tier):
                               f"({recorded!r}); remove it with `tieredkv rm {self.name}`") from None
         if policy is not None and self._policy.full_name() != wanted:
             self._map.close()
-            raise InvalidInput(f"segment {self.name} uses eviction policy {self._policy.full_name()!r}, not "
-                               f"{wanted!r}; pass the segment's policy (or policy=None to HotTier) to attach")
+            used = self._policy.full_name()
+            raise InvalidInput(f"segment {self.name} uses eviction policy {used!r}, not {wanted!r}; open it "
+                               f"with the same policy (TieredCache: eviction={used!r}; HotTier: policy={used!r}, "
+                               f"or policy=None for the segment's), or remove the segment (`tieredkv rm "
+                               f"{self.name}`) to start over with {wanted!r}")
         self._h = h = self._map.header
         self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
         self._index = HotIndex(region, self._slots["key"], self.name)
@@ -302,21 +316,25 @@ class HotTier(Tier):
         """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""
         if self._closed:
             return
-        if os.getpid() == self._pid:
-            try:
-                with self._tlock:
-                    try:
-                        self._enter()
-                        self._release_pins()
-                        # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
-                        self._reclaim_owner(self._owner)
-                        self._h["dirty"] = 0
-                    finally:
-                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
-                locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
-            except Exception as e:  # closing must not raise on a broken segment
-                warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
-        self._drop_mapping()
+        try:
+            if os.getpid() == self._pid:
+                try:
+                    with self._tlock:
+                        try:
+                            self._enter()
+                            self._release_pins()
+                            # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
+                            self._reclaim_owner(self._owner)
+                            self._h["dirty"] = 0
+                        finally:
+                            fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                    locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
+                except Exception as e:  # closing must not raise on a broken segment
+                    warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
+        finally:
+            # Even if interrupted above: closing the lock descriptor drops every lock this handle
+            # holds (its registry byte included), so whatever it still held reads as a dead owner's.
+            self._drop_mapping()
 
     def _drop_mapping(self) -> None:
         self._closed = True
@@ -386,7 +404,12 @@ class HotTier(Tier):
         locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
         h = self._h
         if int(h["dirty"]):
-            self._scrub()
+            try:
+                self._scrub()
+            except (_Damage, *_POLICY_FAULTS):
+                # A policy's own repair choked on damaged state (a garbage size asks for terabytes):
+                # start the policy state afresh instead.
+                self._scrub(policy_too=True)
         elif int(h["repin"]):
             self._recount_pins()
         h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
@@ -556,7 +579,7 @@ class HotTier(Tier):
         rec = self._slots
         try:
             policies.remove(self._policy, self._state, slots)
-        except (IndexError, ValueError) as e:
+        except _POLICY_FAULTS as e:
             raise _Damage(f"policy state: {e}") from e
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
@@ -594,7 +617,7 @@ class HotTier(Tier):
         evictable = (rec["state"] == READY) & (rec["pins"] == 0)
         try:
             victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
-        except (IndexError, ValueError, RuntimeError) as e:  # base.evict checks what the policy chose
+        except _POLICY_FAULTS as e:  # base.evict also checks what the policy chose (RuntimeError)
             raise _Damage(f"policy state: {e}") from e
         if len(victims) < min(n, int(np.count_nonzero(evictable))) and not self._retrying:
             # A policy evicts min(n, candidates) (the conformance suite holds every one to it), so
@@ -781,7 +804,7 @@ class HotTier(Tier):
                             fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
                 else:
                     policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
-            except (IndexError, ValueError) as e:
+            except _POLICY_FAULTS as e:
                 raise _Damage(f"policy state: {e}") from e
             with self._tlock:
                 try:
@@ -910,7 +933,7 @@ class HotTier(Tier):
                     try:
                         policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
                                         keys.positions[stored])
-                    except (IndexError, ValueError) as e:
+                    except _POLICY_FAULTS as e:
                         raise _Damage(f"policy state: {e}") from e
                     self._release_spare(spare)
                     self._h["dirty"] = 0

@@ -205,7 +205,7 @@ def _pick_segment(name: str | None) -> str:
             raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
         return names[0]
     bare = name.lstrip("/")
-    if "/" + bare in names or os.path.exists(seg.SHM_DIR / bare):
+    if "/" + bare in names or os.path.exists(seg.shm_dir() / bare):
         return seg.check_name(name)
     found = [n for n in names if n[1:].startswith(bare) or n[1:].startswith(seg.PREFIX + bare)]
     if not found:

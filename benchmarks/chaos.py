@@ -99,7 +99,7 @@ def wrong_bytes_in(got: np.ndarray, expect: np.ndarray) -> int:
 # ---- the worker --------------------------------------------------------------------------------------
 def worker_main(row_index: int, counters, stop, seg_name: str, warm_root: str, warm_bytes: int, seed: int,
                 bound_s: float, err_dir: str) -> None:
-    """Run random calls until ``stop`` is set; count everything in ``counters`` row ``row_index``."""
+    """Run random calls until ``stop.value`` is set; count everything in ``counters`` row ``row_index``."""
     from tieredkv import TieredCache
 
     row = np.frombuffer(counters.get_obj(), dtype=np.int64).reshape(-1, len(FIELDS))[row_index]
@@ -107,10 +107,12 @@ def worker_main(row_index: int, counters, stop, seg_name: str, warm_root: str, w
     spec = KVSpec(**SPEC_ARGS)
     rng = np.random.default_rng(seed)
     bound_ns = int(bound_s * 1e9)
+    # Half the workers write every stored block behind to warm (the default), half demote on eviction:
+    # both paths run, and are killed, against the same tiers.
     cache = TieredCache(spec, hot_bytes=None, hot_name=seg_name, warm_dir=warm_root, warm_bytes=warm_bytes,
-                        lock_timeout_s=bound_s)
+                        lock_timeout_s=bound_s, demotion="write_behind" if row_index % 2 else "on_evict")
     try:
-        while not stop.is_set():
+        while not stop.value:
             tokens = make_prompt(rng, spec)
             salt = TENANTS[int(rng.integers(len(TENANTS)))]
             r = rng.random()
@@ -267,7 +269,9 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
     ctx.set_forkserver_preload(["numpy", "lmdb", "posix_ipc", "tieredkv.cache", "tieredkv.warm"])
     counters = ctx.Array(ctypes.c_int64, workers * len(FIELDS), lock=True)
     rows = np.frombuffer(counters.get_obj(), dtype=np.int64).reshape(workers, len(FIELDS))
-    stop = ctx.Event()
+    # A plain shared byte, not an Event: Event.is_set() takes a semaphore that a worker killed inside it
+    # would hold for good, and every other worker would block on it.
+    stop = ctx.RawValue(ctypes.c_int8, 0)
     totals = dict.fromkeys(FIELDS, 0)
     totals["max_op_ns"] = 0
     report: dict = {"seconds": seconds, "workers": workers, "kill_every_s": kill_every_s, "seed": seed,
@@ -347,7 +351,7 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
                 next_sample = now + sample_every_s
             time.sleep(0.005)
         # Stop: each worker finishes its call and closes its cache; one that does not is stuck.
-        stop.set()
+        stop.value = 1
         for i, p in enumerate(procs):
             p.join(bound_s + 5)
             if p.exitcode is None:
@@ -373,7 +377,7 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
         pids_end: set[int] = set()
         final_held = held_bytes(seg_name, warm_root, pids_end)
     finally:
-        stop.set()
+        stop.value = 1
         for p in procs:
             if p is not None and p.exitcode is None:
                 os.kill(p.pid, signal.SIGKILL)

@@ -9,6 +9,7 @@ Every speed figure is a ratio to a baseline measured in the same run on the same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -50,8 +51,34 @@ def prompts_for(spec: KVSpec, n_prompts: int, blocks: int, seed: int = 0):
     return [chunk_keys(spec, rng.integers(0, 50_000, blocks * spec.chunk_tokens)) for _ in range(n_prompts)]
 
 
-def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int) -> dict:
-    """get_many / put_many of ``batch`` blocks vs np.copyto of the same bytes between private buffers."""
+@contextlib.contextmanager
+def segment_dir(path: str | None):
+    """Make segments in ``path`` meanwhile (``TIEREDKV_SHM_DIR``; forked workers inherit it)."""
+    if path is None:
+        yield
+        return
+    old = os.environ.get("TIEREDKV_SHM_DIR")
+    os.environ["TIEREDKV_SHM_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TIEREDKV_SHM_DIR"]
+        else:
+            os.environ["TIEREDKV_SHM_DIR"] = old
+
+
+def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int,
+              shm_dir: str | None = None) -> dict:
+    """get_many / put_many of ``batch`` blocks vs np.copyto of the same bytes between private buffers.
+
+    ``shm_dir``: put the segment there (e.g. a tmpfs mounted ``huge=always``) instead of /dev/shm.
+    """
+    with segment_dir(shm_dir):
+        return _bandwidth(label, spec, n_slots, batch, repeats)
+
+
+def _bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int) -> dict:
     name = _name()
     n_prompts = max(1, n_slots // batch)
     tier = HotTier(spec, n_slots=(n_prompts + 1) * batch, name=name)  # one batch of room for puts
@@ -59,6 +86,13 @@ def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int) 
         prompts = prompts_for(spec, n_prompts, batch)
         payload = np.ones((batch, spec.block_bytes), np.uint8)
         out = np.empty_like(payload)
+        # A segment in use, not a fresh one: fill it, free everything, then store the prompts (each in
+        # one call). Where slots come back matters: adjacent ones are read in one copy per run.
+        filler = prompts_for(spec, n_prompts + 1, batch, seed=2)
+        for ck in filler:
+            tier.put_many(ck, payload)
+        for ck in filler:
+            tier.remove(ck)
         for ck in prompts:
             tier.put_many(ck, payload)
         src = np.ones((n_prompts * batch, spec.block_bytes), np.uint8)  # private, same working set
@@ -77,16 +111,23 @@ def bandwidth(label: str, spec: KVSpec, n_slots: int, batch: int, repeats: int) 
             np.copyto(src[k * batch:(k + 1) * batch], payload)
 
         fresh = prompts_for(spec, 1, batch, seed=1)[0]
-        put_times = []
-        for _ in range(repeats + 1):
-            tier.remove(fresh)  # untimed: frees the batch of room again
-            t0 = time.perf_counter()
+
+        def tier_put():
             tier.put_many(fresh, payload)
-            put_times.append(time.perf_counter() - t0)
-        t_put = statistics.median(put_times[1:])
-        t_get = _median_time(tier_get, repeats)
-        t_copy = _median_time(base_copy, repeats)
-        t_store = _median_time(base_store, repeats)
+
+        # Interleaved: each repeat times the tier and its baseline back to back, so that both see the
+        # same machine load (on a shared host the load changes within seconds).
+        samples: dict = {"get": [], "copy": [], "put": [], "store": []}
+        tier_put()
+        for fn in (tier_get, base_copy, base_store):
+            fn()  # warm: page faults, caches
+        for _ in range(repeats):
+            tier.remove(fresh)  # untimed: frees the batch of room again
+            for key, fn in (("copy", base_copy), ("get", tier_get), ("store", base_store), ("put", tier_put)):
+                t0 = time.perf_counter()
+                fn()
+                samples[key].append(time.perf_counter() - t0)
+        t_get, t_copy, t_put, t_store = (statistics.median(samples[k]) for k in ("get", "copy", "put", "store"))
     finally:
         tier.unlink()
     return {"blocks": label, "block_bytes": spec.block_bytes, "batch": batch,

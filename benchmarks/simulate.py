@@ -28,8 +28,7 @@ import numpy as np
 
 from tieredkv.sim import Trace, format_table, plot_mrc, read_trace, run_simulation, simulate
 
-DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
-                             "mooncake_synthetic_trace.jsonl")
+DEFAULT_TRACE = os.path.join(os.path.dirname(__file__), "traces", "mooncake_synthetic_trace.jsonl")
 ALL_POLICIES = ["lru", "fifo", "lfu", "clock", "sieve", "s3fifo", "arc", "prefix_aware", "cost_aware"]
 MRC_CAPACITIES = ["1%", "2%", "5%", "10%", "15%", "20%", "30%", "40%"]
 

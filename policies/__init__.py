@@ -8,10 +8,21 @@ sieve, s3fifo, arc, prefix_aware (wraps any of them), cost_aware. Tier movement 
 ``promotion.make("on_nth_hit:2")``, ``demotion.make("write_through")``.
 """
 
-from .base import EvictionPolicy, UnknownPolicy, evict, hit, insert, make, names, register, remove
+from . import arc, clock, cost_aware, demotion, fifo, lfu, lru, prefix_aware, promotion, s3fifo, sieve  # noqa: F401  (register)
+from .base import (
+    ENTRY_POINT_GROUP,
+    EvictionPolicy,
+    UnknownPolicy,
+    evict,
+    hit,
+    import_policy,
+    insert,
+    make,
+    names,
+    register,
+    remove,
+)
 from .state import SlotState, StateLayout
-from . import arc, clock, cost_aware, fifo, lfu, lru, prefix_aware, s3fifo, sieve  # noqa: F401  (register)
-from . import demotion, promotion
 
-__all__ = ["EvictionPolicy", "SlotState", "StateLayout", "UnknownPolicy", "demotion", "evict", "hit",
-           "insert", "make", "names", "promotion", "register", "remove"]
+__all__ = ["ENTRY_POINT_GROUP", "EvictionPolicy", "SlotState", "StateLayout", "UnknownPolicy", "demotion", "evict",
+           "hit", "import_policy", "insert", "make", "names", "promotion", "register", "remove"]

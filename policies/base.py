@@ -22,13 +22,22 @@ aligned int64 words (a lost update under a race is fine; a torn structure is not
 from __future__ import annotations
 
 import abc
-from typing import Callable
+import importlib
+import importlib.metadata
+import re
+from collections.abc import Callable
 
 import numpy as np
 
 from .state import SlotState
 
-_REGISTRY: dict[str, type["EvictionPolicy"]] = {}
+_REGISTRY: dict[str, type[EvictionPolicy]] = {}
+
+#: Installed packages add policies under this entry-point group (``name = "package.module:Class"``);
+#: they are loaded the first time a name is not found in the registry.
+ENTRY_POINT_GROUP = "tieredkv.policies"
+_MODULE_CLASS = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_entry_points_loaded = False
 
 
 class UnknownPolicy(KeyError):
@@ -111,16 +120,20 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make(spec: "str | EvictionPolicy", **params) -> EvictionPolicy:
+def make(spec: str | EvictionPolicy, **params) -> EvictionPolicy:
     """Build a policy from its name (``"lru"``, ``"prefix_aware:s3fifo"``, ...) or pass one through.
 
     Args:
         spec: a registered name; ``wrapper:inner`` builds a wrapping policy (``prefix_aware``) over
-            another one; an ``EvictionPolicy`` instance is returned as is.
+            another one; ``"package.module:Class"`` imports a policy class (and registers it under its
+            ``name``, so that processes attaching to a segment that uses it find it by name); an
+            ``EvictionPolicy`` instance is returned as is. Names not registered are also looked up
+            in the installed packages' ``tieredkv.policies`` entry points.
         **params: the policy's parameters (e.g. ``small_ratio=0.1`` for S3-FIFO).
 
     Raises:
-        UnknownPolicy: the name (or the inner name) is not registered; the message lists the valid ones.
+        UnknownPolicy: the name (or the inner name) is not registered, or ``module:Class`` cannot be
+            imported or is not an ``EvictionPolicy``; the message lists the valid names.
         TypeError: a parameter the policy does not take.
     """
     if isinstance(spec, EvictionPolicy):
@@ -129,11 +142,59 @@ def make(spec: "str | EvictionPolicy", **params) -> EvictionPolicy:
         raise TypeError(f"a policy is a name or an EvictionPolicy, got {type(spec).__name__}")
     base_name, _, inner = spec.partition(":")
     if base_name not in _REGISTRY:
-        raise UnknownPolicy(f"unknown eviction policy {spec!r}; valid: {', '.join(names())}")
+        _load_entry_points()
+    if base_name not in _REGISTRY and _MODULE_CLASS.match(spec):
+        return import_policy(spec)(**params)
+    if base_name not in _REGISTRY:
+        raise UnknownPolicy(f"unknown eviction policy {spec!r}; valid: {', '.join(names())} (or "
+                            "'package.module:Class' for a policy of your own)")
     cls = _REGISTRY[base_name]
     if inner:
         return cls(base=make(inner), **params)
     return cls(**params)
+
+
+def import_policy(path: str) -> type[EvictionPolicy]:
+    """Import the policy class ``"package.module:Class"`` and register it under its ``name``.
+
+    Raises:
+        UnknownPolicy: the module cannot be imported, has no such class, or the class is not an
+            ``EvictionPolicy`` subclass with a ``name``.
+    """
+    module_name, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except ImportError as e:
+        raise UnknownPolicy(f"eviction policy {path!r}: cannot import {module_name!r} ({e}); is it on the "
+                            "Python path (the current directory for the tieredkv command)?") from None
+    except AttributeError:
+        raise UnknownPolicy(f"eviction policy {path!r}: module {module_name!r} has no {attr!r}") from None
+    if not (isinstance(obj, type) and issubclass(obj, EvictionPolicy)) or not getattr(obj, "name", ""):
+        raise UnknownPolicy(f"eviction policy {path!r} is not an EvictionPolicy subclass with a name")
+    if _REGISTRY.get(obj.name) not in (None, obj):
+        raise UnknownPolicy(f"eviction policy {path!r}: the name {obj.name!r} is taken by "
+                            f"{_REGISTRY[obj.name].__module__}.{_REGISTRY[obj.name].__qualname__}")
+    _REGISTRY[obj.name] = obj
+    return obj
+
+
+def _load_entry_points() -> None:
+    """Register the policies of installed packages (group ``tieredkv.policies``), once per process.
+
+    A broken entry point is skipped: one bad plugin must not make the built-in policies unusable.
+    """
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = import_policy(ep.value)
+        except UnknownPolicy:
+            continue
+        _REGISTRY.setdefault(ep.name, cls)
 
 
 # ---- the operations homes call ------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Demotion (admission to the warm tier) rules: when does a hot block get written to SSD?
 
 A rule answers two questions: ``at_store`` (write every block to warm when it is stored in hot:
-write-through, needed for full cold-start recovery) and ``should_demote(hot_hits)`` (of the blocks
-just evicted from hot, which to write to warm)::
+needed for full cold-start recovery; ``background`` says whether that write runs off the request's
+path) and ``should_demote(hot_hits)`` (of the blocks just evicted from hot, which to write to warm)::
 
     from tieredkv.policies import demotion
     rule = demotion.make("on_nth_hit:2")
@@ -20,7 +20,7 @@ from .rules import RuleRegistry
 _RULES = RuleRegistry("demotion")
 register, names, make = _RULES.register, _RULES.names, _RULES.make
 
-__all__ = ["DemotionRule", "OnEvict", "OnNthHit", "WriteThrough", "make", "names", "register"]
+__all__ = ["DemotionRule", "OnEvict", "OnNthHit", "WriteBehind", "WriteThrough", "make", "names", "register"]
 
 
 class DemotionRule(abc.ABC):
@@ -29,6 +29,9 @@ class DemotionRule(abc.ABC):
     name = ""
     #: Write each block to the warm tier as soon as it is stored in the hot tier.
     at_store: bool = False
+    #: With ``at_store``: queue that write for a background thread instead of making it before
+    #: ``store`` returns (the simulator makes the same decisions either way).
+    background: bool = False
 
     @abc.abstractmethod
     def should_demote(self, hot_hits: np.ndarray) -> np.ndarray:
@@ -57,6 +60,16 @@ class WriteThrough(DemotionRule):
 
     def should_demote(self, hot_hits):
         return np.zeros(np.shape(hot_hits), dtype=bool)
+
+
+@register
+class WriteBehind(WriteThrough):
+    """Like write-through, but the warm write runs on a background thread from a bounded queue:
+    ``store`` returns once the block is in hot. A full queue drops the warm write (counted); a clean
+    close flushes the queue; a killed process loses at most what was queued."""
+
+    name = "write_behind"
+    background = True
 
 
 @register

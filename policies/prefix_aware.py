@@ -26,7 +26,7 @@ class PrefixAware(EvictionPolicy):
 
     name = "prefix_aware"
 
-    def __init__(self, base: "EvictionPolicy | str" = "lru", **params):
+    def __init__(self, base: EvictionPolicy | str = "lru", **params):
         self.base = make(base, **params)
         self.slot_fields = self.base.slot_fields
         self.global_fields = self.base.global_fields

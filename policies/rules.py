@@ -6,7 +6,7 @@ A rule is a small object built from a name with an optional integer argument
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .base import UnknownPolicy
 

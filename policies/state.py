@@ -90,7 +90,7 @@ class StateLayout:
         self.nbytes = self.ghost_offset + _round(max(ghost_words, 1) * WORD, 64)
 
     @classmethod
-    def for_policy(cls, policy, n_slots: int) -> "StateLayout":
+    def for_policy(cls, policy, n_slots: int) -> StateLayout:
         """The layout ``policy`` needs for ``n_slots`` slots."""
         return cls(n_slots, tuple(policy.slot_fields), tuple(policy.global_fields),
                    policy.ghost_capacity(n_slots), getattr(policy, "ghost_lists", 1))
@@ -104,6 +104,16 @@ class SlotState:
         buffer: any writable buffer of at least ``offset + layout.nbytes`` bytes.
         offset: byte offset of the state in ``buffer`` (a multiple of 8).
     """
+
+    # The common per-slot fields (a policy's own fields are set the same way, by name).
+    resident: np.ndarray
+    key64: np.ndarray
+    last_access: np.ndarray
+    insert_tick: np.ndarray
+    hits: np.ndarray
+    parent: np.ndarray
+    n_children: np.ndarray
+    position: np.ndarray
 
     def __init__(self, layout: StateLayout, buffer, offset: int = 0):
         if offset % WORD:
@@ -125,17 +135,19 @@ class SlotState:
         self._gring = words[at:at + L * R]
         self._gflag = words[at + L * R:at + 2 * L * R]
         at += 2 * L * R
-        self._table = ProbeTable(words[at:at + T], words[at + T:at + 2 * T]) if T else None
+        # No ghosts: a private two-entry table that stays empty, so lookups need no special case.
+        self._table = (ProbeTable(words[at:at + T], words[at + T:at + 2 * T]) if T
+                       else ProbeTable(np.zeros(2, np.int64), np.zeros(2, np.int64)))
         # The ring words as a memoryview: the scalar paths below index it with Python ints, several
         # times cheaper than numpy scalar indexing.
-        self._w = memoryview(words[:3 * L + 2 * L * R]).cast("B").cast("q")
+        self._w = words[:3 * L + 2 * L * R].data.cast("B").cast("q")
         self._o_flag = 3 * L + L * R
         self.n_slots = n
         #: Keys about to be inserted, while ``evict(..., incoming=...)`` runs (process-local).
         self.incoming: np.ndarray | None = None
 
     @classmethod
-    def private(cls, policy, n_slots: int) -> "SlotState":
+    def private(cls, policy, n_slots: int) -> SlotState:
         """A fresh state in private memory (the simulator's home)."""
         layout = StateLayout.for_policy(policy, n_slots)
         state = cls(layout, bytearray(layout.nbytes))
@@ -143,7 +155,7 @@ class SlotState:
         return state
 
     @classmethod
-    def over(cls, policy, n_slots: int, buffer, offset: int) -> "SlotState":
+    def over(cls, policy, n_slots: int, buffer, offset: int) -> SlotState:
         """The state inside a shared buffer (the hot tier's home). Does not reset it."""
         return cls(StateLayout.for_policy(policy, n_slots), buffer, offset)
 
@@ -155,8 +167,7 @@ class SlotState:
         self.parent[:] = -1
         for a in (self._ghead, self._gtail, self._glive, self._gring, self._gflag):
             a[:] = 0
-        if self._table is not None:
-            self._table.clear()
+        self._table.clear()
 
     # ---- globals ------------------------------------------------------------------------------
     def g(self, name: str) -> int:
@@ -212,7 +223,7 @@ class SlotState:
         keys = np.asarray(key64s).astype(np.int64, copy=False).reshape(-1)
         lists = np.full(len(keys), -1, dtype=np.int64)
         flags = np.zeros(len(keys), dtype=np.int64)
-        if self._table is None or not len(keys) or not self._glive.any():
+        if not self.layout.ghost_table or not len(keys) or not self._glive.any():
             return lists, flags
         ref = self._table.lookup(keys)
         found = ref >= 0
@@ -309,7 +320,7 @@ class SlotState:
         return lst
 
     def _tfind(self, key: int) -> int:
-        return self._table.find(key) if self._table is not None else -1
+        return self._table.find(key)
 
 
 def _round(n: int, to: int) -> int:

@@ -35,3 +35,26 @@ def kv_for(spec: KVSpec, tokens, salt: bytes = b"") -> np.ndarray:
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+class LazyModule:
+    """A module imported on first attribute access.
+
+    Test modules that need torch or transformers bind them with this, so that collecting them (every
+    run collects every module) imports neither; only the tests that use them pay for the import.
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._module = None
+
+    def __getattr__(self, attr: str):
+        # pytest probes every module-level object (``__test__``, its fixture and mark attributes)
+        # while collecting: answer those without importing.
+        if attr.startswith("_") or attr == "pytestmark":
+            raise AttributeError(attr)
+        if self._module is None:
+            import importlib
+
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)

@@ -54,6 +54,7 @@ def test_a_failing_job_is_counted_and_the_writer_goes_on():
     assert w.failed == 1 and isinstance(errors[0], ZeroDivisionError) and seen == ["after"]
 
 
+@pytest.mark.procs
 def test_forked_child_gets_its_own_writer():
     w = BackgroundWriter("t", max_blocks=10)
     w.submit(lambda: None)

@@ -67,6 +67,27 @@ def test_store_lookup_load_roundtrip_hot_only(spec, make):
     assert stats["prefix_hit_rate"] == pytest.approx(20 / 44)
 
 
+def test_store_from_token_skips_the_restored_chunks(spec, make):
+    cache = make(warm=False)
+    tokens = prompt(4 * 5 + 2)
+    kv = kv_for(spec, tokens)
+    garbage = kv.copy()
+    garbage[:, :, :, :8] = 7  # positions before from_token are never read
+    assert cache.store(tokens, garbage, from_token=8) == 3
+    hot = cache.hot
+    from tieredkv.keys import chunk_keys
+    keys = chunk_keys(spec, tokens[:20])
+    assert hot.contains_many(keys).tolist() == [False, False, True, True, True]
+    assert cache.store(tokens, kv) == 2  # the first two, now from real bytes
+    out = np.zeros_like(kv)
+    assert cache.load(cache.lookup(tokens), out) == 20
+    assert same_bytes(out[:, :, :, :20], kv[:, :, :, :20])
+    assert cache.store(tokens, kv, from_token=400) == 0  # past the end: nothing to store
+    for bad in (-4, 3, 4.0, True, "8"):
+        with pytest.raises(InvalidInput, match="from_token"):
+            cache.store(tokens, kv, from_token=bad)
+
+
 def test_whole_prompt_hit_leaves_one_token(spec, make):
     cache = make(warm=False)
     tokens = prompt(16)
@@ -96,7 +117,7 @@ def test_store_takes_only_the_first_n_tokens_of_kv(spec, make):
 
 
 def test_demotion_on_evict_and_promotion_on_load(spec, make):
-    cache = make(hot_slots=4)
+    cache = make(hot_slots=4, demotion="on_evict")
     a, b = prompt(17, 1), prompt(17, 2)
     kv_a, kv_b = kv_for(spec, a), kv_for(spec, b)
     cache.store(a, kv_a)
@@ -147,6 +168,7 @@ def test_salt_isolates_tenants_in_every_tier(spec, make):
     tokens = prompt(17)
     cache.store(tokens, kv_for(spec, tokens, b"alice"), salt=b"alice")
     cache.store(prompt(17, 9), kv_for(spec, prompt(17, 9)))  # pushes alice's blocks to warm
+    assert cache.flush()                                     # (written behind: wait for it)
     assert cache.lookup(tokens, salt=b"alice").tokens == 16
     assert cache.lookup(tokens, salt=b"bob").tokens == 0
     assert cache.lookup(tokens).tokens == 0
@@ -186,6 +208,7 @@ def test_promotion_never_and_nth(spec, make):
     a = prompt(9, 1)
     cache.store(a, kv_for(spec, a))
     cache.store(prompt(17, 2), kv_for(spec, prompt(17, 2)))
+    assert cache.flush()                         # a's blocks, written behind, are in warm
     out = np.zeros((2, 2, 2, 9, 8), np.float16)
     cache.load(cache.lookup(a), out)
     assert cache.lookup(a).warm_blocks == 2      # first warm hit: not promoted yet
@@ -255,6 +278,7 @@ def _worker(spec, seg_name, warm_dir, worker, results):
     results.put((wrong, loaded))
 
 
+@pytest.mark.procs
 def test_eight_processes_store_and_load_the_same_prefixes(spec, make, tmp_path, seg_name):
     cache = make(hot_slots=24)  # creates the segment and the warm tier; workers attach
     results = SPAWN.Queue()
@@ -281,6 +305,7 @@ def test_store_larger_than_hot_sends_the_rest_to_warm(spec, make):
     tokens = prompt(33)
     kv = kv_for(spec, tokens)
     assert cache.store(tokens, kv) == 4          # 4 fit in hot...
+    assert cache.flush()
     hit = cache.lookup(tokens)
     assert (hit.hot_blocks, hit.warm_blocks) == (4, 4)  # ...the other 4 went straight to warm
     out = np.zeros_like(kv)
@@ -295,6 +320,7 @@ def test_promotion_never_evicts_the_hit_being_loaded(spec, make):
     tokens = prompt(33)
     kv = kv_for(spec, tokens)
     cache.store(tokens, kv)                      # blocks 0-3 hot, 4-7 warm
+    assert cache.flush()
     keys = cache.lookup(tokens).keys
     front = cache.hot.evict(4)                   # 0-3 -> warm
     cache.warm.put_many(front.keys, front.payloads)
@@ -331,6 +357,7 @@ def test_warm_read_errors_degrade_to_a_miss(spec, make, monkeypatch):
     kv = kv_for(spec, tokens)
     cache.store(tokens, kv)
     cache.store(prompt(17, 5), kv_for(spec, prompt(17, 5)))  # tokens' blocks now live in warm
+    assert cache.flush()
     hit = cache.lookup(tokens)
     assert hit.warm_blocks == 4
 
@@ -353,6 +380,7 @@ def test_corrupt_warm_blocks_are_counted_per_host_and_never_served(spec, make):
     kv = kv_for(spec, tokens)
     cache.store(tokens, kv)
     cache.store(prompt(17, 5), kv_for(spec, prompt(17, 5)))  # tokens' 4 blocks now live in warm
+    assert cache.flush()
     hit = cache.lookup(tokens)
     assert hit.warm_blocks == 4
     # Damage the second block's bytes on disk, where the warm tier keeps it.

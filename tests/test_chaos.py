@@ -23,6 +23,8 @@ def _load():
     return chaos
 
 
+@pytest.mark.slow
+@pytest.mark.procs
 def test_chaos_30s_under_sigkill():
     chaos = _load()
     r = chaos.run_chaos(seconds=25, workers=8, kill_every_s=0.4, seed=1)

@@ -10,10 +10,11 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-from tieredkv import KVSpec
-from tieredkv import demo
+from helpers import LazyModule
+from tieredkv import KVSpec, demo
+
+torch = LazyModule("torch")  # imported by the tests that use it, not at collection
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = KVSpec(model_id="demo-test", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", chunk_tokens=4)
@@ -87,6 +88,7 @@ def test_bad_flags_are_refused():
     assert parser.parse_args(["--hot-bytes", "512M"]).hot_bytes == 512 << 20
 
 
+@pytest.mark.procs
 def test_demo_end_to_end_on_worker_processes(tmp_path):
     """2 workers x 2 requests through all four configurations; checks the JSON's shape and hit rates."""
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
@@ -116,4 +118,29 @@ def test_demo_end_to_end_on_worker_processes(tmp_path):
     assert doc["settings"]["workers"] == 2 and doc["settings"]["prefix_tokens"] == 128
     assert png.stat().st_size > 0
     assert "restart vs no_cache" in proc.stdout
+    # Greedy decoding: every configuration generates the same tokens for the same request.
+    answers = {name: tuple(cfg["first_answer_ids"]) for name, cfg in c.items()}
+    assert len(set(answers.values())) == 1 and len(answers["shared"]) == 2, answers
     assert not [p for p in os.listdir("/dev/shm") if doc["settings"]["namespace_tag"] in p]
+
+
+class _WordTokenizer:
+    """A tokenizer's call signature over a fixed vocabulary of words (what make_requests uses)."""
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [self.ids.setdefault(w, len(self.ids)) for w in text.split()]}
+
+
+def test_text_prompts_share_the_system_prompt_and_differ_in_the_question():
+    settings = demo.Settings(workers=2, requests_per_worker=2, prefix_tokens=100, suffix_tokens=12)
+    tok = _WordTokenizer()
+    requests = demo.make_requests(settings, 10_000, tok)
+    assert len(requests) == 4
+    system = tok(demo.SYSTEM_TEXT)["input_ids"]
+    for r in requests:
+        assert r[:100].tolist() == (system * 3)[:100]               # the system prompt, repeated to 100
+        assert 100 < len(r) <= 112
+    assert len({tuple(r[100:]) for r in requests}) == 4              # every question its own

@@ -88,7 +88,8 @@ def test_demotion_failing_does_not_stop_eviction(seg_name, tmp_path, monkeypatch
     from tieredkv import policies
 
     hot_bytes = seg.Layout.compute(SPEC, 8, policies.StateLayout.for_policy(policies.make("lru"), 8).nbytes).total_bytes
-    with TieredCache(SPEC, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=tmp_path / "warm", warm_bytes=MiB) as c:
+    with TieredCache(SPEC, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=tmp_path / "warm", warm_bytes=MiB,
+                     demotion="on_evict") as c:  # demotion on the request path (write-behind: test_restart.py)
         monkeypatch.setattr(os, "pwritev", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
         with pytest.warns(RuntimeWarning, match="warm tier failed"):
             for s in range(5):
@@ -166,6 +167,7 @@ with HotTier(spec, capacity_bytes=1 << 20, name="/tieredkv-small") as h:  # what
 """
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a private small /dev/shm needs root")
 def test_dev_shm_too_small_for_real(tmp_path):
     """A private mount namespace with a 2 MiB tmpfs on /dev/shm: a 16 MiB cache is a clear CapacityError."""
@@ -222,6 +224,7 @@ print("done")
 """
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(os.geteuid() != 0, reason="root without CAP_DAC_OVERRIDE is how to make modes bind root")
 def test_warm_directory_made_read_only_while_in_use(tmp_path, seg_name):
     """The owner removes write permission from the whole tier while a cache uses it. (A read-only
@@ -259,6 +262,7 @@ def _reader(name, keys_seed, stop, results):
     results.put((wrong, reads, errors, saw_new))
 
 
+@pytest.mark.procs
 def test_segment_unlinked_while_others_use_it(seg_name):
     """Regression: an attach-only handle (a worker that did not create the segment) whose segment was
     unlinked raised posix_ipc.ExistentialError once and was closed for good after that. Now it keeps

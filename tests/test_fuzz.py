@@ -266,6 +266,7 @@ def _run_child(script, *args, timeout=120):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("region", ["header", "slots"])
 def test_random_bytes_in_segment_header_and_slot_records(seg_name, region):
     """150 cases per region: random bytes at a random place of the header (magic, version, geometry,
@@ -324,6 +325,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("target,cases", [("meta.json", 30), ("index.lmdb/data.mdb", 40),
                                           ("index.lmdb/lock.mdb", 15)])
 def test_random_bytes_in_warm_files(tmp_path, target, cases):

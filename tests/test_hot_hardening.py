@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from helpers import payload_for
-from tieredkv import (CorruptState, HotTier, InvalidInput, InvalidPayload, KVSpec, PermissionDenied, PutResult,
-                      chunk_keys)
+from tieredkv import CorruptState, HotTier, InvalidInput, InvalidPayload, PermissionDenied, PutResult, chunk_keys
 from tieredkv.hot import segment as seg
 
 FORK = mp.get_context("fork")
@@ -33,11 +32,11 @@ def _write_then_hang(spec, name, keys, ready):
 
     from tieredkv.hot import tier as hot_tier
 
-    def hang(dst, src):  # the slots are claimed (WRITING) when the payload copy starts
+    def hang(dst, src, skewed):  # the slots are claimed (WRITING) when the payload copy starts
         ready.set()
         time.sleep(3600)
 
-    hot_tier.copy_into = hang  # patched in the child only
+    hot_tier.copy_rows = hang  # patched in the child only: every data copy of put_many goes through it
     tier.put_many(keys, payload_for(spec, keys))
 
 
@@ -52,6 +51,7 @@ def _kill_mid_write(spec, name, keys):
 
 
 # ---- item 11: a dead writer's WRITING slot --------------------------------------------------------
+@pytest.mark.procs
 def test_a_prefix_whose_writer_died_mid_copy_can_be_stored_again(tiny_spec, seg_name):
     """Plenty of free room (no eviction pass would ever reclaim the dead claim): the next store of
     the same prefix must reclaim the dead writer's slots and store, not answer EXISTS forever."""
@@ -199,6 +199,7 @@ def _hold_as_other_user(spec, name, ready, done):
         done.wait(60)
 
 
+@pytest.mark.procs
 @needs_root
 def test_rm_stale_as_root_never_removes_another_users_live_segment(tiny_spec, seg_name, capsys):
     from tieredkv.hot import admin
@@ -257,6 +258,7 @@ def _open_slowly(spec, name, published, go, result):
         result.put((tier.created, tier._still_published(), os.fstat(tier._fd).st_ino))
 
 
+@pytest.mark.procs
 def test_a_segment_is_live_from_its_first_published_instant(tiny_spec, seg_name, capsys):
     published, go, result = FORK.Event(), FORK.Event(), FORK.Queue()
     p = FORK.Process(target=_open_slowly, args=(tiny_spec, seg_name, published, go, result))
@@ -274,6 +276,7 @@ def test_a_segment_is_live_from_its_first_published_instant(tiny_spec, seg_name,
     assert created and still_published
 
 
+@pytest.mark.procs
 def test_an_attacher_that_loses_its_idle_segment_to_rm_attaches_again(tiny_spec, seg_name, capsys):
     HotTier(tiny_spec, n_slots=8, name=seg_name).close()  # idle
     old_inode = os.stat("/dev/shm" + seg_name).st_ino
@@ -303,6 +306,7 @@ def _hang_while_building(spec, name, ready):
     HotTier(spec, n_slots=8, name=name)
 
 
+@pytest.mark.procs
 def test_dead_creators_temporaries_are_reaped_and_live_ones_kept(tiny_spec, seg_name):
     def temporaries(pid):
         return [n for n in os.listdir("/dev/shm") if n.startswith(f"tieredkv-tmp-{pid}-")]
@@ -357,6 +361,11 @@ def test_segments_with_a_custom_name_are_listed_and_handled_by_rm(tiny_spec, cus
     assert not os.path.exists("/dev/shm" + custom_name)
 
 
+def test_rm_idle_without_stale_is_bad_usage(capsys):
+    status, _, err = rm(capsys, "--idle", "/tieredkv-x")
+    assert status == 2 and "--idle goes with --stale" in err
+
+
 def test_rm_stale_goes_on_past_odd_dev_shm_entries(tiny_spec, seg_name, capsys):
     odd = ["/dev/shm" + seg_name + "-a-dir", "/dev/shm" + seg_name + "-b-fifo", "/dev/shm" + seg_name + "-c-link"]
     stale = seg_name + "-d-stale"
@@ -378,7 +387,11 @@ def test_rm_stale_goes_on_past_odd_dev_shm_entries(tiny_spec, seg_name, capsys):
 
 
 # ---- item 8: interrupts (KeyboardInterrupt, exceptions from signal handlers) leave nothing behind ----
-def _busy_under_interrupts(spec, name, stop, idle, counts):
+class _HandlerError(Exception):
+    """What a user's signal handler raises (any exception, not only KeyboardInterrupt)."""
+
+
+def _busy_under_interrupts(spec, name, stop, idle, counts, signum=signal.SIGINT):
     """Store, read, evict and recover in a loop while SIGINTs land at random points; then go idle
     (alive, holding its handle) so that the parent can check what the interrupts left behind."""
     import faulthandler
@@ -386,12 +399,12 @@ def _busy_under_interrupts(spec, name, stop, idle, counts):
     faulthandler.dump_traceback_later(50, exit=True)  # a hang shows where it hangs
     armed = [False]  # set just before each tier call: interrupts land in the tier, not in this loop
 
-    def interrupt(signum, frame):
+    def interrupt(sig, frame):
         if armed[0]:
             armed[0] = False  # one per call, so the handling below is never interrupted itself
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt if sig == signal.SIGINT else _HandlerError("from a signal handler")
 
-    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signum, interrupt)
     tier = HotTier(spec, name=name, policy=None, create=False)
     rng = np.random.default_rng(os.getpid())
     out = np.zeros((8, spec.block_bytes), np.uint8)
@@ -401,18 +414,21 @@ def _busy_under_interrupts(spec, name, stop, idle, counts):
             if stop.is_set():
                 break
             keys = prompt(spec, int(rng.integers(0, 40)), 8)
+            expected = payload_for(spec, keys)
             op = int(rng.integers(0, 10))
-            armed[0] = True
+            n = -1
+            armed[0] = True  # interrupts land inside the tier call only, never in the checking below
             if op < 4:
-                tier.put_many(keys, payload_for(spec, keys))
+                tier.put_many(keys, expected)
             elif op < 8:
                 n = tier.get_many(keys, out)
-                wrong += not np.array_equal(out[:n], payload_for(spec, keys)[:n])
             elif op < 9:
                 tier.evict(2)
             else:
                 tier.recover()
             armed[0] = False
+            # (numpy's array_equal swallows an ordinary exception raised inside it and answers False)
+            wrong += n > 0 and out[:n].tobytes() != expected[:n].tobytes()
             done += 1
         except KeyboardInterrupt:
             interrupted += 1
@@ -437,11 +453,13 @@ def _index_agrees_with_slots(tier) -> bool:
     return bool((found == ready).all()) and np.array_equal(free, np.flatnonzero(rec["state"] == FREE))
 
 
-def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec, seg_name):
+@pytest.mark.procs
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1], ids=["SIGINT", "SIGUSR1-handler-raises"])
+def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec, seg_name, signum):
     with HotTier(tiny_spec, n_slots=24, name=seg_name, lock_timeout_s=3) as tier:
         stop, idle, counts = FORK.Event(), FORK.Event(), FORK.Queue()
-        workers = [FORK.Process(target=_busy_under_interrupts, args=(tiny_spec, seg_name, stop, idle, counts))
-                   for _ in range(1)]
+        workers = [FORK.Process(target=_busy_under_interrupts,
+                                args=(tiny_spec, seg_name, stop, idle, counts, signum))]
         for w in workers:
             w.start()
         rng = np.random.default_rng(0)
@@ -449,14 +467,14 @@ def test_interrupts_at_random_points_leave_no_lock_pin_or_broken_index(tiny_spec
             time.sleep(0.5)
             for _ in range(3000):
                 for w in workers:
-                    os.kill(w.pid, signal.SIGINT)
+                    os.kill(w.pid, signum)
                 time.sleep(float(rng.uniform(0, 1e-3)))
             stop.set()
             assert idle.wait(60), "the worker never finished its loop"
             msgs = [counts.get(timeout=10)]
             print(f"\ninterrupts: {msgs[0][1]} landed in tier calls, {msgs[0][2]} calls completed, "
                   f"{msgs[0][3]} wrong reads")
-            assert msgs[0][0] == "done" and msgs[0][1] > 500 and msgs[0][3] == 0, msgs  # they really landed
+            assert msgs[0][0] == "done" and msgs[0][1] > 100 and msgs[0][3] == 0, msgs  # they really landed
             # The worker is alive and idle. Nothing it was doing may still hold anything:
             started = time.monotonic()
             keys = prompt(tiny_spec, 999, 4)
@@ -512,8 +530,11 @@ def _reader(spec, name, seeds, results):
         results.put(("raised", repr(e), 0))
 
 
+@pytest.mark.procs
+@pytest.mark.filterwarnings("ignore:.*damaged metadata:RuntimeWarning")  # the repair says so, as it should
 @pytest.mark.parametrize("policy", ["lru", "arc", "prefix_aware:s3fifo"])
-@pytest.mark.parametrize("where", ["index", "free stack", "free top", "policy state", "pin list"])
+@pytest.mark.parametrize("where", ["index", "free stack", "free top", "policy state", "policy state, holder died",
+                                   "pin list"])
 def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, seg_name, where, policy):
     with HotTier(tiny_spec, n_slots=24, name=seg_name, policy=policy) as tier:
         for seed in range(3):
@@ -532,10 +553,12 @@ def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, se
             _damage(seg_name, int(h["free_off"]), [1 << 40, -5, 3])
         elif where == "free top":
             _damage(seg_name, h.dtype.fields["free_top"][1], [1 << 50])
-        elif where == "policy state":
+        elif where.startswith("policy state"):
             rng = np.random.default_rng(5)
             n_words = int(h["policy_bytes"]) // 8
             _damage(seg_name, int(h["policy_off"]), rng.integers(-(1 << 40), 1 << 40, n_words))
+            if where.endswith("holder died"):  # and the next lock holder must scrub first
+                _damage(seg_name, h.dtype.fields["dirty"][1], [seg.MAX_OWNERS])
         else:  # a dead reader's pin list names slots that do not exist
             p = FORK.Process(target=_open_and_die, args=(tiny_spec, seg_name))
             p.start()
@@ -560,3 +583,64 @@ def test_one_damaged_word_is_a_miss_and_a_scrub_never_an_exception(tiny_spec, se
         out = np.zeros((tier.n_slots, tiny_spec.block_bytes), np.uint8)
         assert tier.get_many(fill, out) == tier.n_slots
         assert np.array_equal(out, payload_for(tiny_spec, fill))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "sieve", "clock", "fifo", "cost_aware",
+                                    "prefix_aware:arc", "prefix_aware:s3fifo"])
+def test_random_policy_state_damage_never_raises_or_refuses_stores(tiny_spec, seg_name, policy):
+    """8 random rewrites of the whole policy state per policy (huge words, or small plausible ones;
+    half of them with a holder that died inside the lock): reads stay right, nothing raises, and the
+    whole capacity can still be stored."""
+    import warnings
+
+    for seed in range(8):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "damaged metadata ... rebuilding"
+            with HotTier(tiny_spec, n_slots=24, name=f"{seg_name}-{seed}", policy=policy) as tier:
+                try:
+                    for s in range(3):
+                        keys = prompt(tiny_spec, s, 8)
+                        tier.put_many(keys, payload_for(tiny_spec, keys))
+                    h = tier._map.header
+                    rng = np.random.default_rng(seed)
+                    n_words = int(h["policy_bytes"]) // 8
+                    words = rng.integers(-(1 << 40), 1 << 40, n_words) if seed % 2 else rng.integers(-3, 30, n_words)
+                    _damage(tier.name, int(h["policy_off"]), words)
+                    if seed % 4 >= 2:
+                        _damage(tier.name, h.dtype.fields["dirty"][1], [seg.MAX_OWNERS])
+                    for s in range(6):
+                        keys = prompt(tiny_spec, 100 + s, 8)
+                        out = np.zeros((8, tiny_spec.block_bytes), np.uint8)
+                        n = tier.get_many(keys, out)
+                        assert np.array_equal(out[:n], payload_for(tiny_spec, keys)[:n])
+                        tier.put_many(keys, payload_for(tiny_spec, keys))
+                        tier.match(keys)
+                    tier.evict(3)
+                    fill = prompt(tiny_spec, 999, 24)
+                    assert (tier.put_many(fill, payload_for(tiny_spec, fill)) == PutResult.STORED).all(), seed
+                finally:
+                    tier.unlink()
+
+
+def test_an_interrupted_close_still_lets_go_of_the_handle(tiny_spec, seg_name, monkeypatch):
+    """An exception raised inside close (here: from the registry unlock) still closes the handle's
+    descriptor, so its registry byte is free and its claims read as a dead owner's."""
+    from tieredkv.hot import locks
+
+    with HotTier(tiny_spec, n_slots=8, name=seg_name) as survivor:
+        tier = HotTier(tiny_spec, name=seg_name, policy=None, create=False)
+        owner = tier._owner
+        real_unlock = locks.unlock
+
+        def interrupted(fd, start, length=1):
+            if start == locks.REGISTRY_BASE + owner:
+                raise KeyboardInterrupt
+            return real_unlock(fd, start, length)
+
+        monkeypatch.setattr(locks, "unlock", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close()
+        monkeypatch.setattr(locks, "unlock", real_unlock)
+        assert tier._closed
+        assert not locks.is_locked(survivor._fd, locks.REGISTRY_BASE + owner)
+        assert survivor.live_handles() == 1

@@ -160,6 +160,7 @@ def _hammer(spec, name, worker, rounds, n_prompts, results):
     results.put((worker, wrong, hits, reads))
 
 
+@pytest.mark.procs
 def test_eight_processes_share_blocks_with_zero_wrong_bytes(tiny_spec, seg_name):
     # 40 slots for 24 prompts x 8 chunks = 192 distinct blocks: constant eviction under contention.
     with HotTier(tiny_spec, n_slots=40, name=seg_name) as tier:
@@ -199,16 +200,16 @@ def _arm(tier, point, fn, monkeypatch=None):
 
         tier._take_free = take
         return
-    real_copy = hot_tier_module.copy_into
+    real_copy = hot_tier_module.copy_rows  # every data copy of get_many and put_many goes through it
 
-    def copy(dst, src):
+    def copy(dst, src, skewed):
         fn()
-        return real_copy(dst, src)
+        return real_copy(dst, src, skewed)
 
     if monkeypatch is not None:
-        monkeypatch.setattr(hot_tier_module, "copy_into", copy)
+        monkeypatch.setattr(hot_tier_module, "copy_rows", copy)
     else:
-        hot_tier_module.copy_into = copy
+        hot_tier_module.copy_rows = copy
 
 
 def _stop_at(spec, name, hook, ready, seed):
@@ -251,6 +252,7 @@ def _fill_and_check(spec, tier, seed):
     assert tier.slot_census()["ready"] == tier.n_slots
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("hook", ["critical", "write", "copy"])
 def test_sigkill_inside_lock_write_or_read_leaks_nothing(tiny_spec, seg_name, hook):
     """Killed holding the lock (mid critical section), mid-write (WRITING slots) or mid-read (pins):
@@ -277,6 +279,7 @@ def test_sigkill_inside_lock_write_or_read_leaks_nothing(tiny_spec, seg_name, ho
             assert tier.stats().extra["scrubs"] >= 1
 
 
+@pytest.mark.procs
 def test_killed_lock_holder_does_not_block_a_concurrent_worker(tiny_spec, seg_name):
     with HotTier(tiny_spec, n_slots=64, name=seg_name):
         ready = FORK.Event()
@@ -294,6 +297,7 @@ def test_killed_lock_holder_does_not_block_a_concurrent_worker(tiny_spec, seg_na
         assert worker.exitcode == 0 and wrong == 0 and hits > 0
 
 
+@pytest.mark.procs
 def test_random_sigkills_never_serve_wrong_bytes(tiny_spec, seg_name):
     """Kill writers and readers at random moments, repeatedly; then every invariant holds."""
     rng = np.random.default_rng(0)
@@ -321,6 +325,7 @@ def test_random_sigkills_never_serve_wrong_bytes(tiny_spec, seg_name):
         _fill_and_check(tiny_spec, tier, seed=1234)
 
 
+@pytest.mark.procs
 def test_create_race_gives_one_segment(tiny_spec, seg_name):
     """Eight processes open the same new segment at once: all attach to one, none sees it half-made."""
     results = FORK.Queue()
@@ -347,6 +352,7 @@ def test_create_race_gives_one_segment(tiny_spec, seg_name):
     assert not [p for p in os.listdir("/dev/shm") if seg.temp_owner(p) in ours]
 
 
+@pytest.mark.procs
 def test_fork_reattaches(tiny_spec, seg_name):
     with HotTier(tiny_spec, n_slots=8, name=seg_name) as tier:
         keys = prompt(tiny_spec, 3, 2)
@@ -460,6 +466,7 @@ def _fork_a_bystander_then_hang(spec, name, ready, child_pid):
     tier.put_many(keys, payload_for(spec, keys))
 
 
+@pytest.mark.procs
 def test_a_forked_bystander_does_not_keep_a_dead_writer_alive(tiny_spec, seg_name):
     with HotTier(tiny_spec, n_slots=8, name=seg_name) as tier:
         ready, child_pid = FORK.Event(), FORK.Value("i", 0)

@@ -95,7 +95,8 @@ def test_evictions_promotions_demotions(spec, seg_name, tmp_path):
     from tieredkv import policies
 
     hot_bytes = seg.Layout.compute(spec, 4, policies.StateLayout.for_policy(policies.make("lru"), 4).nbytes).total_bytes
-    with TieredCache(spec, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=tmp_path / "w", warm_bytes=4 * MiB) as c:
+    with TieredCache(spec, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=tmp_path / "w", warm_bytes=4 * MiB,
+                     demotion="on_evict") as c:
         rng = np.random.default_rng(1)
         a, b = rng.integers(0, 30_000, 17), rng.integers(0, 30_000, 17)
         c.store(a, kv_for(spec, a))
@@ -112,6 +113,7 @@ def test_evictions_promotions_demotions(spec, seg_name, tmp_path):
     assert not any(n.startswith("tieredkv_warm_blocks") for n, _ in d)  # no warm_dir given: no warm series
 
 
+@pytest.mark.procs
 def test_counters_are_per_host_not_per_process(spec, seg_name):
     """Another process's lookups show up in this process's scrape, also after it exited."""
     with TieredCache(spec, hot_bytes=MiB, hot_name=seg_name) as cache:

@@ -139,11 +139,12 @@ def test_tier_to_pages_and_back(device, dtype):
             paged.read([9, 4], check)
             assert torch.equal(check.view(torch.int16), kv[:, :, :, :2 * BLOCK].contiguous().view(torch.int16))
             # The model computes chunk 1 into blocks 6 and 2; the save reads them back and stores
-            # them after the loaded chunk (kv_start), never reading chunk 0 from the pages again.
+            # them after the loaded chunk (from_token), never reading chunk 0 from the pages again.
             paged.write([6, 2], kv[:, :, :, 2 * BLOCK:].contiguous())
-            back = paged.host_buffer(2 * BLOCK)
-            paged.read([6, 2], back)
-            assert cache.store(tokens[:4 * BLOCK], back, kv_start=2 * BLOCK) == 1
+            back = paged.host_buffer(4 * BLOCK)
+            back[:, :, :, :2 * BLOCK] = 0  # stale positions store must not read
+            paged.read([6, 2], back[:, :, :, 2 * BLOCK:])
+            assert cache.store(tokens[:4 * BLOCK], back, from_token=2 * BLOCK) == 1
             again = torch.zeros(LAYERS, 2, HEADS, 4 * BLOCK, HEAD_DIM, dtype=dtype)
             full = cache.lookup(tokens)
             assert full.tokens == 4 * BLOCK and cache.load(full, again) == 4 * BLOCK

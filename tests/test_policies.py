@@ -131,7 +131,7 @@ def test_demotion_rules():
     assert on_evict.should_demote(hits).tolist() == [True] * 3
     assert wt.should_demote(hits).tolist() == [False] * 3
     assert nth.should_demote(hits).tolist() == [False, True, True]
-    with pytest.raises(policies.UnknownPolicy, match="on_evict, on_nth_hit, write_through"):
+    with pytest.raises(policies.UnknownPolicy, match="on_evict, on_nth_hit, write_behind, write_through"):
         demotion.make("lazy")
 
 

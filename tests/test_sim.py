@@ -15,9 +15,7 @@ from tieredkv.errors import FormatError, InvalidInput
 from tieredkv.sim import (Trace, add_arguments, main, plot_mrc, read_trace, resolve_capacity,
                           run_simulation, simulate, simulate_tiered, synthetic_trace, write_trace)
 
-MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake_synthetic_trace.jsonl")
-if not os.path.exists(MOONCAKE):
-    MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "traces", "mooncake_synthetic_trace.jsonl")
 
 
 # ---- traces ----------------------------------------------------------------------------------------

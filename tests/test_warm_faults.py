@@ -130,6 +130,7 @@ t.close()
 """
 
 
+@pytest.mark.procs
 def test_readonly_directory_for_real(tmp_path):
     """A tier on a read-only filesystem (root: a read-only bind mount in a private mount namespace,
     since root ignores file modes) or without write permission (other users: chmod)."""

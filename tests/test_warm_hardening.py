@@ -18,7 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tieredkv import InvalidInput, KVSpec, PutResult, TieredCache, TieredKVError, WarmTierUnavailable, chunk_keys
+from tieredkv import (
+    InvalidInput,
+    KVSpec,
+    LockTimeout,
+    PutResult,
+    TieredCache,
+    TieredKVError,
+    WarmTierUnavailable,
+    chunk_keys,
+)
 from tieredkv.warm import WarmTier, admin
 from tieredkv.warm.testing import TEST_SPEC_ARGS, check_index, payload_for
 
@@ -69,7 +78,7 @@ def test_from_hf_config_with_a_string_count_names_the_field(field):
         KVSpec.from_hf_config({**cfg, field: 2}, tp_size="1")
 
 
-@pytest.mark.parametrize("bad", [5, "", b"/tmp", None.__class__])
+@pytest.mark.parametrize("bad", [5, "", b"/tmp", object()])
 def test_bad_warm_dir_is_invalid_input_naming_it(bad, seg_name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "" must not mean "here": nothing may appear in the cwd
     with pytest.raises(InvalidInput, match="warm_dir"):
@@ -80,6 +89,7 @@ def test_bad_warm_dir_is_invalid_input_naming_it(bad, seg_name, tmp_path, monkey
 
 
 # ---- issue 14 item 5: verify's exit status ---------------------------------------------------------------
+@pytest.mark.procs
 def test_verify_exit_codes(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -155,6 +165,7 @@ t.put_many(k, payload_for(k, spec.block_bytes))
 
 
 # ---- 1: claims of a writer in another PID namespace ----------------------------------------------------
+@pytest.mark.procs
 @needs_root
 def test_claims_of_a_writer_in_another_pid_namespace_are_live_until_it_dies(tmp_path):
     if shutil.which("unshare") is None:
@@ -201,6 +212,14 @@ def body(txn):
 t._index.write(body)
 """
 
+_STOPPED_OPENER = """
+import os, signal
+from tieredkv.warm import files
+with files.init_lock({tier_dir!r}):
+    print("inside", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
 _OTHER_PROCESS = """
 import numpy as np
 from tieredkv import KVSpec, LockTimeout, chunk_keys
@@ -226,6 +245,7 @@ finally:
 """
 
 
+@pytest.mark.procs
 def test_a_writer_stopped_inside_a_write_transaction_blocks_nobody_without_bound(tmp_path):
     root = tmp_path / "warm"
     stored = keys(0, 4)
@@ -253,6 +273,14 @@ def test_a_writer_stopped_inside_a_write_transaction_blocks_nobody_without_bound
             other.stdout + other.stderr
         child.send_signal(signal.SIGCONT)  # it commits and exits
         assert child.wait(timeout=60) == 0
+        # The same for a process stopped while it opens (holding the tier's init lock).
+        child = _child(_STOPPED_OPENER.format(tier_dir=str(root / SPEC.namespace)))
+        assert child.stdout.readline().strip() == "inside"
+        wait_until(lambda: _proc_state(child.pid) == "T")
+        with pytest.raises(LockTimeout, match="stopped"):
+            WarmTier(SPEC, root, lock_timeout_s=0.5)
+        child.send_signal(signal.SIGCONT)
+        assert child.wait(timeout=60) == 0
         assert (fill(t, keys(1000, 2)) == PutResult.STORED).all()
     finally:
         child.kill()
@@ -274,7 +302,8 @@ except WarmTierUnavailable as e:
 """
 
 
-@pytest.mark.parametrize("how", ["delete", "replace"])
+@pytest.mark.procs
+@pytest.mark.parametrize("how", ["delete", "replace", "delete owners"])
 def test_a_replaced_lock_file_never_makes_two_writers(tmp_path, how):
     root = tmp_path / "warm"
     lock = root / SPEC.namespace / "index.lmdb" / "lock.mdb"
@@ -284,17 +313,21 @@ def test_a_replaced_lock_file_never_makes_two_writers(tmp_path, how):
         fill(t, first)
         if how == "delete":
             lock.unlink()
-        else:
+        elif how == "replace":
             shutil.copy(lock, str(lock) + ".new")
             os.replace(str(lock) + ".new", lock)
-        # A new opener (another worker starting) would make a second LMDB lock table: refused.
+        else:  # the owner registry: a new one would not know the running worker (its claims look dead)
+            (root / SPEC.namespace / "owners").unlink()
+        # A new opener (another worker starting) would make a second LMDB lock table, or a second
+        # registry: refused.
         other = subprocess.run([sys.executable, "-c", _OPENER.format(root=str(root))], capture_output=True,
                                text=True, cwd=ROOT, timeout=120)
         assert other.stdout.startswith("refused:") and "deleted or replaced" in other.stdout, \
             other.stdout + other.stderr
-        # The worker that had it open stops writing, with a clear error; reads go on.
-        with pytest.raises(WarmTierUnavailable, match="deleted or replaced"):
-            fill(t, keys(1000, 2))
+        if how != "delete owners":
+            # The worker that had it open stops writing, with a clear error; reads go on.
+            with pytest.raises(WarmTierUnavailable, match="deleted or replaced"):
+                fill(t, keys(1000, 2))
         assert served(t, first) == 4
     finally:
         t.close()
@@ -335,6 +368,7 @@ def _truncate_index(root, size):
     os.truncate(data, size)
 
 
+@pytest.mark.procs
 def test_a_truncated_data_file_is_detected_before_lmdb_touches_it(tmp_path):
     root = tmp_path / "warm"
     with WarmTier(SPEC, root, capacity_bytes=64 * SLOT) as t:
@@ -395,6 +429,7 @@ def _damage_record_slot(root, key: bytes, new_slot: int) -> int:
     return copies
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("verify", ["never", "sampled", "always"])
 @pytest.mark.parametrize("slot", ["out of range", "another block's"])
 def test_a_record_with_a_damaged_slot_is_dropped_and_counted(tmp_path, slot, verify):
@@ -424,6 +459,7 @@ def test_a_record_with_a_damaged_slot_is_dropped_and_counted(tmp_path, slot, ver
 
 
 # ---- 6: a lost or emptied index ------------------------------------------------------------------------------
+@pytest.mark.procs
 @pytest.mark.parametrize("how", ["deleted", "emptied", "data.mdb zeroed"])
 def test_a_lost_or_emptied_index_is_rebuilt_empty_with_a_warning(tmp_path, how):
     root = tmp_path / "warm"
@@ -450,6 +486,7 @@ def test_a_lost_or_emptied_index_is_rebuilt_empty_with_a_warning(tmp_path, how):
     assert cli("verify", str(root)).returncode == 0
 
 
+@pytest.mark.procs
 def test_verify_repair_rebuilds_a_lost_index_and_refuses_while_the_tier_is_open(tmp_path):
     root = tmp_path / "warm"
     with WarmTier(SPEC, root, capacity_bytes=16 * SLOT) as t:
@@ -486,8 +523,9 @@ except TieredKVError as e:
 """
 
 
+@pytest.mark.procs
 @needs_root
-def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
+def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path, seg_name):
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]).returncode:
@@ -511,6 +549,11 @@ def test_a_failed_create_on_a_full_disk_leaves_nothing_and_says_so(tmp_path):
                 left = sorted(p.name for p in tier.iterdir()) if tier.exists() else []
                 assert not [n for n in left if n.startswith("slab-") or n in ("index.lmdb", "meta.json")], left
                 assert used() < 64 << 10, used()
+        # A worker's TieredCache on that disk still starts, hot-only, and says so.
+        with pytest.warns(RuntimeWarning, match="hot-only"):
+            cache = TieredCache(SPEC, hot_bytes=MiB, hot_name=seg_name, warm_dir=mnt / "warm", warm_bytes=16 * MiB)
+        assert cache.warm is None
+        cache.close()
         assert create(2 * MiB) == "created"
         with WarmTier(SPEC, mnt / "warm") as t:
             assert (fill(t, keys(0, 4)) == PutResult.STORED).all()
@@ -572,6 +615,7 @@ print("served", n)
 """
 
 
+@pytest.mark.procs
 def test_a_data_file_cut_by_a_few_pages_is_refused_not_a_signal(tmp_path):
     root = tmp_path / "warm"
     with WarmTier(SPEC, root, capacity_bytes=2048 * SLOT) as t:
@@ -600,3 +644,78 @@ def test_a_data_file_cut_by_a_few_pages_is_refused_not_a_signal(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _SCAN_ALL.format(root=str(root))], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.stdout.split() == ["served", "1500"], proc.stdout + proc.stderr
+
+
+_FORKING_WRITER = """
+import os, sys, time, numpy as np
+from tieredkv import KVSpec, chunk_keys
+from tieredkv.warm import WarmTier
+from tieredkv.warm.testing import TEST_SPEC_ARGS, payload_for
+spec = KVSpec(**TEST_SPEC_ARGS)
+t = WarmTier(spec, {root!r}, capacity_bytes=4 * 4096)
+def stuck(*a, **k):
+    child = os.fork()
+    if child == 0:  # a helper process that never touches the tier
+        time.sleep(600)
+        os._exit(0)
+    print("claimed", child, flush=True)
+    time.sleep(600)
+t._slabs.write = stuck
+k = chunk_keys(spec, np.arange(7000, 7000 + 4 * spec.chunk_tokens))
+t.put_many(k, payload_for(k, spec.block_bytes))
+"""
+
+
+@pytest.mark.procs
+def test_a_forked_child_does_not_keep_a_dead_writer_alive(tmp_path):
+    root = tmp_path / "warm"
+    WarmTier(SPEC, root, capacity_bytes=4 * SLOT).close()
+    writer = _child(_FORKING_WRITER.format(root=str(root)))
+    helper = None
+    try:
+        word, pid = writer.stdout.readline().split()
+        assert word == "claimed"
+        helper = int(pid)
+        assert admin.verify(root)["tiers"][0]["dead_claims"] == 0  # the writer lives
+        writer.kill()
+        writer.wait(timeout=30)
+        # Its child inherited the registry's descriptor (and so the lock) but dropped it at fork.
+        assert _proc_state(helper) in "SR"
+        assert admin.verify(root)["tiers"][0]["dead_claims"] == 4
+        with WarmTier(SPEC, root) as t:
+            assert (fill(t, keys(0, 4)) == PutResult.STORED).all()
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+        if helper is not None:
+            try:
+                os.kill(helper, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.procs
+def test_a_slab_deleted_under_a_running_worker_is_not_recreated_beside_it(tmp_path):
+    root = tmp_path / "warm"
+    k = keys(0, 4)
+    t = WarmTier(SPEC, root, capacity_bytes=16 * SLOT, verify="never")
+    try:
+        fill(t, k)
+        (root / SPEC.namespace / "slab-0000.bin").unlink()
+        # A new opener would make a fresh slab-0000.bin: its writes and the running worker's would land
+        # in two different files under one index. Refused while the worker lives.
+        other = subprocess.run([sys.executable, "-c", _OPENER.format(root=str(root)).replace(
+            "WarmTierUnavailable", "TieredKVError")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert other.stdout.startswith("refused:") and "deleted while 1 process" in other.stdout, \
+            other.stdout + other.stderr
+        assert not (root / SPEC.namespace / "slab-0000.bin").exists()
+        assert served(t, k) == 4  # the worker still reads (and writes) the deleted file, consistently
+        assert (fill(t, keys(100, 2)) == PutResult.STORED).all()
+        assert served(t, keys(100, 2)) == 2
+    finally:
+        t.close()
+    with pytest.warns(UserWarning, match="missing"):  # alone now: repaired as before
+        t = WarmTier(SPEC, root)
+    with t:
+        assert t.match(k) == 0 and (fill(t, k) == PutResult.STORED).all() and served(t, k) == 4
+    check_index(str(root / SPEC.namespace))

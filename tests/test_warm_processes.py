@@ -46,6 +46,7 @@ def assert_all_served(root, prompts, chunks=8):
         assert t.stats().corrupt == 0
 
 
+@pytest.mark.procs
 def test_persistence_after_clean_exit(tmp_path):
     proc = start_writer(tmp_path, capacity_slots=512, batches=40)
     prompts = committed_prompts(proc)
@@ -54,6 +55,7 @@ def test_persistence_after_clean_exit(tmp_path):
     check_index(str(tmp_path / SPEC.namespace))
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("sync", ["none", "data"])
 def test_persistence_after_sigkill(tmp_path, sync):
     proc = start_writer(tmp_path, capacity_slots=4096, batches=100_000, sync=sync)
@@ -67,6 +69,7 @@ def test_persistence_after_sigkill(tmp_path, sync):
     check_index(str(tmp_path / SPEC.namespace))  # open (above) reaped the dead writer's claims
 
 
+@pytest.mark.procs
 def test_crash_consistency_random_kills(tmp_path):
     """SIGKILL a writer at random points of put_many, many times; the index must stay exact."""
     rng = random.Random(1234)
@@ -108,6 +111,7 @@ def _mix(args):
     return mixer(*args)
 
 
+@pytest.mark.procs
 def test_four_processes_overlapping_keys(tmp_path):
     capacity = 64  # far fewer slots than the working set: eviction and slot reuse under readers
     seconds = float(os.environ.get("TIEREDKV_MIX_SECONDS", "3"))

@@ -4,9 +4,20 @@ Public names: ``KVSpec``, ``chunk_keys``, ``ChunkKeys``, the tiers (``HotTier``,
 users hold (``TieredCache``) and the ``TieredKVError`` family.
 """
 
-from tieredkv.errors import (CapacityError, CorruptState, FormatError, InvalidInput, InvalidName,
-                             InvalidPayload, LockTimeout, PermissionDenied, SpecMismatch, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import (
+    CapacityError,
+    CorruptState,
+    FormatError,
+    InvalidInput,
+    InvalidName,
+    InvalidPayload,
+    LockTimeout,
+    PermissionDenied,
+    RemoteUnavailable,
+    SpecMismatch,
+    TieredKVError,
+    WarmTierUnavailable,
+)
 from tieredkv.keys import ChunkKeys, chunk_keys
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats
@@ -16,6 +27,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "HotTier": "tieredkv.hot",
     "WarmTier": "tieredkv.warm",
+    "RemoteTier": "tieredkv.remote",
     "TieredCache": "tieredkv.cache",
     "PrefixHit": "tieredkv.cache",
 }
@@ -33,5 +45,5 @@ def __getattr__(name: str):
 
 __all__ = ["CapacityError", "ChunkKeys", "CorruptState", "Evicted", "FormatError", "HotTier", "InvalidInput",
            "InvalidName", "InvalidPayload", "KVSpec", "LockTimeout", "PermissionDenied", "PrefixHit",
-           "PutResult", "SpecMismatch", "Tier", "TierStats", "TieredCache", "TieredKVError", "WarmTier",
-           "WarmTierUnavailable", "chunk_keys"]
+           "PutResult", "RemoteTier", "RemoteUnavailable", "SpecMismatch", "Tier", "TierStats", "TieredCache",
+           "TieredKVError", "WarmTier", "WarmTierUnavailable", "chunk_keys"]

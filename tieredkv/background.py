@@ -32,8 +32,8 @@ class BackgroundWriter:
         on_error: called with the exception of a job that raised (on the writer thread).
 
     Attributes:
-        submitted, done, dropped, failed: counts of jobs (``done``: finished, failed ones included; ``dropped``: refused because the queue was full
-            or the writer closed; ``failed``: raised).
+        submitted, done, dropped, failed: counts of jobs (``done``: finished, failed ones included;
+            ``dropped``: refused because the queue was full or the writer closed; ``failed``: raised).
         dropped_blocks: blocks in dropped jobs.
     """
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import json
 import os
 import runpy
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tieredkv.errors import TieredKVError
 from tieredkv.spec import KVSpec
@@ -66,6 +68,10 @@ def _spec_from_args(args: argparse.Namespace) -> KVSpec:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from tieredkv.estimate import estimate
 
+    for flag in ("prefix_tokens", "prompt_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
     try:
         spec = _spec_from_args(args)
         doc = estimate(spec, prompt_tokens=args.prompt_tokens or args.prefix_tokens,
@@ -77,18 +83,24 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     def text() -> str:
         rows = [["bytes per token", f"{doc['bytes_per_token']:,}"],
-                ["block (chunk of %d tokens)" % spec.chunk_tokens, human(doc["block_bytes"])],
+                [f"block (chunk of {spec.chunk_tokens} tokens)", human(doc["block_bytes"])],
                 ["KV per request", human(doc["kv_per_request_bytes"])],
-                ["KV per worker (x%d concurrent)" % args.concurrency, human(doc["kv_per_worker_bytes"])],
-                ["KV in total (x%d workers)" % args.workers, human(doc["kv_total_bytes"])],
+                [f"KV per worker (x{args.concurrency} concurrent)", human(doc["kv_per_worker_bytes"])],
+                [f"KV in total (x{args.workers} workers)", human(doc["kv_total_bytes"])],
                 ["shared prefix, one copy", human(doc["prefix_kv_bytes"])],
                 ["duplicate prefix bytes (upper bound)", human(doc["duplicate_prefix_bytes"])],
                 ["removed by sharing (one copy kept)", human(doc["saved_by_sharing_bytes"])],
                 ["KV in total, prefix shared", human(doc["kv_total_shared_bytes"])]]
         if "prefill_saved_ms_per_request" in doc:
             rows.append(["prefill saved per request", f"{doc['prefill_saved_ms_per_request']:.1f} ms"])
-        return f"{spec.model_id}: {spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x " \
-               f"{spec.head_dim} x {spec.dtype_bytes} B\n" + _table(rows, ["", "size"])
+        rows += [["set hot_bytes (TieredCache)", human(doc["hot_bytes"])],
+                 ["set /dev/shm size (2 x hot_bytes)", human(doc["shm_size_bytes"])]]
+        return (f"{spec.model_id}: {spec.num_layers} layers x 2 x {spec.num_kv_heads} kv heads x "
+                f"{spec.head_dim} x {spec.dtype_bytes} B\n" + _table(rows, ["", "size"]) +
+                f"\n\nTieredCache(spec, hot_bytes={doc['hot_bytes']})   # {doc['hot_blocks']:,} blocks: the prefix "
+                f"once + each concurrent request's own chunks\n"
+                f"docker run --shm-size={doc['shm_size_bytes'] >> 20}m ...   # or a Kubernetes emptyDir "
+                f"(medium: Memory) of sizeLimit {doc['shm_size_bytes'] >> 20}Mi; see docs/deploy.md")
 
     _emit(args, doc, text)
     return 0
@@ -107,44 +119,105 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from tieredkv import numa
     from tieredkv.hot import admin
 
+    if args.warm_dir and not os.path.isdir(args.warm_dir):
+        raise UsageError(f"--warm-dir {args.warm_dir}: " + ("not a directory; give the warm tiers' root directory"
+                                                            if os.path.exists(args.warm_dir) else "does not exist"))
     segments = _matching(admin.list_segments(), args.match)
     warm = []
     if args.warm_dir:
         from tieredkv.warm.admin import list_warm_tiers
 
         warm = list_warm_tiers(args.warm_dir)
+    remote = _remote_namespaces(args.remote) if args.remote else None
     nodes = numa.nodes()
+    from tieredkv.hot import segment as seg
+
+    where, huge = seg.shm_dir(), seg.huge_page_policy()
 
     def text() -> str:
         rows = [[d["name"], d.get("model_id") or "-", human(d.get("size_bytes", 0)),
                  f"{d.get('ready_slots', 0)}/{d.get('n_slots', 0)}", d.get("hits", 0), d.get("misses", 0),
                  f"{100 * d.get('prefix_hit_rate', 0):.1f}%", d.get("live_handles", 0),
-                 d["reason"] or ""] for d in segments]
-        out = "hot tier segments (/dev/shm):\n" + (_table(rows, ["segment", "model", "size", "used/slots", "hits",
-                                                                "misses", "prefix hit", "handles", "note"])
-                                                   if rows else "  none")
+                 d.get("huge_pages", "-"), d["reason"] or ""] for d in segments]
+        out = f"hot tier segments ({where}, huge pages: {huge}):\n" + (
+            _table(rows, ["segment", "model", "size", "used/slots", "hits", "misses", "prefix hit", "handles",
+                          "huge", "note"]) + "\n" + _LS_LEGEND if rows else "  none")
         if args.warm_dir:
             wrows = [[w.get("path"), w.get("model") or "-", human(w.get("size_bytes") or 0),
                       f"{w.get('blocks', 0)}/{w.get('capacity_blocks', 0)}", w.get("error") or ""] for w in warm]
             out += f"\nwarm tiers under {args.warm_dir}:\n" + (
                 _table(wrows, ["path", "model", "size", "blocks/capacity", "note"]) if wrows else "  none")
+        if remote is not None:
+            out += "\n" + _remote_text(remote)
         if len(nodes) > 1:
             out += f"\nNUMA: {len(nodes)} nodes; use one segment per node (docs/tuning.md, NUMA)"
         return out
 
-    _emit(args, {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()}}, text)
+    doc = {"hot": segments, "warm": warm, "numa_nodes": {str(n): c for n, c in nodes.items()},
+           "shm_dir": str(where), "huge_pages": huge}
+    if remote is not None:
+        doc["remote"] = remote
+    _emit(args, doc, text)
     return 0
 
 
+#: What the columns of ``tieredkv ls`` count (printed under the table).
+_LS_LEGEND = ("  hits / misses: blocks the hot tier delivered / could not deliver to loads, over the segment's "
+              "life;\n  prefix hit: prompt tokens served from cache / prompt tokens looked up; handles: "
+              "processes that have it open; huge: whether its pages are huge pages (docs/tuning.md)")
+
+
+def _remote_namespaces(url: str) -> dict:
+    """The store's namespaces and numbers; a store that cannot list names still shows its numbers."""
+    from tieredkv.errors import InvalidInput
+    from tieredkv.remote import admin
+
+    try:
+        return admin.namespaces(url)
+    except InvalidInput as e:  # cannot enumerate (Mooncake), or a bad URL
+        if "cannot list" not in str(e):
+            raise UsageError(str(e)) from None
+        store = admin.connect(url)
+        try:
+            return {"url": store.url, "server": store.info(), "namespaces": None, "note": str(e)}
+        finally:
+            store.close()
+
+
+def _remote_text(doc: dict) -> str:
+    server = doc["server"]
+    facts = ", ".join(f"{k} {human(v) if k.endswith('_bytes') else v}" for k, v in server.items() if k != "url")
+    out = f"remote store {doc['url']}: {facts}"
+    if doc.get("namespaces") is None:
+        return out + f"\n  ({doc.get('note', 'names not listed')})"
+    rows = [[n["fingerprint"], n["blocks"]] for n in doc["namespaces"]]
+    return out + "\n" + (_table(rows, ["namespace fingerprint", "blocks"]) if rows else "  no tieredkv blocks")
+
+
 def _pick_segment(name: str | None) -> str:
+    """The segment ``stats`` should show: ``name`` exactly, else the one segment whose name starts with
+    ``name`` (``/`` and ``tieredkv-`` optional) or whose model id is ``name``; no name: the only one."""
     from tieredkv.hot import segment as seg
 
-    if name:
-        return seg.check_name(name)
     names = seg.list_segment_names(published_only=True)
-    if len(names) != 1:
-        raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
-    return names[0]
+    if not name:
+        if len(names) != 1:
+            raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
+        return names[0]
+    bare = name.lstrip("/")
+    if "/" + bare in names or os.path.exists(seg.shm_dir() / bare):
+        return seg.check_name(name)
+    found = [n for n in names if n[1:].startswith(bare) or n[1:].startswith(seg.PREFIX + bare)]
+    if not found:
+        from tieredkv.hot import admin
+
+        found = [n for n in names if admin.inspect(n).get("model_id") == name]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise UsageError(f"{name!r} matches {len(found)} segments ({', '.join(found)}); give more of the name")
+    raise TieredKVError(f"no segment named {name!r}, starting with it, or caching model {name!r}; "
+                     f"segments (`tieredkv ls` describes them): {', '.join(names) or 'none'}")
 
 
 def _quantile_bound(hist: list[int], q: float) -> float | None:
@@ -193,7 +266,8 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
              f"({c['hit_tokens']:,} of {c['prompt_tokens']:,} prompt tokens served from cache)"]
     if delta is not None:
         rate = "    - " if delta["prefix_hit_rate"] is None else f"{100 * delta['prefix_hit_rate']:5.1f}%"
-        lines.append(f"  {'last %g s' % round(delta['seconds'], 1):<17}{rate}   ({delta['hit_tokens']:,} of "
+        last = f"last {round(delta['seconds'], 1):g} s"
+        lines.append(f"  {last:<17}{rate}   ({delta['hit_tokens']:,} of "
                      f"{delta['prompt_tokens']:,} prompt tokens; {delta['lookups']:,} lookups, "
                      f"{delta['evictions']:,} evicted, {delta['promotions']:,} promoted, "
                      f"{delta['demotions']:,} demoted)")
@@ -209,7 +283,15 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
               f"  bytes: hot read {human(c['hot_bytes_read'])}, warm read {human(c['warm_bytes_read'])}, "
               f"hot written {human(c['hot_bytes_written'])}, warm written {human(c['warm_bytes_written'])}",
               f"  recoveries {k['recoveries']} (scrubs {doc['scrubs']}), reclaimed slots {k['reclaimed']}, "
-              f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}"]
+              f"torn reads {k['torn_reads']}, warm errors {c['warm_errors']}",
+              f"  write-behind to warm: {c['warm_queued_blocks']:,} blocks queued, "
+              f"{c['warm_dropped_blocks']:,} dropped (queue full)"]
+    if any(c.get(f, 0) for f in ("remote_hit_tokens", "remote_misses", "remote_errors", "remote_drops",
+                                 "remote_bytes_written")):
+        lines.append(f"  remote: hit tokens {c['remote_hit_tokens']:,}, misses {c['remote_misses']:,}, errors "
+                     f"{c['remote_errors']:,}, dropped writes {c['remote_drops']:,} blocks, refused values "
+                     f"{c['remote_corrupt']:,}; read {human(c['remote_bytes_read'])}, written "
+                     f"{human(c['remote_bytes_written'])}")
     return "\n".join(lines)
 
 
@@ -218,11 +300,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     if args.count is not None and args.count < 1:
         raise UsageError("--count must be >= 1")
+    if args.watch is not None and not args.watch > 0:
+        raise UsageError(f"--watch SECONDS must be > 0, got {args.watch:g}")
+    if args.prometheus is not None and not 0 <= args.prometheus <= 65535:
+        raise UsageError(f"--prometheus PORT must be in 0..65535 (0: any free port), got {args.prometheus}")
+    if args.warm_dir and not os.path.isdir(args.warm_dir):
+        raise UsageError(f"--warm-dir {args.warm_dir}: not a directory")
+    if args.remote:
+        if args.name or args.watch or args.prometheus is not None:
+            raise UsageError("--remote shows the store's own numbers; give it without a NAME, --watch or --prometheus")
+        doc = _remote_namespaces(args.remote)
+        _emit(args, doc, lambda: _remote_text(doc))
+        return 0
     if args.prometheus is not None:
         from tieredkv import metrics
 
-        server = metrics.serve_metrics(args.prometheus, [args.name] if args.name else None,
-                                       warm_dir=args.warm_dir, addr=args.addr)
+        names = [_pick_segment(args.name)] if args.name else None
+        server = metrics.serve_metrics(args.prometheus, names, warm_dir=args.warm_dir, addr=args.addr)
         host = args.addr if args.addr != "0.0.0.0" else "localhost"
         print(f"serving Prometheus metrics on http://{host}:{server.server_port}/metrics "
               f"({args.name or 'every segment'}); Ctrl-C stops", flush=True)
@@ -250,7 +344,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         else:
             if args.watch and sys.stdout.isatty():
                 print("\033[H\033[J", end="")  # clear the screen between refreshes
-            _emit(args, doc, lambda: _stats_text(name, doc, doc["interval"]))
+            _emit(args, doc, functools.partial(_stats_text, name, doc, doc["interval"]))
         shown += 1
         if not args.watch or (args.count is not None and shown >= args.count):
             return 0
@@ -301,7 +395,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         name = seg.check_name(name)
         try:
             if args.dry_run:
-                os.stat(seg.SHM_DIR / name.lstrip("/"))
+                os.stat(seg._shm_path(name))
             else:
                 admin.remove(name)
             removed.append({"name": name, "reason": "named"})
@@ -317,6 +411,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tieredkv.warm.admin import verify
 
+    if bool(args.directory) == bool(args.remote):
+        raise UsageError("give a warm tier DIRECTORY or --remote URL (one of them)")
+    if args.remote:
+        return _verify_remote(args)
     if not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory} is not a directory")
     report = verify(args.directory, repair=args.repair)
@@ -350,6 +448,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # Damage found and repaired is a success: `verify --repair && start-workers` must work.
         return 0 if all(t["repaired"] and not t.get("error") for t in tiers) else 2
     return 0 if report.get("ok", True) else 2
+
+
+def _verify_remote(args: argparse.Namespace) -> int:
+    from tieredkv.errors import InvalidInput
+    from tieredkv.remote import admin
+
+    try:
+        report = admin.verify(args.remote, repair=args.repair)
+    except InvalidInput as e:
+        raise UsageError(str(e)) from None
+
+    def text() -> str:
+        lines = [f"{report['url']}: {report['checked']:,} values checked, {len(report['bad']):,} bad"
+                 + (f", {report['removed']:,} removed" if args.repair else "")
+                 + ("" if report["ok"] else "  <-- DAMAGED")]
+        lines += [f"    {b['name']}: {b['reason']}" for b in report["bad"][:10]]
+        if len(report["bad"]) > 10:
+            lines.append(f"    ... {len(report['bad']) - 10} more (all of them in --json)")
+        return "\n".join(lines)
+
+    _emit(args, report, text)
+    if args.repair:  # every bad value deleted is a success, as for a warm tier
+        return 0 if report["removed"] == len(report["bad"]) else 2
+    return 0 if report["ok"] else 2
 
 
 # ---- simulate / demo / bench -------------------------------------------------------------------
@@ -425,13 +547,16 @@ EXAMPLES = {
     "estimate": ["tieredkv estimate --layers 28 --kv-heads 2 --head-dim 128 --prefix-tokens 4096 "
                  "--concurrency 4 --workers 8",
                  "tieredkv estimate --config path/to/config.json --prefix-tokens 2048 --prompt-tokens 3000 --json -"],
-    "ls": ["tieredkv ls", "tieredkv ls --warm-dir /var/cache/tieredkv --json -"],
+    "ls": ["tieredkv ls", "tieredkv ls --warm-dir /var/cache/tieredkv --json -",
+           "tieredkv ls --remote valkey://10.0.0.5:6379"],
     "stats": ["tieredkv stats --watch 2                  # the only segment, refreshed every 2 s",
               "tieredkv stats /tieredkv-NAME --json -",
-              "tieredkv stats --prometheus 9400 --addr 0.0.0.0 --warm-dir /var/cache/tieredkv"],
+              "tieredkv stats --prometheus 9400 --addr 0.0.0.0 --warm-dir /var/cache/tieredkv",
+              "tieredkv stats --remote valkey://10.0.0.5:6379    # the shared store's own numbers"],
     "rm": ["tieredkv rm --stale --dry-run", "tieredkv rm --stale --idle", "tieredkv rm /tieredkv-NAME",
            "tieredkv rm --stale --match '/tieredkv-test-*'"],
-    "verify": ["tieredkv verify /var/cache/tieredkv", "tieredkv verify /var/cache/tieredkv --repair --json report.json"],
+    "verify": ["tieredkv verify /var/cache/tieredkv", "tieredkv verify /var/cache/tieredkv --repair --json report.json",
+               "tieredkv verify --remote valkey://10.0.0.5:6379 --repair"],
     "simulate": ["tieredkv simulate --trace mooncake.jsonl --policy lru,s3fifo --capacity 1000,5% --plot mrc.png",
                  "tieredkv simulate --synthetic 20000 --policy lru,arc --hot 5% --warm 20% --json -"],
     "bench": ["tieredkv bench hot_tier -- --quick", "tieredkv bench --json warm.json warm_tier -- --quick"],
@@ -492,6 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("ls", cmd_ls, "list hot-tier segments (and warm tiers with --warm-dir)")
     p.add_argument("--warm-dir", help="also list the warm tiers under this directory")
     p.add_argument("--match", metavar="PATTERN", help="only segments whose name matches this shell pattern")
+    p.add_argument("--remote", metavar="URL", help="also list what a remote store holds, per namespace "
+                                                   "(valkey://host:port; a mooncake:// store shows its numbers only)")
     _add_json(p, "every segment's description")
 
     p = add("stats", cmd_stats, "counters of a segment, prefix hit rate first (live with --watch, or for "
@@ -509,6 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --prometheus: address to bind (default 127.0.0.1; 0.0.0.0: every interface)")
     p.add_argument("--warm-dir", help="with --prometheus: also expose the usage of the warm tiers under this "
                                       "directory")
+    p.add_argument("--remote", metavar="URL", help="instead of a segment: the remote store's own numbers and "
+                                                   "blocks per namespace")
     _add_json(p, "the counters (with --watch: '-' prints one JSON document per line and refresh)")
 
     p = add("rm", cmd_rm, "remove segments by name, or the stale ones",
@@ -526,12 +655,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="say what would be removed")
     _add_json(p, "what was removed")
 
-    p = add("verify", cmd_verify, "check every checksum of a warm tier (exit 2 if damaged, 1 if no tier; "
-            "with --repair 0 once repaired)",
+    p = add("verify", cmd_verify, "check every checksum of a warm tier or a remote store (exit 2 if damaged, 1 if "
+            "no tier; with --repair 0 once repaired)",
             "Safe while workers use the tier. --repair drops bad blocks from the index, reaps dead writers'\n"
-            "claims, restores slab sizes and rewrites a damaged meta.json (see docs/warm-tier.md).")
-    p.add_argument("directory", help="a warm tier directory, or a root holding several")
-    p.add_argument("--repair", action="store_true", help="drop the bad blocks from the index")
+            "claims, restores slab sizes and rewrites a damaged meta.json (see docs/warm-tier.md).\n"
+            "With --remote URL: fetch every tieredkv value of the store and check its framing, checksum,\n"
+            "namespace and key against its name; --repair deletes the bad ones (see docs/fleet.md).")
+    p.add_argument("directory", nargs="?", help="a warm tier directory, or a root holding several")
+    p.add_argument("--remote", metavar="URL", help="check a remote store instead (valkey://host:port)")
+    p.add_argument("--repair", action="store_true", help="drop the bad blocks from the index (or the store)")
     _add_json(p, "the full report (every bad block)")
 
     p = add("bench", cmd_bench, "run a benchmark from benchmarks/ (source checkout)",
@@ -543,18 +675,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written before any work is done."""
+    if not path or path == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {p / 'out.json'}")
+    if not p.parent.is_dir():
+        raise UsageError(f"{flag} {path}: the directory {p.parent} does not exist; create it first")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tieredkv`` command with ``argv`` (default: ``sys.argv[1:]``). Returns the exit status."""
     args = build_parser().parse_args(argv)
     if getattr(args, "rest", None) and args.rest[:1] == ["--"]:
         args.rest = args.rest[1:]
     try:
+        _check_output("--json", getattr(args, "json", None))
+        _check_output("--plot", getattr(args, "plot", None))
         return args.func(args) or 0
     except UsageError as e:
         print(f"tieredkv {args.command}: {e}", file=sys.stderr)
         return 2
     except TieredKVError as e:  # the command could not do its job (a missing or damaged segment...)
         print(f"tieredkv {args.command}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the system refused (a file that cannot be written, a full disk...)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"tieredkv {args.command}: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

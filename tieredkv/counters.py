@@ -21,7 +21,13 @@ import numpy as np
 CACHE_FIELDS = ("lookups", "prompt_tokens", "hit_tokens", "hot_hit_tokens", "warm_hit_tokens",
                 "prefill_tokens", "loaded_tokens", "lost_blocks", "stored_blocks", "hot_bytes_read",
                 "warm_bytes_read", "hot_bytes_written", "warm_bytes_written", "promotions", "demotions",
-                "warm_errors", "corrupt_blocks", "lookup_ns", "load_ns")
+                "warm_errors", "corrupt_blocks", "lookup_ns", "load_ns",
+                # remote tier: hit tokens, probes that ended in a miss, failed or skipped calls,
+                # writes dropped by backpressure (blocks), refused values, bytes moved
+                "remote_hit_tokens", "remote_misses", "remote_errors", "remote_drops", "remote_corrupt",
+                "remote_bytes_read", "remote_bytes_written",
+                # write-behind to the warm tier (blocks): queued for the writer thread, dropped when full
+                "warm_queued_blocks", "warm_dropped_blocks")
 #: Upper bounds (seconds) of the lookup/load latency histogram buckets; the last bucket is +inf.
 LATENCY_BUCKETS_S = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
                      5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))

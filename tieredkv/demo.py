@@ -134,11 +134,37 @@ class Settings:
     namespace_tag: str = ""
 
 
-def make_requests(settings: Settings, vocab_size: int) -> list[np.ndarray]:
-    """``workers * requests_per_worker`` prompts: one shared prefix plus a unique suffix each."""
+#: With a real model (one that has a tokenizer) the prompts are text: this system prompt, repeated up to
+#: ``prefix_tokens``, then one of these questions (truncated to ``suffix_tokens``).
+SYSTEM_TEXT = ("You are the help desk of a railway company. Answer in one or two sentences, cite the rule "
+               "you apply and never invent a train. Bicycles travel free on regional trains outside rush "
+               "hours; intercity trains need a bicycle reservation. Cancelled trains are refunded in full "
+               "within 30 days. ")
+QUESTIONS = ("Can I take my bicycle on the 8:15 regional train?", "How do I get a refund for a cancelled train?",
+             "Is there step-free access at the main station?", "Can I change my reservation online?",
+             "Do children travel free?", "What happens if I miss my connection?")
+
+
+def make_requests(settings: Settings, vocab_size: int, tokenizer: Any = None) -> list[np.ndarray]:
+    """``workers * requests_per_worker`` prompts: one shared prefix plus a unique suffix each.
+
+    Without a tokenizer the tokens are random ids; with one, the prefix is ``SYSTEM_TEXT`` and each
+    suffix a question (``QUESTIONS``, numbered so that no two prompts are the same), so that the
+    answers read as text.
+    """
+    total = settings.workers * settings.requests_per_worker
+    if tokenizer is not None:
+        unit = list(tokenizer(SYSTEM_TEXT, add_special_tokens=False)["input_ids"])
+        prefix = np.asarray((unit * (settings.prefix_tokens // max(len(unit), 1) + 1))[: settings.prefix_tokens],
+                            dtype=np.int64)
+        out = []
+        for i in range(total):
+            text = f"\nQuestion {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}\nAnswer:"
+            suffix = list(tokenizer(text, add_special_tokens=False)["input_ids"])[: max(settings.suffix_tokens, 1)]
+            out.append(np.concatenate([prefix, np.asarray(suffix, dtype=np.int64)]))
+        return out
     rng = np.random.default_rng(settings.seed)
     prefix = rng.integers(0, vocab_size, settings.prefix_tokens, dtype=np.int64)
-    total = settings.workers * settings.requests_per_worker
     return [np.concatenate([prefix, rng.integers(0, vocab_size, settings.suffix_tokens, dtype=np.int64)])
             for _ in range(total)]
 
@@ -182,8 +208,9 @@ def _open_cache(config: str, settings: Settings, spec: KVSpec):
                        warm_bytes=settings.warm_bytes, **_SHARED_POLICY)
 
 
-#: Write-through to the warm tier: what makes the ``restart`` configuration find every block.
-_SHARED_POLICY = {"eviction": "lru", "promotion": "always", "demotion": "write_through"}
+#: The defaults: every stored block is written behind to the warm tier, and the workers close their
+#: caches when stopped (which writes what is queued): what makes ``restart`` find every block.
+_SHARED_POLICY = {"eviction": "lru", "promotion": "always", "demotion": "write_behind"}
 
 
 def _prefix_held(cache: Any, spec: KVSpec, prefix: np.ndarray) -> tuple[int, int]:
@@ -229,7 +256,7 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
             results.put(("done", worker_id, {
                 "request": request_id, "ttft_ms": ttft * 1e3, "total_ms": done * 1e3,
                 "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
-                "prompt_tokens": len(tokens), "new_tokens": len(new), "first_token": first,
+                "prompt_tokens": len(tokens), "new_tokens": len(new), "first_token": first, "new_ids": new,
                 "restore_ms": res.restore_ms, "store_ms": res.store_ms}))
         if cache is not None:
             cache.close()
@@ -442,8 +469,8 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
             progress.advance()
         wall = time.perf_counter() - start
         # Memory while every worker is alive and idle, before anything else touches the caches.
-        per_worker = [pss_bytes(pid) for pid in pool.pids.values()]
-        pss = {k: sum(p[k] for p in per_worker) for k in _PSS_FIELDS}
+        pss_per_worker = [pss_bytes(pid) for pid in pool.pids.values()]
+        pss = {k: sum(p[k] for p in pss_per_worker) for k in _PSS_FIELDS}
         rss = sum(rss_bytes(pid) for pid in pool.pids.values())
         prefix = requests[0][: settings.prefix_tokens]
         for q in pool.tasks:
@@ -451,7 +478,9 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
         stats = [pool.receive("stats", _READY_TIMEOUT_S)[1] for _ in range(settings.workers)]
     finally:
         pool.stop()
-    return summarize(config, settings, spec, done, stats, wall, pss, rss)
+    result = summarize(config, settings, spec, done, stats, wall, pss, rss)
+    result["first_answer_ids"] = [int(t) for t in next(d["new_ids"] for d in done if d["request"] == 0)]
+    return result
 
 
 def drop_hot_tier(spec: KVSpec) -> bool:
@@ -463,17 +492,28 @@ def drop_hot_tier(spec: KVSpec) -> bool:
     import posix_ipc
 
     from tieredkv.hot.segment import default_name
+    from tieredkv.hot.segment import unlink as seg_unlink
 
     try:
-        posix_ipc.unlink_shared_memory(default_name(spec))
+        seg_unlink(default_name(spec))
     except posix_ipc.ExistentialError:
         return False
     return True
 
 
 def run_demo(settings: Settings, *, progress: bool = True) -> dict:
-    """Run every configuration in ``settings.configs``; return the JSON document."""
-    model = _build_model(settings)
+    """Run every configuration in ``settings.configs``; return the JSON document.
+
+    With a model that has a tokenizer the prompts are text, and ``sample`` holds the first request's
+    prompt tail and the answer each configuration generated for it (greedy: the same in every one).
+    """
+    tokenizer = None
+    if settings.model == "embedded":
+        model = _build_model(settings)
+    else:
+        from tieredkv.integrations import models
+
+        model, tokenizer = models.load_model(settings.model, dtype=settings.dtype)
     vocab = int(model.config.get_text_config().vocab_size)
     spec = run_spec(settings, model)
     del model
@@ -481,7 +521,7 @@ def run_demo(settings: Settings, *, progress: bool = True) -> dict:
         size = auto_tier_bytes(settings, spec)
         settings = dataclasses.replace(settings, hot_bytes=settings.hot_bytes or size,
                                        warm_bytes=settings.warm_bytes or 2 * size)
-    requests = make_requests(settings, vocab)
+    requests = make_requests(settings, vocab, tokenizer)
     ctx = _context()
     bar = _Progress(len(requests) * len(settings.configs), progress)
     configs: dict[str, dict] = {}
@@ -501,7 +541,13 @@ def run_demo(settings: Settings, *, progress: bool = True) -> dict:
     doc_settings["configs"] = list(settings.configs)
     doc_settings.update(kv_bytes_per_token=spec.bytes_per_token, block_bytes=spec.block_bytes,
                         spec=spec.to_dict(), cpu_count=os.cpu_count())
-    return {"settings": doc_settings, "configs": configs}
+    doc = {"settings": doc_settings, "configs": configs}
+    if tokenizer is not None and configs:
+        answers = {name: tokenizer.decode(c["first_answer_ids"], skip_special_tokens=True).strip()
+                   for name, c in configs.items()}
+        doc["sample"] = {"prompt_tail": tokenizer.decode(requests[0][-settings.suffix_tokens:]).strip(),
+                         "answers": answers}
+    return doc
 
 
 # ---- output --------------------------------------------------------------------------------------
@@ -514,7 +560,8 @@ def _size(n: float) -> str:
 
 
 def format_table(doc: dict) -> str:
-    """The write-up's table: one row per configuration, then the changes against no_cache and private."""
+    """The results table (as in docs/architecture.md, "Targets"): one row per configuration, then the
+    changes against no_cache and private."""
     head = ("config", "prefix KV held", "PSS (workers)", "TTFT p50", "TTFT p99", "tokens/s", "prefix hit")
     rows = [head]
     for name, c in doc["configs"].items():
@@ -662,6 +709,11 @@ def main(args: argparse.Namespace) -> int:
     if temp_dir is not None:
         doc["settings"]["warm_dir"] = "(temporary)"
     print(format_table(doc))
+    if "sample" in doc:
+        s = doc["sample"]
+        print(f"\nrequest 1 (after the shared system prompt): {s['prompt_tail']!r}")
+        for name, answer in s["answers"].items():
+            print(f"  {name:<9} {answer!r}")
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     if args.plot:

@@ -4,6 +4,9 @@ Running out of room is a result (``PutResult.NO_SPACE``), never an exception. Ev
 "the call was wrong" or "the state is not what it must be"; each message says how to fix the call.
 """
 
+import math
+import numbers
+
 
 class TieredKVError(Exception):
     """Base class of every error tieredkv raises on purpose."""
@@ -49,6 +52,11 @@ class WarmTierUnavailable(TieredKVError):
     """The warm tier cannot be written (read-only directory, disk full, I/O error)."""
 
 
+class RemoteUnavailable(TieredKVError):
+    """The remote store did not answer (refused, reset, or past the deadline). The remote tier turns
+    this into a counted miss on the serving path; only administrative calls let it through."""
+
+
 # ---- argument checks shared by the public constructors ----------------------------------------
 def require_positive_int(name: str, value: object, example: str = "") -> int:
     """Return ``value`` as an int, or raise ``InvalidInput`` naming ``name``.
@@ -56,8 +64,6 @@ def require_positive_int(name: str, value: object, example: str = "") -> int:
     Bools and strings are refused even though Python would convert some of them: ``"8M"`` or
     ``True`` as a size is always a caller's mistake.
     """
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         hint = f" (e.g. {name}={example})" if example else ""
         raise InvalidInput(f"{name} must be a positive integer{hint}, got {value!r}")
@@ -66,9 +72,6 @@ def require_positive_int(name: str, value: object, example: str = "") -> int:
 
 def require_positive_seconds(name: str, value: object) -> float:
     """Return ``value`` as a finite, positive float of seconds, or raise ``InvalidInput`` naming ``name``."""
-    import math
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
         raise InvalidInput(f"{name} must be a positive, finite number of seconds (e.g. {name}=10.0), got {value!r}")
     return float(value)

@@ -39,7 +39,7 @@ class ProbeTable:
         refs: ``value + 1`` per entry, 0 for an empty one (int64, C-contiguous).
     """
 
-    __slots__ = ("keys", "refs", "size", "mask", "_shift", "_k", "_r")
+    __slots__ = ("keys", "refs", "size", "mask", "_shift", "_k", "_r", "_fib_u64", "_shift_u64")
 
     def __init__(self, keys: np.ndarray, refs: np.ndarray):
         size = len(refs)
@@ -48,10 +48,11 @@ class ProbeTable:
                              f"and {size}")
         self.keys, self.refs, self.size, self.mask = keys, refs, size, size - 1
         self._shift = 64 - (size.bit_length() - 1)
+        self._fib_u64, self._shift_u64 = np.uint64(_FIB), np.uint64(self._shift)
         # The same words as memoryviews: the scalar paths index them with Python ints, several times
         # cheaper than numpy scalar indexing (a probe is a few word reads).
-        self._k = memoryview(keys).cast("B").cast("q")
-        self._r = memoryview(refs).cast("B").cast("q")
+        self._k = keys.data.cast("B").cast("q")
+        self._r = refs.data.cast("B").cast("q")
 
     def home(self, key: int) -> int:
         """The entry where ``key``'s probe run starts."""
@@ -60,7 +61,7 @@ class ProbeTable:
     def homes(self, keys: np.ndarray) -> np.ndarray:
         """``home`` of every key, vectorised (int64 positions)."""
         k = np.asarray(keys, dtype=np.int64).view(np.uint64)
-        return ((k * np.uint64(_FIB)) >> np.uint64(self._shift)).view(np.int64)  # < size: fits
+        return ((k * self._fib_u64) >> self._shift_u64).view(np.int64)  # < size: fits
 
     # ---- scalar ---------------------------------------------------------------------------------
     def find(self, key: int) -> int:
@@ -148,13 +149,19 @@ class ProbeTable:
         keeps the table changing under it.
         """
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)
-        n = len(keys)
-        out = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return out
+        if not len(keys):
+            return np.full(0, -1, dtype=np.int64)
+        # Distance 0 for every key at once (most keys end here at a low load), then the rest.
         pos = self.homes(keys)
-        active = np.arange(n)
-        for _ in range(self.size):
+        ref = self.refs[pos]
+        live = ref != 0
+        hit = live & (self.keys[pos] == keys)
+        out = np.where(hit, ref - 1, -1)
+        active = np.flatnonzero(live ^ hit)  # occupied by another key: probe on
+        if not len(active):
+            return out
+        pos = (pos[active] + 1) & self.mask
+        for _ in range(self.size - 1):
             ref = self.refs[pos]
             live = ref != 0
             hit = live & (self.keys[pos] == keys[active])

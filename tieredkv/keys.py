@@ -11,7 +11,8 @@ hit is confirmed by comparing them, so even a 128-bit collision never hands out 
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 import xxhash
@@ -86,7 +87,13 @@ class ChunkKeys:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def __getitem__(self, index: int | slice) -> "bytes | ChunkKeys":
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> ChunkKeys: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | ChunkKeys:
         if isinstance(index, slice):
             begin, _, step = index.indices(len(self))
             if step != 1:
@@ -110,7 +117,7 @@ class ChunkKeys:
         """The low 64 bits of each key (the index's hash; policies' ghost entries)."""
         return self.keys[:, 0]
 
-    def take(self, rows: np.ndarray) -> "ChunkKeys":
+    def take(self, rows: np.ndarray) -> ChunkKeys:
         """The keys at ``rows`` (any order), keeping each one's prompt position."""
         rows = np.asarray(rows, dtype=np.int64)
         return ChunkKeys(self.keys[rows], self.parents[rows], self.tokens[rows], 0, self.positions[rows])
@@ -137,7 +144,7 @@ def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b
     raw = table.tobytes()
     width = chunk * 4
     # The chain is sequential; keep the loop body to one concat, one hash, one append (a 128k-token
-    # prompt is 2,048 iterations: ~0.6 ms here).
+    # prompt is 2,048 iterations; its cost: docs/benchmarks.md, "Notes behind the code").
     prev = root_key(spec, salt)
     digests = [prev]
     append, h = digests.append, xxhash.xxh3_128_digest

@@ -1,8 +1,8 @@
 """Block bytes <-> arrays.
 
-One block is ``[layer][K, V][kv_head][token][head_dim]`` in the spec's dtype, C-contiguous (design.md
-section 4). Restoring layer ``l`` of a prefix is then one strided copy per block, and a batch of blocks
-is one ``(n, block_bytes)`` byte matrix.
+One block is ``[layer][K, V][kv_head][token][head_dim]`` in the spec's dtype, C-contiguous. Restoring
+layer ``l`` of a prefix is then one strided copy per block (and layer-by-layer loading needs no
+re-layout), and a batch of blocks is one ``(n, block_bytes)`` byte matrix.
 """
 
 from __future__ import annotations
@@ -42,27 +42,117 @@ def block_view(spec: KVSpec, raw: np.ndarray) -> np.ndarray:
     return raw.reshape(-1).view(spec.numpy_dtype).reshape(n, *spec.block_shape)
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``np.copyto(dst, src)`` for same-shape arrays, without glibc's slow misaligned ``rep movsb``.
+def page_aligned_empty(nbytes: int, page: int = 4096) -> np.ndarray:
+    """An uninitialised uint8 buffer starting on a page boundary (malloc returns large blocks 16
+    bytes past one, which makes ``rep movsb`` copies into it slow on some CPUs, see ``copy_into``)."""
+    raw = np.empty(nbytes + page, dtype=np.uint8)
+    start = (-address(raw)) % page
+    return raw[start:start + nbytes]
 
-    For large copies glibc's memcpy uses ``rep movsb``, which on the AMD EPYC machines we measure on
-    runs 3-4x slower when the destination is 16 bytes off the source's 64-byte alignment: 64 KiB
-    from a page-aligned slot into a fresh ``np.empty`` row (16 bytes into a line) took 40 us instead
-    of 12 us (``GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold=4294967295`` removes it too). Slots
-    are page-aligned and numpy's large buffers usually are not, so this is the common case. A uint64
-    ufunc pass (numpy's SIMD loop, no memcpy) runs at 14 us whatever the alignment; we use it only
-    when the two are misaligned, since memcpy is faster when they are not.
-    """
-    if (dst.ctypes.data - src.ctypes.data) % 64 and dst.shape and (dst.shape[-1] * dst.itemsize) % 8 == 0 \
-            and dst.strides[-1] == dst.itemsize and src.strides[-1] == src.itemsize and dst.dtype == src.dtype:
+
+def address(a: np.ndarray) -> int:
+    """The address of ``a``'s first byte (cheaper than ``a.ctypes.data``, which builds a helper)."""
+    return a.__array_interface__["data"][0]
+
+
+def misaligned(dst: np.ndarray, src: np.ndarray) -> bool:
+    """True when a copy from ``src`` to ``dst`` would start 64-byte misaligned (see ``copy_into``)."""
+    return (address(dst) - address(src)) % 64 != 0
+
+
+def copy_rows(dst: np.ndarray, src: np.ndarray, skewed: bool) -> None:
+    """Copy same-shape arrays; ``skewed`` (decided once per batch by the caller, see ``misaligned``)
+    picks the SIMD ufunc pass over memcpy. Rows may be strided (a slot matrix); the last axis must be
+    contiguous in both for the ufunc pass, else it falls back to ``np.copyto``."""
+    if skewed and _ufunc_ok(dst, src):
         np.bitwise_or(src.view(np.uint8).view(np.uint64), 0, out=dst.view(np.uint8).view(np.uint64))
     else:
         np.copyto(dst, src)
 
 
+def _ufunc_ok(dst: np.ndarray, src: np.ndarray) -> bool:
+    return bool(dst.shape) and dst.dtype == src.dtype and (dst.shape[-1] * dst.itemsize) % 8 == 0 \
+        and dst.strides[-1] == dst.itemsize and src.strides[-1] == src.itemsize
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)`` for same-shape arrays, without glibc's slow misaligned ``rep movsb``.
+
+    For large copies glibc's memcpy uses ``rep movsb``, which on some x86 CPUs runs several times
+    slower when the destination is 16 bytes off the source's 64-byte alignment (see
+    docs/benchmarks.md for what we measured, and ``GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold``
+    in docs/tuning.md). Slots are page-aligned and numpy's large buffers usually are not. A uint64
+    ufunc pass (numpy's SIMD loop, no memcpy) runs at the same speed whatever the alignment; we use it
+    only when the two are misaligned, since memcpy is faster when they are not. Batch copies decide
+    this once (``misaligned`` + ``copy_rows``) instead of per block.
+    """
+    copy_rows(dst, src, misaligned(dst, src))
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Split ``slots`` into runs of adjacent slots, ascending or descending.
+
+    Returns:
+        ``(begin, end, first_slot, step)`` per run: ``slots[begin:end]`` is ``first_slot``,
+        ``first_slot + step``, ... with ``step`` 1 or -1 (1 for a run of one).
+
+    Vectorised: the only Python loop is over runs (one for a prefix stored in one call). The split
+    is greedy and valid (every run really is adjacent); a zigzag such as 5, 6, 5, 6 may be cut into
+    more runs than the fewest possible, which costs copies, never correctness.
+    """
+    n = len(slots)
+    if n == 0:
+        return []
+    if n == 1:
+        return [(0, 1, int(slots[0]), 1)]
+    d = np.diff(np.asarray(slots, dtype=np.int64))
+    unit = (d == 1) | (d == -1)
+    start = np.ones(n, dtype=bool)
+    start[1:] = ~unit  # element i starts a run unless it is one step from i-1 ...
+    start[2:] |= unit[:-1] & (d[1:] != d[:-1])  # ... in the direction the run already goes
+    begins = np.flatnonzero(start)
+    ends = np.append(begins[1:], n)
+    steps = np.where(ends - begins > 1, d[np.minimum(begins, n - 2)], 1)
+    return list(zip(begins.tolist(), ends.tolist(), slots[begins].tolist(), steps.tolist()))
+
+
+def run_rows(rows: np.ndarray, first: int, count: int, step: int) -> np.ndarray:
+    """``rows[first], rows[first + step], ...`` (``count`` of them) as one view, ``step`` +-1."""
+    if step == 1:
+        return rows[first:first + count]
+    return rows[first - count + 1:first + 1][::-1]
+
+
+def blocks_to_model(spec: KVSpec, blocks: np.ndarray, target: np.ndarray, at_token: int) -> None:
+    """Copy ``k`` blocks (``(k, block_bytes)`` uint8 rows, any row stride) into the model layout
+    ``target[:, :, :, at_token:at_token + k * C, :]`` in one numpy call (no per-block Python)."""
+    k, C = blocks.shape[0], spec.chunk_tokens
+    src = blocks.view(spec.numpy_dtype).reshape(k, *spec.block_shape)
+    np.copyto(_split_tokens(target, at_token, k, C), src.transpose(1, 2, 3, 0, 4, 5))
+
+
+def model_to_blocks(spec: KVSpec, source: np.ndarray, at_token: int, blocks: np.ndarray) -> None:
+    """The inverse of ``blocks_to_model``: ``k = len(blocks)`` chunks from ``at_token`` on, one call."""
+    k, C = blocks.shape[0], spec.chunk_tokens
+    dst = blocks.reshape(-1).view(spec.numpy_dtype).reshape(k, *spec.block_shape) if blocks.dtype == np.uint8 \
+        else blocks.reshape(k, *spec.block_shape)
+    np.copyto(dst.transpose(1, 2, 3, 0, 4, 5), _split_tokens(source, at_token, k, C))
+
+
+def _split_tokens(arr: np.ndarray, at_token: int, k: int, C: int) -> np.ndarray:
+    """``arr[:, :, :, at_token:at_token + k*C, :]`` viewed as ``(L, 2, H, k, C, D)``: always a view
+    (``reshape`` could silently copy, and a copy written to would lose the data)."""
+    part = arr[:, :, :, at_token:at_token + k * C, :]
+    sL, s2, sH, sT, sD = part.strides
+    L, two, H, _, D = part.shape
+    return np.lib.stride_tricks.as_strided(part, (L, two, H, k, C, D), (sL, s2, sH, C * sT, sT, sD),
+                                           writeable=part.flags.writeable)
+
+
 def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
-    """Whether two elements of an array with this ``shape`` and byte ``strides`` may share memory (``as_strided`` with overlapping strides,
-    ``broadcast_to``): writing into such an array makes later rows overwrite earlier ones.
+    """Whether two elements of an array with this ``shape`` and byte ``strides`` may share memory
+    (``as_strided`` with overlapping strides, ``broadcast_to``): writing into such an array makes later
+    rows overwrite earlier ones.
 
     Conservative: the dims, ordered by stride, must each step past everything the smaller ones span;
     a layout that interleaves without overlapping (never produced by slicing or transposing) counts

@@ -18,14 +18,16 @@ The first number to look at is the prefix hit rate, the share of prompt tokens s
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
-from typing import Any, Iterable, Iterator, Sequence
-
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import InvalidInput, TieredKVError
 
 __all__ = ["SegmentCollector", "serve_metrics", "render", "MissingDependency"]
 
@@ -59,7 +61,6 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     if warm_dir is None:
         return []
     from tieredkv.warm import files
-    from tieredkv.warm import index as ix
     from tieredkv.warm.admin import list_warm_tiers
 
     rows = list_warm_tiers(warm_dir)
@@ -68,7 +69,7 @@ def _warm_rows(warm_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
         try:
             index = files.open_index(row["path"])
             try:
-                row["corrupt_total"] = index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT))
+                row["corrupt_total"] = files.corrupt_total(index)
             finally:
                 index.close()
         except Exception:  # noqa: BLE001 - one unreadable tier must not fail the whole scrape
@@ -152,7 +153,16 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
              "(evicted meanwhile, or corrupt and dropped)", labels=L)
     corrupt = C("tieredkv_corrupt_blocks", "warm blocks whose checksum failed on a load (dropped, never "
                 "served)", labels=L)
+    behind = C("tieredkv_warm_write_behind_blocks", "blocks handed to the background warm writer: queued, or "
+               "dropped because its queue was full", labels=L + ["outcome"])
     warm_err = C("tieredkv_warm_errors", "warm-tier calls that failed (the cache went on without it)", labels=L)
+    remote_err = C("tieredkv_remote_errors", "remote-store calls that failed, timed out or were skipped while "
+                   "the store was marked down (each a miss)", labels=L)
+    remote_miss = C("tieredkv_remote_misses", "lookups whose run ended at a block the remote store lacked", labels=L)
+    remote_drop = C("tieredkv_remote_dropped_blocks", "blocks not written to the remote store because its "
+                    "queue was full (backpressure)", labels=L)
+    remote_bad = C("tieredkv_remote_corrupt_values", "remote values refused by a check (damaged or foreign; "
+                   "deleted, never served)", labels=L)
     torn = C("tieredkv_hot_torn_reads", "hot-tier reads that saw a block change under them (retried or missed)",
              labels=L)
     recov = C("tieredkv_hot_recoveries", "hot-tier repairs after a process died holding the lock", labels=L)
@@ -176,10 +186,11 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
         prompt.add_metric(lv, c["prompt_tokens"])
         hits.add_metric(lv + ["hot"], c["hot_hit_tokens"])
         hits.add_metric(lv + ["warm"], c["warm_hit_tokens"])
+        hits.add_metric(lv + ["remote"], c["remote_hit_tokens"])
         prefill.add_metric(lv, c["prefill_tokens"])
         loaded.add_metric(lv, c["loaded_tokens"])
         lookups.add_metric(lv, c["lookups"])
-        for tier in ("hot", "warm"):
+        for tier in ("hot", "warm", "remote"):
             moved.add_metric(lv + [tier, "read"], c[f"{tier}_bytes_read"])
             moved.add_metric(lv + [tier, "written"], c[f"{tier}_bytes_written"])
         stored.add_metric(lv, c["stored_blocks"])
@@ -189,6 +200,12 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
         lost.add_metric(lv, c["lost_blocks"])
         corrupt.add_metric(lv, c["corrupt_blocks"])
         warm_err.add_metric(lv, c["warm_errors"])
+        behind.add_metric(lv + ["queued"], c["warm_queued_blocks"])
+        behind.add_metric(lv + ["dropped"], c["warm_dropped_blocks"])
+        remote_err.add_metric(lv, c["remote_errors"])
+        remote_miss.add_metric(lv, c["remote_misses"])
+        remote_drop.add_metric(lv, c["remote_drops"])
+        remote_bad.add_metric(lv, c["remote_corrupt"])
         torn.add_metric(lv, k["torn_reads"])
         recov.add_metric(lv, k["recoveries"])
         no_space.add_metric(lv, k["no_space"])
@@ -207,7 +224,8 @@ def families(docs: list[dict], warm_rows: list[dict], core=None) -> list:
             fam.add_metric(lv, cumulative, sum_value=ns / 1e9)
 
     out = [hit_rate, up, prompt, hits, prefill, loaded, lookups, moved, stored, evictions, promotions, demotions,
-           lost, corrupt, warm_err, torn, recov, no_space, slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
+           lost, corrupt, behind, warm_err, remote_err, remote_miss, remote_drop, remote_bad, torn, recov, no_space,
+           slots, seg_bytes, block_bytes, handles, lookup_h, load_h]
     if warm_rows:
         WL = ["path", "model"]
         w_used = G("tieredkv_warm_blocks", "warm-tier blocks by state (capacity: all slots)", labels=WL + ["state"])
@@ -267,8 +285,11 @@ def serve_metrics(port: int, names: Sequence[str] | None = None, warm_dir: str |
 
     Raises:
         MissingDependency: ``prometheus_client`` is not installed.
-        OSError: the port is taken.
+        InvalidInput: ``port`` is not in 0..65535, or ``addr:port`` cannot be bound (the port is taken,
+            the address is not one of this host's, or it does not resolve); the message says which.
     """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidInput(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
     _prometheus()
     from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -276,7 +297,21 @@ def serve_metrics(port: int, names: Sequence[str] | None = None, warm_dir: str |
     registry.register(SegmentCollector(names, warm_dir))
     # Our own small server rather than start_http_server: the returned object can be shut down on
     # every prometheus_client version the extra allows, and scrapes do not log to stderr.
-    server = make_server(addr, port, make_wsgi_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+    try:
+        server = make_server(addr, port, make_wsgi_app(registry), _ThreadingServer, handler_class=_QuietHandler)
+    except socket.gaierror as e:
+        raise InvalidInput(f"addr {addr!r} does not resolve ({e.strerror}); give an IP address or host name "
+                           "of this host (127.0.0.1: this host only, 0.0.0.0: every interface)") from None
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            hint = f"port {port} is in use: choose another (0: any free port)"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            hint = f"{addr} is not an address of this host: use one of its own (or 0.0.0.0: every interface)"
+        elif e.errno == errno.EACCES:
+            hint = f"port {port} needs privileges: use a port above 1023"
+        else:
+            hint = e.strerror or str(e)
+        raise InvalidInput(f"cannot serve metrics on {addr}:{port}: {hint}") from None
     threading.Thread(target=server.serve_forever, name="tieredkv-metrics", daemon=True).start()
     return server
 

@@ -1,7 +1,7 @@
 """NUMA placement: which CPUs belong to which node, and pinning a worker to one node.
 
 On a multi-socket host a worker on the other socket reads the hot segment over the inter-socket link.
-The remedy (design.md section 6.3): one segment per node (``TieredCache(..., numa_node=N)`` suffixes the
+The remedy (docs/tuning.md, NUMA): one segment per node (``TieredCache(..., numa_node=N)`` suffixes the
 segment name with ``-numa<N>``) and every worker pinned to the CPUs of the node whose segment it uses,
 so that the pages it first touches, and the ones it reads, are local::
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tieredkv.errors import InvalidInput
 
-__all__ = ["SYSFS_NODE_ROOT", "parse_cpulist", "nodes", "node_of_cpu", "current_cpu", "pin_to_node",
-           "choose_node", "node_for_worker"]
+__all__ = ["SYSFS_NODE_ROOT", "parse_cpulist", "nodes", "check_node", "node_of_cpu", "current_cpu",
+           "pin_to_node", "choose_node", "node_for_worker"]
 
 #: Where Linux describes NUMA nodes.
 SYSFS_NODE_ROOT = Path("/sys/devices/system/node")
@@ -93,6 +93,22 @@ def nodes(root: str | os.PathLike | None = None) -> dict[int, list[int]]:
         if cpus:
             out[int(m.group(1))] = cpus
     return dict(sorted(out.items()))
+
+
+def check_node(node: int, root: str | os.PathLike | None = None) -> int:
+    """Return ``node`` if this host has it (a host without NUMA information has node 0 only).
+
+    Raises:
+        InvalidInput: ``node`` is not an int or not one of the host's nodes; the message lists them.
+    """
+    if isinstance(node, bool) or not isinstance(node, int):
+        raise InvalidInput(f"numa_node must be an int node number or None, got {node!r}")
+    have = list(nodes(root)) or [0]
+    if node not in have:
+        hint = ("this host has one node: leave numa_node=None" if len(have) == 1
+                else f"this host's nodes: {', '.join(map(str, have))}")
+        raise InvalidInput(f"numa_node={node} does not exist ({hint})")
+    return node
 
 
 def node_of_cpu(cpu: int, root: str | os.PathLike | None = None) -> int | None:
@@ -186,7 +202,9 @@ def node_for_worker(index: int, root: str | os.PathLike | None = None) -> int | 
 
 def _fmt(cpus: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    parts, start, prev = [], None, None
+    parts: list[str] = []
+    start: int | None = None
+    prev = -1
     for c in cpus:
         if start is None:
             start = prev = c

@@ -10,8 +10,9 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -168,7 +169,7 @@ class KVSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> "KVSpec":
+    def from_dict(cls, doc: Mapping[str, Any]) -> KVSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(doc) - names
         if unknown:
@@ -178,7 +179,7 @@ class KVSpec:
     # ---- from a model config -----------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, config: Any, *, chunk_tokens: int = 64, dtype: Any = None,
-                       model_id: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> "KVSpec":
+                       model_id: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> KVSpec:
         """Derive the spec from a HuggingFace config.
 
         Args:

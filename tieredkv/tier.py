@@ -14,6 +14,7 @@ The contract, call by call (batch calls are primary; a 4k-token prompt is one ca
                           return how many were copied *and* verified; a block removed, recycled,
                           torn or corrupt meanwhile ends the run: it is never returned
 ``read_into(keys, sink)`` like ``get_many``, but hand each block to ``sink(i, block_bytes)``
+``read_runs(keys, sink)`` like ``read_into``, a run of blocks at a time: ``sink(i, rows)``
 ``put_many(keys, blks)``  store; one ``PutResult`` per key (``STORED`` / ``EXISTS`` / ``NO_SPACE``);
                           never waits on another writer; a full tier evicts by its policy
 ``remove(keys)``          drop the resident blocks among ``keys``; return how many were dropped
@@ -38,7 +39,11 @@ Rules every tier keeps:
 - **``Evicted``** carries, per evicted block: its key, parent key, chunk tokens and position
   (``keys``), its payload bytes (``payloads``, ``(m, block_bytes)`` uint8, or ``None`` when the caller
   asked for keys only), and its hit count while resident (``hits``, int64).
-- **Counters** (``stats()``): ``get_many`` and ``read_into`` add the returned count to ``hits``, the rest
+- **``sink``s** (``get_many(keys, out, sink)``, ``read_into``, ``read_runs``) are called in key order,
+  each block exactly once, with rows that are valid only during the call; ``get_many``'s sink sees
+  rows of ``out`` as soon as they are filled, which may be before they are verified, so only the
+  leading rows the call returns are valid there too. An exception in a sink is raised by the call.
+- **Counters** (``stats()``): ``get_many``, ``read_into`` and ``read_runs`` add the returned count to ``hits``, the rest
   of ``len(keys)`` to ``misses`` and ``hits * block_bytes`` to ``bytes_out``; ``put_many`` adds the
   ``STORED`` count to ``puts`` and ``STORED * block_bytes`` to ``bytes_in``; every block evicted (by
   ``evict`` or to make room in ``put_many``) adds one to ``evictions``; ``match``, ``contains_many``
@@ -52,7 +57,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -171,8 +177,14 @@ class Tier(abc.ABC):
         """Bool array: residency per key (blocks being written count as absent)."""
 
     @abc.abstractmethod
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
-        """Copy leading blocks into ``out`` (row per key); return how many were copied and verified."""
+    def get_many(self, keys: ChunkKeys, out: np.ndarray,
+                 sink: Callable[[int, np.ndarray], None] | None = None) -> int:
+        """Copy leading blocks into ``out`` (row per key); return how many were copied and verified.
+
+        ``sink(i, rows)``, if given, is handed ``out``'s rows ``i .. i+k-1`` (uint8) as they are
+        filled, so a caller can move them on (into a model layout, say) while the tier works on the
+        next ones; only the leading rows the call returns are valid.
+        """
 
     def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
         """Deliver the leading resident blocks one by one: ``sink(i, block)`` for ``i`` in ``0..n-1``.
@@ -185,11 +197,29 @@ class Tier(abc.ABC):
         Returns:
             How many leading blocks were delivered (the same count ``get_many`` would return).
         """
+        def per_block(i: int, rows: np.ndarray) -> None:
+            for j in range(len(rows)):
+                sink(i + j, rows[j])
+
+        return self.read_runs(keys, per_block)
+
+    def read_runs(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
+        """Deliver the leading resident blocks in runs: ``sink(i, rows)`` with ``rows`` a
+        ``(k, block_bytes)`` uint8 array holding blocks ``i .. i+k-1``, valid only during the call.
+
+        One call per run, not per block: a caller copies a run into its destination with one numpy
+        call. This default reads through ``get_many`` into a staging buffer and delivers the leading
+        run in one call; a tier that can hand out its own memory safely (the hot tier: runs of
+        adjacent slots, while pinned) overrides it to save that copy.
+
+        Returns:
+            How many leading blocks were delivered (the same count ``get_many`` would return).
+        """
         keys = check_keys(self.spec, keys)
         staging = np.empty((len(keys), self.spec.block_bytes), dtype=np.uint8)
         got = self.get_many(keys, staging)
-        for i in range(got):
-            sink(i, staging[i])
+        if got:
+            sink(0, staging[:got])
         return got
 
     @abc.abstractmethod

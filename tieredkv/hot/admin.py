@@ -36,8 +36,8 @@ def inspect(name: str) -> dict:
         os.close(fd)
     doc.update(live=state == seg.LIVE, stale=state == seg.STALE, idle=state == seg.IDLE, reason=reason)
     if seg.temp_owner(name) is not None or state == seg.STALE:
-        if state == seg.STALE and not seg.temp_owner(name) is not None:
-            doc["error"] = reason.removeprefix("unusable: ")
+        if state == seg.STALE and seg.temp_owner(name) is None:
+            doc["error"] = (reason or "").removeprefix("unusable: ")
         return doc
     try:
         mapping = seg.attach(None, name, writable=False, owner_check=False)
@@ -67,7 +67,7 @@ def inspect(name: str) -> dict:
             "cache": cache_counters,
             "prefix_hit_rate": counters.prefix_hit_rate(totals),
             "lookup_hist": totals["lookup_hist"], "load_hist": totals["load_hist"],
-            "scrubs": int(h["scrubs"]),
+            "scrubs": int(h["scrubs"]), "huge_pages": seg.huge_page_policy(),
         })
         del owners, slots, h
     finally:
@@ -76,13 +76,14 @@ def inspect(name: str) -> dict:
 
 
 def list_segments() -> list[dict]:
-    """Every tieredkv segment in /dev/shm (any name, see ``list_segment_names``), described by ``inspect``."""
+    """Every tieredkv segment in /dev/shm (or ``$TIEREDKV_SHM_DIR``; any name, see
+    ``list_segment_names``), described by ``inspect``."""
     return [inspect(name) for name in seg.list_segment_names()]
 
 
 def remove(name: str) -> None:
     """Unlink a segment by name. Processes that map it keep their mapping until they close."""
-    posix_ipc.unlink_shared_memory(seg.check_name(name))
+    seg.unlink(seg.check_name(name))
 
 
 def remove_if_stale(name: str, idle: bool = False) -> str | None:

@@ -52,8 +52,9 @@ class HotIndex:
         """Slot indexed under each ``(n, 2)`` uint64 key, or -1. Lock-free; confirm what it returns.
 
         The table matches the key's first word; the slot it names must hold the whole key (as in a
-        slot table read just now). Two keys whose first words collide (rare: a 2**-64 chance per pair of xxh3 keys, or forged keys in tests) are told apart
-        by a scalar scan of the probe run, off the common path.
+        slot table read just now). Two keys whose first words collide (rare: a 2**-64 chance per pair
+        of xxh3 keys, or forged keys in tests) are told apart by a scalar scan of the probe run, off
+        the common path.
         """
         keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)
         lo = keys[:, 0].view(np.int64)
@@ -63,9 +64,11 @@ class HotIndex:
         if wild.any():
             self.damaged = True
             slots[wild] = -1
-        at = self.slot_keys[np.maximum(slots, 0)]
-        other = np.flatnonzero((slots >= 0) & ((at[:, 0] != keys[:, 0]) | (at[:, 1] != keys[:, 1])))
-        for i in other.tolist():
+        differ = self.slot_keys[slots] != keys  # slot -1 reads the last row: masked out below
+        differ = (differ[:, 0] | differ[:, 1]) & (slots >= 0)
+        if not differ.any():
+            return slots
+        for i in np.flatnonzero(differ).tolist():
             want = keys[i]
             found = [s for s in self.table.values_of(int(lo[i])) if 0 <= s < n]
             slots[i] = next((s for s in found if (self.slot_keys[s] == want).all()), -1)

@@ -11,11 +11,10 @@ Lock bytes live far beyond the end of the segment (locks do not need the bytes t
     META_LOCK_BYTE            the metadata lock (slot table, index, free stack, policy state)
     REGISTRY_BASE + i         held for its lifetime by the handle registered as owner ``i``
 
-An owner is alive iff someone holds its registry byte (``F_OFD_GETLK``, ~2 us) and the owner table's
-token for ``i`` is still the one the slot recorded (pid reuse and index reuse are both harmless).
-
-Measured on this kind of machine: a lock+unlock pair ~1 us; a waiter gets a dead holder's lock within
-~0.4 ms. Waits are bounded: ``acquire`` polls with backoff and raises ``LockTimeout``.
+An owner is alive iff someone holds its registry byte (``F_OFD_GETLK``, a few microseconds) and the
+owner table's token for ``i`` is still the one the slot recorded (pid reuse and index reuse are both
+harmless). Lock, test and dead-holder hand-off costs: docs/benchmarks.md, "Notes behind the code".
+Waits are bounded: ``acquire`` polls with backoff and raises ``LockTimeout``.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ try:
     _SETLK = fcntl.F_OFD_SETLK
     _GETLK = fcntl.F_OFD_GETLK
 except AttributeError:  # pragma: no cover - non-Linux
-    raise ImportError("tieredkv's hot tier needs Linux open-file-description locks (F_OFD_SETLK)")
+    raise ImportError("tieredkv's hot tier needs Linux open-file-description locks (F_OFD_SETLK)") from None
 
 
 def _flock(kind: int, start: int, length: int = 1) -> bytes:
@@ -55,10 +54,11 @@ SETLK = _SETLK
 UNLOCK_META = _flock(fcntl.F_UNLCK, META_LOCK_BYTE)
 
 
-def try_lock(fd: int, start: int, length: int = 1) -> bool:
-    """Take an exclusive lock on ``[start, start+length)`` if free; True if taken."""
+def try_lock(fd: int, start: int, length: int = 1, *, shared: bool = False) -> bool:
+    """Take an exclusive (or, with ``shared``, a read) lock on ``[start, start+length)`` if free;
+    True if taken. A shared lock needs only read access to the file."""
     try:
-        fcntl.fcntl(fd, _SETLK, _flock(fcntl.F_WRLCK, start, length))
+        fcntl.fcntl(fd, _SETLK, _flock(fcntl.F_RDLCK if shared else fcntl.F_WRLCK, start, length))
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):

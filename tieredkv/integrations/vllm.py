@@ -398,9 +398,10 @@ class TieredKVConnector(KVConnectorBase_V1):
             return
         for plan in meta.saves:
             try:
-                host = self._paged.host_buffer(len(plan.block_ids) * self._block_size)
-                self._paged.read(plan.block_ids, host)
-                self.cache.store(plan.token_ids, host, plan.salt, kv_start=plan.start_token)
+                # Positions before start_token (already in the tiers) are left unread: store skips them.
+                host = self._paged.host_buffer(len(plan.token_ids))
+                self._paged.read(plan.block_ids, host[:, :, :, plan.start_token:])
+                self.cache.store(plan.token_ids, host, plan.salt, from_token=plan.start_token)
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
 

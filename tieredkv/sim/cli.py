@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tieredkv import policies
@@ -34,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=["jsonl", "csv"], help="trace format (default: from the suffix)")
     parser.add_argument("--policy", default="lru",
                         help=f"comma-separated eviction policies (valid: {', '.join(policies.names())}; "
-                             "prefix_aware:BASE wraps BASE)")
+                             "prefix_aware:BASE wraps BASE; package.module:Class imports your own, from the "
+                             "current directory too; installed packages add names through the "
+                             f"'{policies.ENTRY_POINT_GROUP}' entry-point group)")
     parser.add_argument("--capacity", default="1%,5%,10%,20%",
                         help="comma-separated sizes in blocks, or N%% of the trace's unique blocks")
     parser.add_argument("--hot", help="two-level replay: comma-separated hot sizes (blocks or N%%)")
@@ -53,12 +56,14 @@ def format_table(result: dict) -> str:
     """The results as an aligned text table."""
     two_level = any("hot_blocks" in r for r in result["results"])
     head = ["policy", "hot", "warm"] if two_level else ["policy", "capacity"]
-    head += ["% unique", "block hit", "prefix hit", "req/s"]
+    head += ["% unique", "block hit"] + (["hot hit", "warm hit"] if two_level else []) + ["prefix hit", "req/s"]
     rows = []
     for r in result["results"]:
         size = [r["hot_blocks"], r["warm_blocks"]] if two_level else [r["capacity_blocks"]]
+        split = [f"{r['hot_hit_ratio']:.4f}", f"{r['warm_hit_ratio']:.4f}"] if two_level else []
         rows.append([r["policy"], *map(str, size), f"{100 * r['capacity_fraction']:.1f}",
-                     f"{r['block_hit_ratio']:.4f}", f"{r['prefix_hit_ratio']:.4f}", f"{r['requests_per_s'] or 0:.0f}"])
+                     f"{r['block_hit_ratio']:.4f}", *split, f"{r['prefix_hit_ratio']:.4f}",
+                     f"{r['requests_per_s'] or 0:.0f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = [f"trace {result['trace']}: {result['requests']} requests, {result['accesses']} block accesses, "
              f"{result['unique_blocks']} unique blocks"]
@@ -72,8 +77,19 @@ def main(args: argparse.Namespace) -> int:
     if bool(args.warm) != bool(args.hot):
         print("tieredkv simulate: --hot and --warm go together", file=sys.stderr)
         return 2
+    if args.trace and not os.path.isfile(args.trace):
+        print(f"tieredkv simulate: --trace {args.trace}: " + ("not a file" if os.path.exists(args.trace)
+              else "no such file"), file=sys.stderr)
+        return 2
+    # "module:Class" policies are found in the current directory too, as `python -m` would.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
-        trace = read_trace(args.trace, fmt=args.format) if args.trace else synthetic_trace(args.synthetic, seed=args.seed)
+        trace = (read_trace(args.trace, fmt=args.format) if args.trace
+                 else synthetic_trace(args.synthetic, seed=args.seed))
+        if trace.n_accesses == 0:
+            print(f"tieredkv simulate: {trace.name} holds no block accesses; nothing to replay", file=sys.stderr)
+            return 2
         result = run_simulation(trace, _csv(args.policy), _csv(args.capacity),
                                 hot=_csv(args.hot) if args.hot else None,
                                 warm=_csv(args.warm) if args.warm else None,

@@ -8,7 +8,8 @@ reference bit starting at 0.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: Policies whose block hit ratio equals libCacheSim's on unit-size traces (LFU breaks ties differently).
 MATCHING = ("lru", "fifo", "clock", "sieve", "s3fifo", "arc")

@@ -22,8 +22,9 @@ import math
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -266,6 +267,8 @@ _FORK_TRACE: Trace | None = None  # the trace, inherited by forked workers (neve
 
 
 def _run_job_in_worker(name: str, size, two_level: bool, promotion: str, demotion: str) -> dict:
+    if _FORK_TRACE is None:
+        raise RuntimeError("a simulation worker started without the trace its parent set")
     return _run_job(_FORK_TRACE, name, size, two_level, promotion, demotion)
 
 
@@ -306,7 +309,7 @@ def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequen
         pairs = list(zip(hots, warms * len(hots) if len(warms) == 1 else warms))
         promotion_rules.make(promotion)
         demotion_rules.make(demotion)
-        todo = [(p, pair) for p in policy_names for pair in pairs]
+        todo: list[tuple[str, Any]] = [(p, pair) for p in policy_names for pair in pairs]
     else:
         caps = sorted({resolve_capacity(c, unique) for c in capacities})
         if not caps:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -46,7 +46,7 @@ class Trace:
 
     @classmethod
     def from_requests(cls, requests: Iterable[Sequence], name: str = "trace",
-                      timestamps_ms: Sequence[int] | None = None) -> "Trace":
+                      timestamps_ms: Sequence[int] | None = None) -> Trace:
         """Build a trace from per-request id lists (ints or strings; remapped to dense ids).
 
         A block id repeated inside one request is kept once (its first place): a prompt holds each
@@ -102,8 +102,11 @@ def _read_jsonl(path: str) -> Trace:
             if not isinstance(ids, list):
                 raise FormatError(f"{path}:{lineno}: a request needs a 'hash_ids' (Mooncake) or "
                                   f"'blocks' list")
+            stamp = obj.get("timestamp", 0)
+            if isinstance(stamp, bool) or not isinstance(stamp, (int, float)):
+                raise FormatError(f"{path}:{lineno}: 'timestamp' must be a number of milliseconds, got {stamp!r}")
             requests.append(ids)
-            stamps.append(obj.get("timestamp", 0))
+            stamps.append(int(stamp))
     return Trace.from_requests(requests, name=os.path.basename(path), timestamps_ms=stamps)
 
 
@@ -165,10 +168,17 @@ def read_trace(path: str | os.PathLike, fmt: str | None = None) -> Trace:
 
     Raises:
         InvalidInput: unknown format.
-        FormatError: the file does not parse.
+        FormatError: the file does not parse (not text, not JSON, a bad CSV field).
     """
     path = os.fspath(path)
-    return TRACE_FORMATS[_format_of(path, fmt)][0](path)
+    reader = TRACE_FORMATS[_format_of(path, fmt)][0]
+    try:
+        return reader(path)
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: not a text trace (byte {e.start} is not UTF-8); a trace is JSONL or "
+                          "CSV text") from None
+    except (ValueError, TypeError) as e:  # a CSV timestamp that is not a number, ids of mixed kinds
+        raise FormatError(f"{path}: {e}") from None
 
 
 def write_trace(trace: Trace, path: str | os.PathLike, fmt: str | None = None) -> None:

@@ -42,7 +42,7 @@ def _load_meta(path: str, index: ix.Index | None) -> tuple[dict | None, str, dic
         raw = index.read(lambda txn: txn.get(ix.INFO_META, db=index.info))
         if raw is not None:
             try:
-                copy = mt.parse_meta(raw, f"{path} (index copy)")
+                copy = mt.parse_meta(bytes(raw), f"{path} (index copy)")
             except FormatError:
                 copy = None
     try:
@@ -171,7 +171,7 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
             size, status = 0, "missing"
         report["slabs"].append({"name": slab_name(i), "status": status, "size_bytes": size,
                                 "expected_bytes": expected})
-    buf = np.empty(block_bytes, dtype=np.uint8)
+    buf = bytearray(block_bytes)
     suspects = []
     try:
         txn = index.begin_read()
@@ -328,7 +328,7 @@ def list_warm_tiers(root: str | os.PathLike) -> list[dict[str, Any]]:
         try:
             index = files.open_index(path)
             try:
-                row["blocks"] = int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
+                row["blocks"] = files.block_count(index)
             finally:
                 index.close()
         except Exception as exc:  # noqa: BLE001 - listing must not fail on one broken tier

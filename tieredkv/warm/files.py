@@ -21,11 +21,20 @@ import fcntl
 import os
 import shutil
 import stat
+import time
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from tieredkv.errors import (CapacityError, CorruptState, InvalidInput, PermissionDenied, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import (
+    CapacityError,
+    CorruptState,
+    InvalidInput,
+    LockTimeout,
+    PermissionDenied,
+    TieredKVError,
+    WarmTierUnavailable,
+)
 from tieredkv.keys import KEY_BYTES
 from tieredkv.spec import KVSpec
 from tieredkv.warm import index as ix
@@ -118,10 +127,18 @@ def _restrict_modes(path: str, wide: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def init_lock(path: str) -> Iterator[None]:
+def init_lock(path: str, timeout_s: float | None = None) -> Iterator[None]:
     """Hold the tier's ``lock`` file (flock, freed by the kernel if we die) while creating or repairing.
 
     A read-only directory without a lock file cannot be created or repaired by anyone: no lock needed.
+
+    Args:
+        path: the tier directory.
+        timeout_s: longest wait for a holder that is alive but stopped (SIGSTOP, a debugger) inside
+            its open; None waits as long as it takes (an operator's ``verify --repair``).
+
+    Raises:
+        LockTimeout: a live process held the lock for ``timeout_s``.
     """
     lock_path = os.path.join(path, mt.LOCK_NAME)
     try:
@@ -133,10 +150,29 @@ def init_lock(path: str) -> Iterator[None]:
             yield
             return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if timeout_s is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            _flock_within(fd, lock_path, timeout_s)
         yield
     finally:
         os.close(fd)  # releases the flock
+
+
+def _flock_within(fd: int, lock_path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-4
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if time.monotonic() > deadline:
+            raise LockTimeout(f"{lock_path} is still held by a live process after {timeout_s:.1f} s: a "
+                              f"process opening or repairing the warm tier may be stopped (SIGSTOP)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
 
 
 def index_sizes(n_slots: int, record_bytes: int, map_size: int | None = None,
@@ -157,6 +193,16 @@ def open_index(path: str, *, write: bool = False) -> ix.Index:
     """
     return ix.Index(os.path.join(path, mt.INDEX_NAME), sync="full" if write else "none",
                     map_size=1 << 20, map_max=1 << 40, readonly=not write)
+
+
+def block_count(index: ix.Index) -> int:
+    """Blocks stored in the tier now (one read transaction)."""
+    return int(index.read(lambda txn: txn.stat(index.blocks)["entries"]))
+
+
+def corrupt_total(index: ix.Index) -> int:
+    """Blocks found corrupt and dropped over the tier's life (the index's counter)."""
+    return int(index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT)))
 
 
 def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
@@ -297,13 +343,27 @@ def repair_slabs(index: ix.Index, slabs: Slabs) -> tuple[dict[int, tuple[str, in
     repair once. Blocks in the intact part of a truncated slab are kept. The dropped blocks are added
     to the index's lifetime corrupt counter.
 
+    A missing slab is not recreated while other processes have the tier open: they still read and
+    write the deleted file through their descriptors (so their blocks stay right), and a new file
+    beside it would split the tier in two, each side's records pointing at the other's bytes.
+
     Returns:
         ``(damaged, dropped)``: ``{slab: ("missing" | "truncated", size)}`` as found, and how many
         records were dropped.
+
+    Raises:
+        CorruptState: a slab is missing while other processes have the tier open.
     """
     damaged = slabs.damaged()
     if not damaged:
         return damaged, 0
+    missing = sorted(i for i, (what, _) in damaged.items() if what == "missing")
+    if missing:
+        live = index.owners.others()
+        if live:
+            raise CorruptState(f"slab(s) {missing} of the warm tier {slabs.directory} were deleted while "
+                               f"{len(live)} process(es) have it open (they still use the deleted files); "
+                               f"stop them, then open the tier again to repair it")
     per, block_bytes, slot_bytes = slabs.slots_per_slab, slabs.block_bytes, slabs.slot_bytes
 
     def purge(txn):

@@ -32,7 +32,8 @@ import errno
 import os
 import struct
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
@@ -426,12 +427,23 @@ class _SharedEnv:
             raise WarmTierUnavailable(f"the warm tier index {path} has no data.mdb (opened read-only)")
         self.owners = Owners(os.path.dirname(path), writable=not readonly)
         try:
+            if self.owners.registry_lost(path):
+                raise WarmTierUnavailable(
+                    f"{self.owners.path} was deleted or replaced while processes have the warm tier open: "
+                    f"they are not in this registry, so their claims would look dead and be reaped under "
+                    f"them; stop every process using this tier, then reopen it")
+            self.owners.hold_presence()
             try:
                 if not readonly:
                     # open_db may run a write transaction: bounded like every other write.
                     self.owners.acquire_writer(lock_timeout_s)
+                before = files_identity(path)
                 self._open_env(path, sync, map_size, readonly)
                 self.identity = files_identity(path)
+                if any(b and b != a for b, a in zip(before[1:], self.identity[1:])):
+                    # Replaced while LMDB opened them: we cannot tell which ones it holds.
+                    raise WarmTierUnavailable(f"the warm tier index files in {path} were replaced while "
+                                              f"this process opened them; open the tier again")
                 if not readonly:
                     self.owners.register(self.identity)
                     self._check_peers()
@@ -450,7 +462,7 @@ class _SharedEnv:
             raise
 
     def _open_env(self, path: str, sync: str, map_size: int, readonly: bool) -> None:
-        kwargs = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
+        kwargs: dict[str, Any] = dict(subdir=True, map_size=int(map_size), max_dbs=8, mode=0o600, readahead=False,
                       meminit=False, max_readers=510, sync=sync != "none", metasync=sync == "full",
                       readonly=readonly, create=not readonly)
         try:

@@ -14,6 +14,7 @@ The file's bytes hold one entry per registry slot; the lock bytes lie far past i
     offset 32*i           entry i: token (random, never 0 while registered), the device and inodes
                           of index.lmdb/lock.mdb and index.lmdb/data.mdb this owner uses
     WRITER_BYTE           the writer lock: held around every LMDB write transaction
+    PRESENCE_BYTE         a shared lock held by every process that has the index open (read-only too)
     REGISTRY_BASE + i     held by owner i for its lifetime
 
 A claim names ``(i, token)``: it is live iff byte ``REGISTRY_BASE + i`` is locked and entry ``i`` still
@@ -43,8 +44,9 @@ from tieredkv.hot import locks
 
 OWNERS_NAME = "owners"
 WRITER_BYTE = locks.META_LOCK_BYTE
+PRESENCE_BYTE = locks.META_LOCK_BYTE + 1
 REGISTRY_BASE = locks.REGISTRY_BASE
-#: Registry slots; more processes than this with one tier open cannot write it (they read).
+#: Registry slots: one more process than this opening the tier for writing gets WarmTierUnavailable.
 MAX_OWNERS = 1 << 14
 ENTRY = struct.Struct("<QQQQ")  # token, st_dev, lock.mdb inode, data.mdb inode
 
@@ -99,6 +101,36 @@ class Owners:
             os.close(self.fd)
             self.fd = -1
             raise WarmTierUnavailable(f"{self.path} is not a regular file; remove it")
+
+    def hold_presence(self) -> None:
+        """Hold a shared lock on ``PRESENCE_BYTE`` for as long as this process has the index open.
+
+        Taken before LMDB opens the index and dropped after it closes, in read-only processes too
+        (a shared lock needs only read access), so "some process has ``lock.mdb`` open" implies
+        "some process holds the presence byte of *this* registry file".
+        """
+        if self.fd >= 0:
+            locks.try_lock(self.fd, PRESENCE_BYTE, shared=True)  # shared: never refused by other holders
+
+    def registry_lost(self, index_dir: str) -> bool:
+        """True if processes have the index open but none of them holds this registry's presence
+        byte: the registry file was deleted (or replaced) under them.
+
+        They are registered in the old file, so their claims would look dead in this one (reaped
+        while they still write) and their writer lock is not ours. LMDB keeps a shared lock on byte 0
+        of ``lock.mdb`` in every process that has the environment open; the kernel reports both
+        locks across PID namespaces. Call it before this process opens the index itself.
+        """
+        if self.fd < 0 or locks.is_locked(self.fd, PRESENCE_BYTE):
+            return False
+        try:
+            fd = os.open(os.path.join(index_dir, "lock.mdb"), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        try:
+            return locks.is_locked(fd, 0)
+        finally:
+            os.close(fd)
 
     # ---- registration ------------------------------------------------------------------------------
     def register(self, identity: tuple[int, int, int]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from tieredkv.keys import ChunkKeys
@@ -57,7 +56,7 @@ def check_index(tier_dir: str, *, allow_claims: bool = False) -> dict:
                 owner[s] = 1
                 free += 1
             claimed = 0
-            for k, c in txn.cursor(db=index.inflight):
+            for _, c in txn.cursor(db=index.inflight):
                 s = ix.CLAIM.unpack(c)[0]
                 assert allow_claims, f"claim of slot {s} left in the index"
                 assert owner[s] == -1, f"claimed slot {s} is also used / free"

@@ -1,6 +1,7 @@
 """WarmTier: blocks in preallocated slab files on SSD, found through an LMDB index that survives restarts.
 
-A put is three steps, each safe to die in (design.md section 7, "data first, index second")::
+A put is three steps, each safe to die in ("data first, index second": docs/architecture.md,
+invariant 7)::
 
     1. claim   write txn: take free slots (free list, high-water mark, or policy victims) and record
                them in ``inflight`` under this process's registry entry   -> crash: slots reaped as free
@@ -35,17 +36,18 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import numpy as np
 import xxhash
-from numpy.random import default_rng  # at import: a lazy numpy.random import costs ~20 ms at open
+from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
 from tieredkv import policies
-from tieredkv.errors import (CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError,
-                             WarmTierUnavailable)
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError, WarmTierUnavailable
 from tieredkv.keys import KEY_BYTES, ChunkKeys
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
@@ -61,6 +63,20 @@ from tieredkv.warm import meta as mt
 _OWN_CLAIMS: set[tuple[int, int]] = set()
 _OWN_CLAIMS_LOCK = threading.Lock()
 
+
+def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int]:
+    """Checksum ``rows[which]`` and hand ``rows[b:e]`` to ``sink``; returns the digests."""
+    sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in which.tolist()]
+    if sink is not None:
+        sink(b, rows[b:e])
+    return sums
+
+
+#: A verified read larger than this is split into groups of about this size: one group is hashed
+#: (and handed to the caller's sink) on a helper thread while the next one is read. Smaller reads
+#: stay one read on the caller's thread: on a busy host the hand-off costs more than it saves (see
+#: docs/benchmarks.md, the speed table).
+READ_GROUP_BYTES = 32 << 20
 
 SYNC_MODES = ("none", "data", "full")
 VERIFY_MODES = ("always", "sampled", "never")
@@ -93,6 +109,9 @@ class WarmTier(Tier):
         lock_timeout_s: longest wait for the tier's writer lock. A writer stopped inside a write
             transaction (SIGSTOP, a debugger, a frozen container) makes other processes' stores raise
             ``LockTimeout`` after this long instead of hanging; lookups never wait for a writer.
+        on_evict: called with an ``Evicted`` (keys, verified bytes, hits) for the blocks ``put_many``
+            evicts to make room, before their slots are rewritten: the hook that passes blocks leaving
+            the warm tier on to a lower tier (a remote store). Costs one slab read per evicted block.
 
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
@@ -118,7 +137,8 @@ class WarmTier(Tier):
                  sync: str = "none", verify: str = "always", policy: Any = "lru",
                  sample_rate: float = 1 / 16, flush_every: int = 1024,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
-                 map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0):
+                 map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0,
+                 on_evict: Callable[[Evicted], None] | None = None):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         if sync not in SYNC_MODES:
@@ -150,6 +170,7 @@ class WarmTier(Tier):
         self.root = Path(directory)
         self.path = self.root / spec.namespace
         self.readonly = bool(readonly)
+        self.on_evict = on_evict
         self._closed = True
         self._lock = threading.RLock()
         self._rng = default_rng()
@@ -169,13 +190,14 @@ class WarmTier(Tier):
         self._pending_n = 0
         self._view: policies.SlotState | None = None
         self._view_gen = 0
+        self._hasher: ThreadPoolExecutor | None = None
 
     def _open(self, capacity_bytes: int | None, slab_bytes: int) -> None:
         path = str(self.path)
         if not self.readonly:
             files.make_dir(self.root, self.path)
         files.check_access(path)  # also: the directory exists, is ours, is no symlink; modes 0700/0600
-        with files.init_lock(path):
+        with files.init_lock(path, self.lock_timeout_s):
             self._open_locked(path, capacity_bytes, slab_bytes)
 
     def _open_locked(self, path: str, capacity_bytes: int | None, slab_bytes: int) -> None:
@@ -381,13 +403,18 @@ class WarmTier(Tier):
             _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), False))
             return found
 
-    def get_many(self, keys: ChunkKeys, out: np.ndarray) -> int:
+    def get_many(self, keys: ChunkKeys, out: np.ndarray, sink=None) -> int:
         """Copy the leading stored blocks into ``out`` and return how many were copied and verified.
 
         Args:
             keys: the blocks, in prompt order.
             out: a writable array with at least one row per key: ``(m, block_bytes)`` uint8 or the
                 spec's dtype shaped ``(m, *block_shape)``, ``m >= len(keys)``.
+            sink: ``sink(i, rows)`` is called with each group of rows (``(k, block_bytes)`` uint8,
+                blocks ``i .. i+k-1``) as soon as it is read, on a helper thread while the next group is
+                read, before the blocks are verified: use it to move bytes on (into a model layout, say)
+                without a second pass. As with ``out``, only the leading rows this call returns are
+                valid. An exception in ``sink`` is raised by ``get_many``.
 
         Returns:
             The length of the leading run returned. The run ends at the first block that is absent,
@@ -412,7 +439,7 @@ class WarmTier(Tier):
                 found[int(np.argmax(bad)):] = False
             run = int(found.sum())
             if run:
-                run = self._copy_checked(raw, keys, recs[:run], rows)
+                run = self._copy_checked(raw, keys, recs[:run], rows, sink)
             self._counts["hits"] += run
             self._counts["misses"] += n - run
             self._counts["bytes_out"] += run * self.block_bytes
@@ -420,11 +447,14 @@ class WarmTier(Tier):
                 self._note_hits(raw[:run * KEY_BYTES], recs["gen"][:run], recs["slot"][:run])
             return run
 
-    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray) -> int:
+    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray, sink=None) -> int:
         """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
         run = len(recs)
         slots = recs["slot"].astype(np.int64)
-        complete = self._slabs.read(slots, rows)
+        check = np.full(run, self.verify != "never")
+        if self.verify == "sampled":
+            check &= self._rng.random(run) < self.sample_rate
+        complete, sums = self._read_hashing(slots, rows, check, sink)
         # Re-check after the copy (see the module docstring): same slot and gen <=> bytes were stable.
         again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
         stable = found.copy()
@@ -432,18 +462,54 @@ class WarmTier(Tier):
         stable[:m] &= (again["slot"] == recs["slot"][:m]) & (again["gen"] == recs["gen"][:m])
         stable[m:] = False
         bad = stable & ~complete
-        if self.verify != "never":
-            check = stable & complete
-            if self.verify == "sampled":
-                check &= self._rng.random(run) < self.sample_rate
-            for i in np.flatnonzero(check):
-                if xxhash.xxh3_64_intdigest(rows[i]) != int(recs["checksum"][i]):
-                    bad[i] = True
+        bad |= stable & complete & check & (sums != recs["checksum"])
         end = np.flatnonzero(~stable | bad)
         good = int(end[0]) if len(end) else run
         if bad.any():
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))
         return good
+
+    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray,
+                      sink=None) -> tuple[np.ndarray, np.ndarray]:
+        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, hashing (and handing to
+        ``sink``) one group of blocks on a helper thread while the next group is read (xxhash, numpy
+        copies and preadv all release the GIL).
+
+        Returns:
+            ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
+        """
+        n = len(slots)
+        sums = np.zeros(n, dtype=np.uint64)
+        per_group = max(1, READ_GROUP_BYTES // self.block_bytes)
+        if n <= per_group or not (check.any() or sink is not None):
+            complete = self._slabs.read(slots, rows)
+            which = np.flatnonzero(check & complete)
+            sums[which] = _work(rows, which, sink, 0, n)
+            return complete, sums
+        complete = np.zeros(n, dtype=bool)
+        self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the groups, as for one read
+        hasher = self._hasher_pool()
+        pending = []
+        try:
+            for b in range(0, n, per_group):
+                e = min(n, b + per_group)
+                complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
+                todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
+                pending.append((todo, hasher.submit(_work, rows, todo, sink, b, e)))
+        finally:
+            # Wait for every task, even after an error: none may touch ``rows`` once we return.
+            outcomes = [(todo, fut, fut.exception()) for todo, fut in pending]
+        for todo, fut, exc in outcomes:
+            if exc is not None:
+                raise exc
+            sums[todo] = fut.result()
+        return complete, sums
+
+    def _hasher_pool(self) -> ThreadPoolExecutor:
+        """This process's hashing thread (threads do not survive fork: made lazily per process)."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-warm-hash")
+        return self._hasher
 
     def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
         """Count bad blocks and remove their records (if still the same gen) so they are never served."""
@@ -537,23 +603,28 @@ class WarmTier(Tier):
                         txn.delete(k, db=self._index.inflight)
                         txn.put(ix.slot_key(slot), b"", db=self._index.free)
                     todo.append(i)
-                slots, evicted = self._take_slots(txn, len(todo))
+                slots, victims = self._take_slots(txn, len(todo))
                 with _OWN_CLAIMS_LOCK:  # before the commit makes the claims visible
                     _OWN_CLAIMS.update((int(s), claim_time) for s in slots)
                 for i, s in zip(todo, slots):
                     txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, owner, token, claim_time),
                             db=self._index.inflight)
-                return todo, slots, evicted
+                return todo, slots, victims
 
-            todo, slots, evicted = self._index.write(claim)
+            todo, slots, victims = self._index.write(claim)
+            evicted = np.asarray([v[0] for v in victims], dtype=np.int64)
             self._counts["evictions"] += len(evicted)
-            self._view_forget(np.asarray(evicted, dtype=np.int64))
+            self._view_forget(evicted)
             codes[todo[len(slots):]] = PutResult.NO_SPACE
             if not slots:
                 return codes
             idx = np.asarray(todo[:len(slots)], dtype=np.int64)
             slot_arr = np.asarray(slots, dtype=np.int64)
             try:
+                if len(victims) and self.on_evict is not None:
+                    # The victims' slots are claimed by this call and not rewritten yet: read them now.
+                    gone = np.empty((len(victims), self.block_bytes), dtype=np.uint8)
+                    self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
                 sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in idx.tolist()]
                 touched = self._slabs.write(slot_arr, rows, idx)
                 if self.sync != "none":
@@ -571,25 +642,25 @@ class WarmTier(Tier):
             self._counts["bytes_in"] += n_stored * self.block_bytes
             return codes
 
-    def _take_slots(self, txn, need: int) -> tuple[list[int], list[int]]:
+    def _take_slots(self, txn, need: int) -> tuple[list[int], list]:
         """Claim up to ``need`` free slots in ``txn``: free list, then never-used, then policy victims.
 
         Returns:
-            ``(slots, evicted)``: the claimed slots, and which of them were freed by evicting a block.
+            ``(slots, victims)``: the claimed slots, and ``(slot, key, record)`` of each block evicted
+            to free one of them.
         """
         if need <= 0:
             return [], []
         slots = self._pop_free(txn, need)
-        evicted: list[int] = []
+        victims: list = []
         if len(slots) < need:
             # Claims of dead writers first: cheaper than evicting live blocks.
             if self._reap_claims_in(txn):
                 slots += self._pop_free(txn, need - len(slots))
         if len(slots) < need:
             victims = self._choose_victims(txn, need - len(slots))
-            evicted = [int(s) for s, _, _ in victims]
-            slots += evicted
-        return slots, evicted
+            slots += [int(s) for s, _, _ in victims]
+        return slots, victims
 
     def _pop_free(self, txn, need: int) -> list[int]:
         slots: list[int] = []
@@ -714,14 +785,16 @@ class WarmTier(Tier):
         # Ticks are wall-clock microseconds (never going back), so last_access values written by
         # different processes into the records compare meaningfully.
         st = self._view
-        st.set_g("tick", max(st.g("tick"), ix.now_us()))
+        if st is not None:
+            st.set_g("tick", max(st.g("tick"), ix.now_us()))
 
     def _view_forget(self, slots: np.ndarray) -> None:
         if self._view is not None and len(slots):
             policies.remove(self.policy, self._view, slots)
 
-    def _build_view(self, txn) -> None:
-        """Rebuild the policy state from the records (index only, no data): insert order, fields."""
+    def _build_view(self, txn) -> policies.SlotState:
+        """Rebuild the policy state from the records (index only, no data): insert order, fields.
+        Returns it (it is also ``self._view``)."""
         keys, vals = [], []
         for k, v in txn.cursor(db=self._index.blocks):
             if len(v) == self._rec.itemsize \
@@ -732,7 +805,7 @@ class WarmTier(Tier):
         self._view = st
         self._view_gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
         if not keys:
-            return
+            return st
         recs = np.frombuffer(b"".join(vals), dtype=self._rec)
         karr = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
         order = np.argsort(recs["insert_us"], kind="stable")
@@ -752,11 +825,12 @@ class WarmTier(Tier):
         st.hits[slots] = recs["hits"]
         st.set_g("tick", max(int(recs["last_access_us"].max()), ix.now_us()))
         # Hits of this process not yet flushed to the records still count.
-        for raw, gens, pslots, ticks in self._pending:
+        for raw, _, pslots, ticks in self._pending:
             key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
             live = (st.resident[pslots] == 1) & (st.key64[pslots] == key64)
             np.maximum.at(st.last_access, pslots[live], ticks[live])
             np.add.at(st.hits, pslots[live], 1)
+        return st
 
     def _choose_victims(self, txn, need: int) -> list[tuple[int, bytes, np.ndarray]]:
         """Evict up to ``need`` blocks chosen by the policy; return ``(slot, key, record)`` of each.
@@ -771,16 +845,16 @@ class WarmTier(Tier):
             gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
             if gen - self._view_gen > max(16, self.n_slots // 4):
                 self._view = None
-        if self._view is None:
-            self._build_view(txn)
+        st = self._view
+        if st is None:
+            st = self._build_view(txn)
             rebuilt = True
         while len(out) < need:
-            st = self._view
             victims = policies.evict(self.policy, st, need - len(out))
             if not len(victims):
                 if rebuilt:
                     break
-                self._build_view(txn)
+                st = self._build_view(txn)
                 rebuilt = True
                 continue
             for s in victims.tolist():
@@ -900,36 +974,45 @@ class WarmTier(Tier):
             self._check()
             n = check_count(n)
             self._require_writable()
-            chunk = self.spec.chunk_tokens
 
             def ev(txn):
                 victims = self._choose_victims(txn, n) if n > 0 else []
                 m = len(victims)
                 rows = np.empty((m, self.block_bytes), dtype=np.uint8) if with_payloads else None
-                keep = np.ones(m, dtype=bool)
-                if with_payloads and m:
-                    # The slots cannot be claimed by anyone before this transaction commits.
-                    complete = self._slabs.read(np.asarray([v[0] for v in victims], dtype=np.int64), rows)
-                    for j, (_, _, rec) in enumerate(victims):
-                        keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
+                # The slots cannot be claimed by anyone before this transaction commits.
+                keep = self._read_verified(victims, rows) if with_payloads else np.ones(m, dtype=bool)
                 for s, _, _ in victims:
                     txn.put(ix.slot_key(s), b"", db=self._index.free)
                 return victims, rows, keep
 
             victims, rows, keep = self._index.write(ev)
             self._counts["evictions"] += len(victims)
-            self._counts["corrupt"] += int((~keep).sum())
-            kept = [v for v, k in zip(victims, keep) if k]
-            m = len(kept)
-            raw = b"".join(v[1] for v in kept)
-            karr = np.frombuffer(raw, dtype="<u8").reshape(m, 2)
-            recs = np.array([v[2] for v in kept], dtype=self._rec).reshape(m)
-            keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
-                             recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
-                             recs["position"].astype(np.int64))
-            hits = recs["hits"].astype(np.int64) + self._pending_hits(raw, recs["gen"])
-            payloads = rows[keep] if rows is not None else None
-            return Evicted(keys, payloads, hits)
+            return self._evicted(victims, rows, keep)
+
+    def _read_verified(self, victims: list, rows: np.ndarray) -> np.ndarray:
+        """Read the victims' slots into ``rows``; bool per victim: complete and its checksum holds."""
+        keep = np.ones(len(victims), dtype=bool)
+        if victims:
+            complete = self._slabs.read(np.asarray([v[0] for v in victims], dtype=np.int64), rows)
+            for j, (_, _, rec) in enumerate(victims):
+                keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
+        return keep
+
+    def _evicted(self, victims: list, rows: np.ndarray | None, keep: np.ndarray) -> Evicted:
+        """``Evicted`` of the victims whose bytes verified (the others are counted corrupt)."""
+        chunk = self.spec.chunk_tokens
+        self._counts["corrupt"] += int((~keep).sum())
+        kept = [v for v, k in zip(victims, keep) if k]
+        m = len(kept)
+        raw = b"".join(v[1] for v in kept)
+        karr = np.frombuffer(raw, dtype="<u8").reshape(m, 2)
+        recs = np.array([v[2] for v in kept], dtype=self._rec).reshape(m)
+        keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
+                         recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
+                         recs["position"].astype(np.int64))
+        hits = recs["hits"].astype(np.int64) + self._pending_hits(raw, recs["gen"])
+        payloads = rows[keep] if rows is not None else None
+        return Evicted(keys, payloads, hits)
 
     def _pending_hits(self, raw: bytes, gens: np.ndarray) -> np.ndarray:
         """Hits this process noted for each (key, gen) but has not flushed into the records yet."""
@@ -978,6 +1061,9 @@ class WarmTier(Tier):
                 self.flush()
             finally:
                 self._closed = True
+                if self._hasher is not None:
+                    self._hasher.shutdown(wait=True)
+                    self._hasher = None
                 self._index.close()
                 self._slabs.close()
 

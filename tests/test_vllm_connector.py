@@ -246,7 +246,8 @@ def test_scheduler_plans_whole_blocks_and_the_worker_restores_them(cfg):
     worker, caches = worker_for(cfg)
     spec = worker.spec
     tokens = np.arange(1, 201) % 500
-    with TieredCache(spec, hot_bytes=16 << 20, hot_name=cfg.kv_transfer_config.kv_connector_extra_config["hot_name"]) as other:
+    hot_name = cfg.kv_transfer_config.kv_connector_extra_config["hot_name"]
+    with TieredCache(spec, hot_bytes=16 << 20, hot_name=hot_name) as other:
         kv = stored_kv(spec, tokens)
         other.store(tokens[:128], kv[:, :, :, :128])  # 2 chunks of 64 = 4 vLLM blocks
     req = request("a", tokens)
@@ -285,7 +286,8 @@ def test_salts_never_see_each_others_blocks(cfg):
     scheduler = make_scheduler(cfg)
     spec = tv.spec_from_vllm(cfg, kv_cache_config(), chunk_tokens=64)[0]
     tokens = np.arange(300, 500)
-    with TieredCache(spec, hot_bytes=16 << 20, hot_name=cfg.kv_transfer_config.kv_connector_extra_config["hot_name"]) as other:
+    hot_name = cfg.kv_transfer_config.kv_connector_extra_config["hot_name"]
+    with TieredCache(spec, hot_bytes=16 << 20, hot_name=hot_name) as other:
         other.store(tokens, stored_kv(spec, tokens, b"tenant-a"), b"tenant-a")
     conn = scheduler.connector
     assert conn.get_num_new_matched_tokens(request("x", tokens, "tenant-a"), 0) == (192, False)

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from tieredkv.keys import as_tokens, chunk_keys
-from tieredkv.spec import KVSpec
+from tieredkv.errors import InvalidInput
+from tieredkv.spec import KVSpec, parse_bytes
 
 CONFIGS = ("no_cache", "private", "shared", "restart")
 _READY_TIMEOUT_S = 300.0
@@ -630,13 +631,9 @@ def plot(doc: dict, path: str) -> None:
 # ---- command line --------------------------------------------------------------------------------
 def _size_arg(text: str) -> int:
     """``512M``, ``2G``, ``65536``: bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
+        return parse_bytes(text)
+    except InvalidInput:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M or 2G)") from None
 
 

@@ -41,6 +41,29 @@ KEY_FORMAT = 1
 _SLUG_RE = re.compile(r"[^a-z0-9]+")
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: Any, *, what: str = "size") -> int:
+    """A byte count from an int or a string such as ``"8G"``, ``"512M"``, ``"64KiB"``, ``"65536"``.
+
+    Units are binary (``1G = 2**30``), as a KV cache is sized against RAM and /dev/shm.
+
+    Raises:
+        InvalidInput: not a non-negative integer or a number with a K/M/G/T suffix (``what`` names
+            the argument in the message).
+    """
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if value < 0:
+            raise InvalidInput(f"{what} must be >= 0, got {value}")
+        return int(value)
+    match = _SIZE_RE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise InvalidInput(f"{what} must be a byte count or a size like '512M' or '8G', got {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
 def normalize_dtype(dtype: Any) -> str:
     """Return the canonical dtype name for a string, numpy dtype or torch dtype."""
     name = str(dtype).lower().removeprefix("torch.")

@@ -218,6 +218,18 @@ def random_model(config, *, seed: int = 0, dtype: Any = None):
     return model.eval()
 
 
+def save_random_model(config, directory: str | os.PathLike, *, seed: int = 0, dtype: Any = "float32") -> str:
+    """Save ``random_model(config, seed=seed, dtype=dtype)`` as safetensors + config.json in
+    ``directory`` (what vLLM loads; no tokenizer: run vLLM with ``skip_tokenizer_init=True``).
+
+    Returns:
+        ``directory`` as a string.
+    """
+    model = random_model(config, seed=seed, dtype=dtype)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return str(directory)
+
+
 def load_model(source: str, *, dtype: Any = None, cache_dir: str | os.PathLike | None = None):
     """Load a causal LM from ``"smollm2"``, an HF model directory or a ``.gguf`` file.
 

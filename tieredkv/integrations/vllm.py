@@ -1,0 +1,571 @@
+"""vLLM integration: a KV connector, and a secondary tier behind vLLM's own CPU offloading.
+
+Both are loaded by module path; vLLM is not patched. This is the only module of tieredkv that
+imports vLLM.
+
+``TieredKVConnector`` (a ``KVConnectorBase_V1``)::
+
+    scheduler process                                  worker process (one per TP rank)
+    get_num_new_matched_tokens                         start_load_kv
+      cache.lookup(prompt_token_ids, cache_salt)         cache.load -> host (L, 2, H, T, D)
+      -> whole vLLM blocks, never the whole prompt       -> paged cache at the allocated block ids
+    update_state_after_alloc -> a load plan            wait_for_save
+    build_connector_meta -> loads + saves  ─────────►    paged cache -> host -> cache.store
+                                                       get_block_ids_with_load_errors -> recompute
+
+``TieredKVTier`` (a ``SecondaryTierManager``): the tiers behind vLLM's ``OffloadingConnector`` +
+``TieringOffloadingSpec``, keyed by vLLM's ``OffloadKey``; vLLM's CPU tier stays the primary.
+
+Paged-cache layouts, and the copies between vLLM's pages and tieredkv's blocks, are in
+``tieredkv.integrations.paged``: the engine's resolved ``KVCacheLayout`` and the attention backend's
+K/V split decide how a layer is read, and anything not understood is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from tieredkv.cache import PrefixHit, TieredCache
+from tieredkv.errors import InvalidInput, TieredKVError
+from tieredkv.integrations.paged import KV_SPLIT, PagedKV, paged_view
+from tieredkv.keys import ChunkKeys, as_tokens
+from tieredkv.spec import KVSpec, normalize_dtype, parse_bytes
+from tieredkv.tier import PutResult
+
+logger = logging.getLogger(__name__)
+
+#: ``kv_connector_extra_config`` keys the connector reads itself; every other key must be an
+#: argument of ``TieredCache`` and is passed to it unchanged (``*_bytes`` values may be "8G").
+CONNECTOR_KEYS = ("chunk_tokens", "model_id")
+
+#: Hot-tier size when the config gives neither ``hot_bytes`` nor ``hot_blocks``.
+DEFAULT_HOT_BYTES = 1 << 30
+
+# ---- configuration -----------------------------------------------------------------------------
+def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> dict[str, Any]:
+    """``TieredCache`` keyword arguments from a vLLM ``extra_config`` mapping.
+
+    Every key ``TieredCache.__init__`` accepts passes through unchanged (so arguments added to it later
+    work from the vLLM config with no change here); ``*_bytes`` values are parsed as sizes ("8G").
+
+    Raises:
+        InvalidInput: an unknown key (the message lists the valid ones) or a malformed size.
+    """
+    extra = dict(extra or {})
+    params = inspect.signature(TieredCache.__init__).parameters
+    accepted = [name for name in params if name not in ("self", "spec")]
+    unknown = sorted(set(extra) - set(accepted) - set(own_keys))
+    if unknown:
+        raise InvalidInput(f"unknown kv_connector_extra_config keys {unknown}; valid keys: "
+                           f"{sorted([*accepted, *own_keys])}")
+    kwargs = {name: extra[name] for name in accepted if name in extra}
+    for name, value in kwargs.items():
+        if name.endswith("_bytes") and value is not None:
+            kwargs[name] = parse_bytes(value, what=name)
+    if kwargs.get("hot_bytes") is None and kwargs.get("hot_blocks") is None:
+        kwargs["hot_bytes"] = DEFAULT_HOT_BYTES
+    return kwargs
+
+
+def _default_chunk_tokens(block_size: int) -> int:
+    """The smallest multiple of the engine's block size that is >= 64 tokens (tieredkv's default)."""
+    return -(-64 // block_size) * block_size
+
+
+def _attention_group(kv_cache_config: Any) -> tuple[Any, list[str]]:
+    """The single full-attention KV group: its spec and its layer names in model order."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise InvalidInput(f"TieredKVConnector supports models with one KV cache group (full attention in "
+                           f"every layer); this model has {len(groups)} groups")
+    attn = groups[0].kv_cache_spec
+    if type(attn) is not FullAttentionSpec:
+        raise InvalidInput(f"TieredKVConnector supports full attention (FullAttentionSpec) only, got "
+                           f"{type(attn).__name__} (MLA, sliding-window and hybrid caches are not supported)")
+    if attn.head_size_v != attn.head_size or attn.num_head_slots is not None \
+            or attn.state_content_bytes is not None or attn.tokens_per_state != 1:
+        raise InvalidInput("TieredKVConnector needs plain K/V pages (head_size_v == head_size, one slot per "
+                           "KV head, one state per token)")
+    if str(getattr(attn.kv_quant_mode, "name", "NONE")) != "NONE":
+        raise InvalidInput(f"TieredKVConnector does not support quantised KV caches ({attn.kv_quant_mode})")
+    names = sorted(groups[0].layer_names, key=extract_layer_index)
+    return attn, names
+
+
+def spec_from_vllm(vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int | None = None,
+                   model_id: str | None = None, tp_rank: int = 0) -> tuple[KVSpec, Any, list[str]]:
+    """The ``KVSpec`` of one TP rank of a vLLM engine, with its attention spec and ordered layer names.
+
+    The spec is the one ``KVSpec.from_hf_config`` gives for the same model path, dtype and chunk
+    size, so a HuggingFace worker (``CachedPrefill``) and a vLLM engine share blocks.
+
+    Raises:
+        InvalidInput: ``chunk_tokens`` is not a multiple of the engine's block size, pipeline
+            parallelism is on, or the KV cache is not one plain full-attention group.
+    """
+    attn, names = _attention_group(kv_cache_config)
+    block = int(attn.block_size)
+    chunk = _default_chunk_tokens(block) if chunk_tokens is None else int(chunk_tokens)
+    if chunk <= 0 or chunk % block:
+        raise InvalidInput(f"chunk_tokens={chunk_tokens} must be a positive multiple of the engine's block "
+                           f"size {block} (set kv_connector_extra_config chunk_tokens, e.g. {block * 2})")
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise InvalidInput("TieredKVConnector does not support pipeline parallelism (each rank would hold "
+                           "a part of the layers); use tensor parallelism")
+    model = vllm_config.model_config
+    if model_id is None:
+        model_id = str(model.model)
+        if getattr(model, "revision", None):
+            model_id += f"@{model.revision}"
+    try:
+        dtype = normalize_dtype(attn.dtype)
+    except InvalidInput as e:
+        raise InvalidInput(f"the engine's KV cache dtype is not supported: {e}") from None
+    spec = KVSpec(model_id=model_id, num_layers=len(names), num_kv_heads=int(attn.num_kv_heads),
+                  head_dim=int(attn.head_size), dtype=dtype, chunk_tokens=chunk, tp_rank=tp_rank,
+                  tp_size=int(parallel.tensor_parallel_size))
+    return spec, attn, names
+
+
+def _resolved_layout(vllm_config: Any, kv_cache_config: Any) -> KVCacheLayout:
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        return vllm_config.cache_config.get_resolved_kv_cache_layout()
+    from vllm.config.cache import _layout_from_name
+
+    return _layout_from_name(name)
+
+
+def _backend_name(vllm_config: Any, layer_name: str) -> str | None:
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    backend = getattr(layer, "attn_backend", None)
+    return backend.get_name() if backend is not None else None
+
+
+# ---- connector metadata ----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """Restore ``hit`` (chunk-aligned, may start before the local prefix-cache hit) into ``block_ids``.
+
+    ``skip_tokens`` leading tokens of the hit are already in vLLM's cache and are not copied; block
+    ``block_ids[i]`` receives the hit's tokens ``[skip + i*N, skip + (i+1)*N)``.
+    """
+
+    req_id: str
+    hit: PrefixHit
+    skip_tokens: int
+    block_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlan:
+    """Store the prompt's full chunks ``[start_token, len(token_ids))`` from ``block_ids`` (which hold
+    tokens from ``start_token`` on, one vLLM block each)."""
+
+    req_id: str
+    token_ids: np.ndarray
+    salt: bytes
+    start_token: int
+    block_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    """What the scheduler side hands the workers for one engine step."""
+
+    loads: list[LoadPlan] = dataclasses.field(default_factory=list)
+    saves: list[SavePlan] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """Scheduler-side state of one running request: what to save once its prompt is computed."""
+
+    token_ids: np.ndarray
+    salt: bytes
+    cached_tokens: int  # leading tokens the tiers already held at lookup time (not saved again)
+    block_ids: list[int]
+    saved: bool = False
+
+
+def _salt(request: Any) -> bytes:
+    salt = getattr(request, "cache_salt", None)
+    return salt.encode() if isinstance(salt, str) else bytes(salt or b"")
+
+
+def _slice_hit(hit: PrefixHit, first: int, end: int, chunk_tokens: int) -> PrefixHit:
+    """The blocks ``[first, end)`` of ``hit``, as a hit that ``TieredCache.load`` restores from 0."""
+    return dataclasses.replace(hit, tokens=(end - first) * chunk_tokens, keys=hit.keys[first:end],
+                               where=hit.where[first:end])
+
+
+# ---- the connector ----------------------------------------------------------------------------------
+class TieredKVConnector(KVConnectorBase_V1):
+    """Serve vLLM prompts' prefixes from tieredkv's host tiers and store what vLLM computes.
+
+    Configured by ``kv_connector_extra_config``: ``chunk_tokens`` (a multiple of the engine's block
+    size; default the smallest multiple >= 64), ``model_id`` (default: the model path vLLM was given,
+    which is what ``KVSpec.from_hf_config`` uses), and any ``TieredCache`` argument (``hot_bytes``,
+    ``warm_dir``, ``warm_bytes``, ``eviction``, ``hot_name``, ...). Loads are synchronous
+    (``start_load_kv`` finishes before the forward); saves happen in ``wait_for_save`` after it.
+
+    A lookup, load or save failure never fails a request: a lookup failure is a miss; blocks a load
+    could not fill are reported by ``get_block_ids_with_load_errors`` (run vLLM with
+    ``kv_load_failure_policy="recompute"`` so it recomputes them); a failed save is logged and skipped.
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        kwargs = cache_kwargs(extra)
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER and vllm_config.parallel_config.tensor_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        self.spec, self._attn, self._layer_names = spec_from_vllm(
+            vllm_config, kv_cache_config, chunk_tokens=extra.get("chunk_tokens"), model_id=extra.get("model_id"),
+            tp_rank=tp_rank)
+        self._block_size = int(self._attn.block_size)
+        self.cache = TieredCache(self.spec, **kwargs)
+        # scheduler side
+        self._lookups: dict[str, tuple[PrefixHit, int]] = {}
+        self._loads: dict[str, LoadPlan] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        # worker side
+        self._paged: PagedKV | None = None
+        self._load_errors: set[int] = set()
+
+    # ---- scheduler side -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` the tiers can supply: whole chunks (so whole vLLM
+        blocks), never the whole prompt. A failing lookup is a miss."""
+        tokens = request.prompt_token_ids or []
+        try:
+            hit = self.cache.lookup(tokens, _salt(request))
+        except (TieredKVError, OSError) as e:
+            logger.warning("tieredkv: lookup failed, serving request %s without it: %s", request.request_id, e)
+            self._lookups.pop(request.request_id, None)
+            return 0, False
+        self._lookups[request.request_id] = (hit, num_computed_tokens)
+        return max(hit.tokens - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` after the local hit, and track the request's save."""
+        req_id = request.request_id
+        hit, local = self._lookups.pop(req_id, (None, 0))
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        self._tracked[req_id] = _Tracked(token_ids=as_tokens(request.prompt_token_ids or []), salt=_salt(request),
+                                         cached_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
+        if num_external_tokens <= 0 or hit is None:
+            return
+        C, N = self.spec.chunk_tokens, self._block_size
+        end = local + num_external_tokens
+        first, last = local // C, -(-end // C)
+        if local % N or end % N or end > hit.tokens:
+            # Not a range this connector offered: load nothing and let the worker report every
+            # block as failed, so vLLM recomputes them rather than reading unfilled pages.
+            logger.warning("tieredkv: request %s: vLLM asked for tokens [%d, %d) but the hit covers [0, %d) in "
+                           "blocks of %d; recomputing them", req_id, local, end, hit.tokens, N)
+            last = first
+        self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
+                                       skip_tokens=local - first * C,
+                                       block_ids=tuple(block_ids[local // N:-(-end // N)]))
+
+    def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
+        """This step's loads, and saves for prompts whose last full chunk this step computes."""
+        meta = TieredKVMetadata(loads=list(self._loads.values()))
+        self._loads.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._maybe_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                # A request resumed after preemption gets its whole block list again; otherwise
+                # blocks are appended (block tables are append-only while a request runs).
+                if req_id in cached.resumed_req_ids:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            self._maybe_save(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self._tracked.pop(req_id, None)
+        return meta
+
+    def _maybe_save(self, meta: TieredKVMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+        C, N = self.spec.chunk_tokens, self._block_size
+        full = len(tracked.token_ids) // C * C
+        if tracked.saved or computed < full:
+            return
+        tracked.saved = True
+        start = tracked.cached_tokens // C * C
+        if full <= start or len(tracked.block_ids) < full // N:
+            return
+        meta.saves.append(SavePlan(req_id=req_id, token_ids=tracked.token_ids[:full], salt=tracked.salt,
+                                   start_token=start, block_ids=tuple(tracked.block_ids[start // N:full // N])))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are synchronous, so the blocks can be freed at once."""
+        self._tracked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Check every layer's cache against the engine's resolved layout and the backend's K/V split.
+
+        Raises:
+            InvalidInput: a layer is missing, or its layout, backend or shape is not understood.
+        """
+        missing = [n for n in self._layer_names if n not in kv_caches]
+        if missing:
+            raise InvalidInput(f"register_kv_caches lacks layers {missing[:3]} of the KV cache group")
+        backend = _backend_name(self._vllm_config, self._layer_names[0])
+        split = KV_SPLIT.get(backend or "")
+        if split is None:
+            raise InvalidInput(f"attention backend {backend!r}: how it stores K and V in a page is not known "
+                               f"to tieredkv; supported backends: {sorted(KV_SPLIT)}")
+        layout = _resolved_layout(self._vllm_config, self._kv_cache_config)
+        views = [paged_view(kv_caches[n], layout, split, num_kv_heads=self.spec.num_kv_heads,
+                            block_size=self._block_size, head_size=self.spec.head_dim)
+                 for n in self._layer_names]
+        self._paged = PagedKV(views, self._block_size)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Restore this step's planned hits into the paged cache before the forward.
+
+        Blocks that could not be filled (evicted since the lookup, damaged, an I/O error) are
+        reported by ``get_block_ids_with_load_errors``; the ones filled are kept.
+        """
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredKVMetadata) or not meta.loads:
+            return
+        N = self._block_size
+        for plan in meta.loads:
+            done = 0
+            try:
+                host = self._paged.host_buffer(plan.hit.tokens)
+                loaded = self.cache.load(plan.hit, host)
+                done = min(max(loaded - plan.skip_tokens, 0) // N, len(plan.block_ids))
+                self._paged.write(plan.block_ids[:done], host, plan.skip_tokens)
+            except Exception:  # any failure becomes a recompute of these blocks, never a crash
+                logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
+                done = 0
+            self._load_errors.update(plan.block_ids[done:])
+        if self._paged.device.type == "cuda":
+            torch.cuda.current_stream(self._paged.device).synchronize()  # the host buffer is reused
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Saves read all layers at once in ``wait_for_save``, after the forward wrote them."""
+
+    def wait_for_save(self) -> None:
+        """Store the full prompt chunks this step finished computing (skipping ones already held)."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TieredKVMetadata) or not meta.saves:
+            return
+        for plan in meta.saves:
+            try:
+                # Positions before start_token (already in the tiers) are left unread: store skips them.
+                host = self._paged.host_buffer(len(plan.token_ids))
+                self._paged.read(plan.block_ids, host[:, :, :, plan.start_token:])
+                self.cache.store(plan.token_ids, host, plan.salt, from_token=plan.start_token)
+            except Exception:  # a failed save is a future miss, never a failed request
+                logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Close this process's handle on the tiers (the shared state stays for other engines)."""
+        self.cache.close()
+
+
+# ---- a secondary tier behind vLLM's CPU offloading ------------------------------------------------
+def offload_keys(spec: KVSpec, keys: Any) -> ChunkKeys:
+    """``ChunkKeys`` for vLLM ``OffloadKey`` bytes: xxh3-128 of each key under the spec's namespace.
+
+    vLLM's block hashes already chain the whole prefix and the request's cache salt, so a block is
+    confirmed by its key alone: parents and chunk tokens are zero.
+    """
+    seed = spec.namespace_bytes()
+    raw = b"".join(xxhash.xxh3_128_digest(seed + bytes(k)) for k in keys)
+    n = len(raw) // 16
+    return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2), np.zeros((n, 2), dtype="<u8"),
+                     np.zeros((n, spec.chunk_tokens), dtype="<u4"))
+
+
+class TieredKVTier(SecondaryTierManager):
+    """tieredkv's hot (shared memory) and warm (disk) tiers as a vLLM secondary offloading tier.
+
+    Every chunk of vLLM's CPU (primary) tier is one opaque tieredkv block under a namespace of the
+    model, the KV dtype and the chunk size, so engines of one host share chunks through shared memory
+    and find them again on disk after a restart. Transfers run on one background thread; every
+    method called by the scheduler returns at once. Configured by the tier's config dict: any
+    ``TieredCache`` argument (``hot_bytes``, ``warm_dir``, ...) and ``model_id``.
+    """
+
+    medium = Medium.CPU
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, **config: Any):
+        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
+                         backpressure_detector=backpressure_detector)
+        kwargs = cache_kwargs({k: v for k, v in config.items() if k != "locality"}, own_keys=("model_id",))
+        chunk_bytes = self.block_size_bytes
+        rows = np.asarray(primary_kv_view)
+        self._primary = rows.view(np.uint8).reshape(rows.shape[0], -1)
+        if chunk_bytes % 2 or self._primary.shape[1] != chunk_bytes:
+            raise InvalidInput(f"the primary tier's rows must be {chunk_bytes} contiguous bytes (an even count), "
+                               f"got shape {rows.shape} strides {primary_kv_view.strides}")
+        cfg = getattr(offloading_spec, "config", None)
+        model = config.get("model_id") or (cfg.model.name if cfg is not None else "vllm-model")
+        dtype = cfg.model.dtype if cfg is not None else "?"
+        world = cfg.parallel.world_size if cfg is not None else 1
+        # One opaque block per chunk: 1 layer x (K,V) x 1 head x 1 token x chunk_bytes/2 int8 values.
+        self.spec = KVSpec(model_id=str(model), num_layers=1, num_kv_heads=1, head_dim=chunk_bytes // 2, dtype="int8",
+                           chunk_tokens=1, extra=f"vllm-offload;dtype={dtype};world={world}")
+        self.cache = TieredCache(self.spec, **kwargs)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tieredkv-tier", daemon=True)
+        self._thread.start()
+
+    # ---- scheduler-facing calls (non-blocking) ----------------------------------------------------
+    def lookup(self, key: Any, req_context: Any) -> LookupResult:
+        """HIT when the chunk is in the hot or the warm tier (a failing warm tier is a miss)."""
+        keys = offload_keys(self.spec, [key])
+        try:
+            if self.cache.hot.contains_many(keys)[0]:
+                return LookupResult.HIT
+            if self.cache.warm is not None and self.cache.warm.contains_many(keys)[0]:
+                return LookupResult.HIT
+        except (TieredKVError, OSError) as e:
+            logger.warning("tieredkv tier: lookup failed (a miss): %s", e)
+        return LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit("store", job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit("load", job_metadata)
+
+    def _submit(self, kind: str, job: TransferJob) -> None:
+        if len(job.keys) != len(job.chunk_ids):
+            raise InvalidInput(f"job {job.job_id}: {len(job.keys)} keys but {len(job.chunk_ids)} chunk ids")
+        with self._idle:
+            self._pending += 1
+        self._jobs.put((kind, job))
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def has_pending_work(self) -> bool:
+        with self._idle:
+            return self._pending > 0
+
+    def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished (its result is queued)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def shutdown(self) -> None:
+        """Finish submitted jobs, stop the thread, close the tiers (idempotent)."""
+        if self._thread.is_alive():
+            self.drain_jobs()
+            self._jobs.put(None)
+            self._thread.join()
+        self.cache.close()
+
+    # ---- the transfer thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            kind, job = item
+            try:
+                result = self._store(job) if kind == "store" else self._load(job)
+            except Exception:  # a failed job is reported as failed, never lost
+                logger.exception("tieredkv tier: %s job %s failed", kind, job.job_id)
+                result = JobResult(job_id=job.job_id, success=False)
+            self._done.put(result)
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _store(self, job: TransferJob) -> JobResult:
+        keys = offload_keys(self.spec, list(job.keys))
+        rows = np.asarray(job.chunk_ids, dtype=np.int64)
+        payloads = self._primary[rows]  # a gather copy: the primary slots are released after the job
+        codes = self.cache.hot.put_many(keys, payloads)
+        if self.cache.warm is not None:
+            if self.cache.demotion.at_store:
+                self.cache.warm.put_many(keys, payloads)
+            elif (codes == PutResult.NO_SPACE).any():
+                full = np.flatnonzero(codes == PutResult.NO_SPACE)
+                self.cache.warm.put_many(keys.take(full), payloads[full])
+        ok = bool(np.all(codes != PutResult.NO_SPACE)) or self.cache.warm is not None
+        return JobResult(job_id=job.job_id, success=ok, transfer_bytes=int(payloads.nbytes))
+
+    def _load(self, job: TransferJob) -> JobResult:
+        keys_in = list(job.keys)
+        keys = offload_keys(self.spec, keys_in)
+        rows = np.asarray(job.chunk_ids, dtype=np.int64)
+        staging = np.empty((len(keys), self.block_size_bytes), dtype=np.uint8)
+        got = np.zeros(len(keys), dtype=bool)
+        # Chunks of one job need not be a prefix run: read each from wherever it is.
+        for i in range(len(keys)):
+            one = keys[i:i + 1]
+            if self.cache.hot.get_many(one, staging[i:i + 1]) == 1:
+                got[i] = True
+            elif self.cache.warm is not None:
+                try:
+                    got[i] = self.cache.warm.get_many(one, staging[i:i + 1]) == 1
+                except (TieredKVError, OSError) as e:
+                    logger.warning("tieredkv tier: warm read failed (a miss): %s", e)
+        self._primary[rows[got]] = staging[got]
+        success = bool(got.all())
+        return JobResult(job_id=job.job_id, success=success,
+                         successful_keys=None if success else [k for k, g in zip(keys_in, got) if g],
+                         transfer_bytes=int(got.sum()) * self.block_size_bytes)

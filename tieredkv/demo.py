@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from tieredkv.keys import as_tokens, chunk_keys
 from tieredkv.errors import InvalidInput
+from tieredkv.keys import as_tokens, chunk_keys
 from tieredkv.spec import KVSpec, parse_bytes
 
 CONFIGS = ("no_cache", "private", "shared", "restart")

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from tieredkv.keys import as_tokens, chunk_keys
 from tieredkv.errors import InvalidInput
+from tieredkv.keys import as_tokens, chunk_keys
 from tieredkv.spec import KVSpec, parse_bytes
 
 CONFIGS = ("no_cache", "private", "shared", "restart")
@@ -92,11 +92,11 @@ class PrivatePrefixCache:
         self._hit_tokens += hit.tokens
         return hit.tokens
 
-    def store(self, tokens: Any, kv: Any, salt: bytes = b"") -> int:
+    def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0) -> int:
         chunk = self.spec.chunk_tokens
         stored = 0
         for i, key in enumerate(chunk_keys(self.spec, tokens, salt)):
-            if key in self._blocks:
+            if key in self._blocks or i * chunk < from_token:
                 continue
             self._blocks[key] = kv[:, :, :, i * chunk:(i + 1) * chunk, :].clone()
             stored += 1

@@ -393,6 +393,24 @@ def test_remote_write_on_evict_sends_only_what_hot_evicts(spec, valkey_server, h
         cache.unlink_hot()
 
 
+def test_remote_write_on_nth_hit_sends_only_blocks_hit_often_enough(spec, valkey_server, host):
+    cache = TieredCache(spec, hot_blocks=8, hot_name=_seg(), remote=generous(valkey_server.url),
+                        remote_write="on_nth_hit:1")
+    try:
+        first = prompt(33, seed=63)
+        cache.store(first, kv_for(spec, first))
+        part = cache.lookup(first[:17])  # the first 4 blocks, read once each
+        out = np.zeros_like(kv_for(spec, first))
+        assert cache.load(part, out) == 16
+        second = prompt(33, seed=64)
+        cache.store(second, kv_for(spec, second))  # evicts all 8 of the first prompt's blocks
+        assert cache.flush_remote(10)
+        sent = cache.remote.contains_many(chunk_keys(spec, first[:32]))
+        assert sent.tolist() == [True] * 4 + [False] * 4  # never-hit blocks stay on this host
+    finally:
+        cache.unlink_hot()
+
+
 def test_close_flushes_queued_writes(spec, store_url, host):
     tokens = prompt(65, seed=71)
     a = host(store_url)

@@ -318,10 +318,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         names = [_pick_segment(args.name)] if args.name else None
         server = metrics.serve_metrics(args.prometheus, names, warm_dir=args.warm_dir, addr=args.addr)
         host = args.addr if args.addr != "0.0.0.0" else "localhost"
-        print(f"serving Prometheus metrics on http://{host}:{server.server_port}/metrics "
-              f"({args.name or 'every segment'}); Ctrl-C stops", flush=True)
-        if not args.watch:
-            try:
+        announce = (f"serving Prometheus metrics on http://{host}:{server.server_port}/metrics "
+                    f"({args.name or 'every segment'}); Ctrl-C stops")
+        if args.watch:
+            print(announce, flush=True)
+        else:
+            try:  # the announcement inside: a Ctrl-C right after it is a clean stop too
+                print(announce, flush=True)
                 while True:
                     time.sleep(3600)
             except KeyboardInterrupt:

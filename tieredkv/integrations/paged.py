@@ -108,7 +108,8 @@ class PagedKV:
         # token and dim axes are merged: the copy's inner loop then moves whole runs, not head_dim
         # elements at a time. The GPU backends interleave K and V per token: their views keep both.
         self._runs = all(v.stride(3) == v.shape[4] * v.stride(4) for v in views)
-        self.views = [self._pages(v) for v in views]
+        # Torch views on a device; numpy views of the same memory on the CPU (see the class docstring).
+        self.views: list[Any] = [self._pages(v) for v in views]
         if self.device.type == "cpu":
             self.views = [_numpy(v) for v in self.views]
 

@@ -368,22 +368,23 @@ class TieredKVConnector(KVConnectorBase_V1):
         reported by ``get_block_ids_with_load_errors``; the ones filled are kept.
         """
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TieredKVMetadata) or not meta.loads:
+        paged = self._paged
+        if not isinstance(meta, TieredKVMetadata) or not meta.loads or paged is None:
             return
         N = self._block_size
         for plan in meta.loads:
             done = 0
             try:
-                host = self._paged.host_buffer(plan.hit.tokens)
+                host = paged.host_buffer(plan.hit.tokens)
                 loaded = self.cache.load(plan.hit, host)
                 done = min(max(loaded - plan.skip_tokens, 0) // N, len(plan.block_ids))
-                self._paged.write(plan.block_ids[:done], host, plan.skip_tokens)
+                paged.write(plan.block_ids[:done], host, plan.skip_tokens)
             except Exception:  # any failure becomes a recompute of these blocks, never a crash
                 logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
                 done = 0
             self._load_errors.update(plan.block_ids[done:])
-        if self._paged.device.type == "cuda":
-            torch.cuda.current_stream(self._paged.device).synchronize()  # the host buffer is reused
+        if paged.device.type == "cuda":
+            torch.cuda.current_stream(paged.device).synchronize()  # the host buffer is reused
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
@@ -394,13 +395,14 @@ class TieredKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Store the full prompt chunks this step finished computing (skipping ones already held)."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TieredKVMetadata) or not meta.saves:
+        paged = self._paged
+        if not isinstance(meta, TieredKVMetadata) or not meta.saves or paged is None:
             return
         for plan in meta.saves:
             try:
                 # Positions before start_token (already in the tiers) are left unread: store skips them.
-                host = self._paged.host_buffer(len(plan.token_ids))
-                self._paged.read(plan.block_ids, host[:, :, :, plan.start_token:])
+                host = paged.host_buffer(len(plan.token_ids))
+                paged.read(plan.block_ids, host[:, :, :, plan.start_token:])
                 self.cache.store(plan.token_ids, host, plan.salt, from_token=plan.start_token)
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)

@@ -111,6 +111,12 @@ class DeviceRestore:
     def place(self, rows: np.ndarray, at_token: int) -> None:
         """Copy blocks ``rows`` into ``out[:, :, :, at_token:at_token + k*C, :]``; the host rows are no
         longer read when this returns."""
+        # The warm tier calls this from its hashing thread: name the stream, or that thread's copies would
+        # go to its own current stream while ``finish`` waits on the caller's.
+        with self.torch.cuda.stream(self.stream):
+            self._place(rows, at_token)
+
+    def _place(self, rows: np.ndarray, at_token: int) -> None:
         spec, torch = self.spec, self.torch
         bb, C = spec.block_bytes, spec.chunk_tokens
         per = max(1, min(len(rows), MAX_STAGE_BYTES // bb))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import posix_ipc
 
 from tieredkv import KVSpec
 
@@ -58,3 +61,13 @@ class LazyModule:
 
             self._module = importlib.import_module(self._name)
         return getattr(self._module, attr)
+
+
+def unlink_segments_matching(token: str) -> None:
+    """Unlink every segment in /dev/shm whose name contains ``token`` (a test's own names)."""
+    for entry in os.listdir("/dev/shm"):
+        if token in entry:
+            try:
+                posix_ipc.unlink_shared_memory("/" + entry)
+            except posix_ipc.ExistentialError:
+                pass

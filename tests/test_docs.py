@@ -15,8 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import posix_ipc
 import pytest
+
+from helpers import unlink_segments_matching
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -41,15 +42,6 @@ def _every_block() -> list:
             for name, line, code in blocks()]
 
 
-def _unlink_matching(token: str) -> None:
-    for entry in os.listdir("/dev/shm"):
-        if token in entry:
-            try:
-                posix_ipc.unlink_shared_memory("/" + entry)
-            except posix_ipc.ExistentialError:
-                pass
-
-
 @pytest.mark.procs
 @pytest.mark.parametrize("name,code", _every_block())
 def test_code_block_runs(name, code, tmp_path):
@@ -66,7 +58,7 @@ def test_code_block_runs(name, code, tmp_path):
         proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
                               timeout=300)
     finally:
-        _unlink_matching(token)
+        unlink_segments_matching(token)
     assert proc.returncode == 0, f"{name} example failed:\n{proc.stderr[-3000:]}"
 
 

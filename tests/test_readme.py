@@ -16,8 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import posix_ipc
 import pytest
+
+from helpers import unlink_segments_matching
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -68,12 +69,7 @@ def clone(tmp_path):
         (tmp_path / name).symlink_to(ROOT / name)
     token = secrets.token_hex(3)
     yield tmp_path, token
-    for entry in os.listdir("/dev/shm"):
-        if token in entry:
-            try:
-                posix_ipc.unlink_shared_memory("/" + entry)
-            except posix_ipc.ExistentialError:
-                pass
+    unlink_segments_matching(token)
 
 
 @pytest.mark.procs

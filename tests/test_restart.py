@@ -144,9 +144,9 @@ def test_sigkill_loses_at_most_the_queue(tmp_path, seg_name):
                     assert out[row].tobytes() == want.tobytes(), f"prompt {seed} block {b}"
 
 
-def test_store_returns_while_the_warm_write_is_still_blocked(tmp_path, seg_name, monkeypatch):
-    """The request path never waits for the warm tier: store returns while warm.put_many is stuck."""
-    cache = TieredCache(SPEC, 8 * MiB, tmp_path / "warm", 4 * MiB, hot_name=seg_name)
+def _stuck_warm_put(cache, monkeypatch):
+    """Make the cache's warm ``put_many`` block until ``release`` is set; ``started`` is set once it is
+    entered. Returns ``(started, release, real_put)``."""
     started, release = threading.Event(), threading.Event()
     real_put = cache.warm.put_many
 
@@ -156,6 +156,13 @@ def test_store_returns_while_the_warm_write_is_still_blocked(tmp_path, seg_name,
         return real_put(keys, payloads)
 
     monkeypatch.setattr(cache.warm, "put_many", stuck_put)
+    return started, release, real_put
+
+
+def test_store_returns_while_the_warm_write_is_still_blocked(tmp_path, seg_name, monkeypatch):
+    """The request path never waits for the warm tier: store returns while warm.put_many is stuck."""
+    cache = TieredCache(SPEC, 8 * MiB, tmp_path / "warm", 4 * MiB, hot_name=seg_name)
+    started, release, real_put = _stuck_warm_put(cache, monkeypatch)
     try:
         tokens = prompt(7)
         kv = kv_for(SPEC, tokens)
@@ -185,15 +192,7 @@ def test_a_full_queue_drops_and_counts(tmp_path, seg_name, monkeypatch):
     counted (per host, in the segment), never queued without bound."""
     cache = TieredCache(SPEC, 8 * MiB, tmp_path / "warm", 4 * MiB, hot_name=seg_name,
                         warm_queue_bytes=SPEC.block_bytes)
-    started, release = threading.Event(), threading.Event()
-    real_put = cache.warm.put_many
-
-    def stuck_put(keys, payloads):
-        started.set()
-        assert release.wait(60)
-        return real_put(keys, payloads)
-
-    monkeypatch.setattr(cache.warm, "put_many", stuck_put)
+    started, release, real_put = _stuck_warm_put(cache, monkeypatch)
     try:
         tokens = prompt(8)
         assert cache.store(tokens, kv_for(SPEC, tokens)) == 8

@@ -130,27 +130,22 @@ STORES = {
 
 def int_option(options: dict[str, str], name: str, default: int, minimum: int = 0) -> int:
     """An integer URL option, or raise naming it."""
-    raw = options.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidInput(f"URL option {name}={raw!r} must be an integer") from None
-    if value < minimum:
-        raise InvalidInput(f"URL option {name}={value} must be >= {minimum}")
-    return value
+    return _option(options, name, default, minimum, int, "an integer")
 
 
 def float_option(options: dict[str, str], name: str, default: float, minimum: float = 0.0) -> float:
     """A float URL option, or raise naming it."""
+    return _option(options, name, default, minimum, float, "a number")
+
+
+def _option(options: dict[str, str], name: str, default, minimum, kind, what: str):
     raw = options.get(name)
     if raw is None:
         return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise InvalidInput(f"URL option {name}={raw!r} must be a number") from None
-    if not value >= minimum:
+        raise InvalidInput(f"URL option {name}={raw!r} must be {what}") from None
+    if not value >= minimum:  # also refuses a float NaN
         raise InvalidInput(f"URL option {name}={value} must be >= {minimum}")
     return value

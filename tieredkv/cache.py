@@ -27,7 +27,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -250,15 +250,19 @@ class TieredCache:
             atexit.register(_flush_at_exit, weakref.ref(self))
 
     # ---- lookup ---------------------------------------------------------------------------------
-    def lookup(self, tokens: Any, salt: bytes = b"") -> PrefixHit:
+    def lookup(self, tokens: Any, salt: bytes = b"", *, extra: Sequence[bytes | None] | None = None,
+               count: bool = True) -> PrefixHit:
         """Find the longest cached prefix of ``tokens`` (1-D ints) under ``salt``.
 
         A hit never covers the whole prompt: the model needs at least one token to compute logits.
+        ``extra``: per-chunk bytes folded into the keys (``chunk_keys``). ``count=False`` leaves the
+        hit counters alone: a caller that asks again for one request counts what it served itself
+        (``count_served``).
         """
         started = time.perf_counter()
         ids = as_tokens(tokens)
         usable = max(len(ids) - 1, 0) // self.spec.chunk_tokens
-        keys = chunk_keys(self.spec, ids[: usable * self.spec.chunk_tokens], salt)
+        keys = chunk_keys(self.spec, ids[: usable * self.spec.chunk_tokens], salt, extra)
         where = np.full(len(keys), -1, dtype=np.int8)
         if len(keys):
             where[self.hot.contains_many(keys)] = HOT
@@ -274,12 +278,24 @@ class TieredCache:
             run = self._remote_lookup(keys, where, run)
         hit = PrefixHit(tokens=run * self.spec.chunk_tokens, prompt_tokens=len(ids), keys=keys[:run],
                         where=where[:run].copy())
-        C = self.spec.chunk_tokens
-        self._count(lookups=1, prompt_tokens=len(ids), hit_tokens=hit.tokens, hot_hit_tokens=hit.hot_blocks * C,
-                    warm_hit_tokens=hit.warm_blocks * C, remote_hit_tokens=hit.remote_blocks * C,
-                    prefill_tokens=hit.prefill_tokens)
+        if count:
+            C = self.spec.chunk_tokens
+            self.count_served(len(ids), hit.hot_blocks * C, hit.warm_blocks * C, hit.remote_blocks * C,
+                              prefill_tokens=hit.prefill_tokens)
         self._observe("lookup", time.perf_counter() - started)
         return hit
+
+    def count_served(self, prompt_tokens: int, hot_tokens: int, warm_tokens: int, remote_tokens: int, *,
+                     prefill_tokens: int) -> None:
+        """Count one prompt's lookup: its length, the tokens each tier served, the tokens computed.
+
+        ``lookup`` calls it; an engine that asks ``lookup(count=False)`` more than once per prompt,
+        or whose own prefix cache supplies part of the prompt, calls it once with what the tiers
+        actually served (the prefix hit rate is ``sum of the three / prompt_tokens``).
+        """
+        self._count(lookups=1, prompt_tokens=prompt_tokens, hit_tokens=hot_tokens + warm_tokens + remote_tokens,
+                    hot_hit_tokens=hot_tokens, warm_hit_tokens=warm_tokens, remote_hit_tokens=remote_tokens,
+                    prefill_tokens=prefill_tokens)
 
     # ---- load -----------------------------------------------------------------------------------
     def load(self, hit: PrefixHit, out: Any) -> int:
@@ -401,12 +417,14 @@ class TieredCache:
             self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
 
     # ---- store ----------------------------------------------------------------------------------
-    def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0) -> int:
+    def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0,
+              extra: Sequence[bytes | None] | None = None) -> int:
         """Cache the full chunks among the first ``n_tokens`` tokens, ``n_tokens = kv.shape[3]``.
 
         Blocks already present in a tier (or being written by another process) are skipped.
         ``from_token`` (a multiple of ``chunk_tokens``): chunks before it are not stored and ``kv``'s
         positions before it are never read (the caller just restored them, e.g. into a GPU cache).
+        ``extra``: per-chunk bytes folded into the keys, as given to ``lookup``.
         Returns the number of blocks newly stored in the hot tier.
         """
         ids = as_tokens(tokens)
@@ -418,7 +436,7 @@ class TieredCache:
         if isinstance(from_token, bool) or not isinstance(from_token, (int, np.integer)) or from_token < 0 \
                 or from_token % C:
             raise InvalidInput(f"from_token must be a non-negative multiple of chunk_tokens={C}, got {from_token!r}")
-        keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt)
+        keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt, extra)
         if not len(keys):
             return 0
         skip = min(int(from_token) // C, len(keys))

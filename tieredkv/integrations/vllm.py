@@ -1,7 +1,7 @@
 """vLLM integration: a KV connector, and a secondary tier behind vLLM's own CPU offloading.
 
-Both are loaded by module path; vLLM is not patched. This is the only module of tieredkv that
-imports vLLM.
+Both are loaded by module path; vLLM is not patched. This module and ``vllm_identity`` (what a
+request's keys hold besides its tokens) are the only ones of tieredkv that import vLLM.
 
 ``TieredKVConnector`` (a ``KVConnectorBase_V1``)::
 

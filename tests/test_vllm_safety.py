@@ -334,3 +334,29 @@ def test_hits_are_labelled_by_tier_and_counted_once_beyond_the_engines_own_cache
     assert delta == {"lookups": 1, "prompt_tokens": 260, "hit_tokens": 192, "hot_hit_tokens": 64,
                      "warm_hit_tokens": 128, "prefill_tokens": 260 - 64 - 192}
     assert conn.requires_kv_delivery is False
+
+
+@pytest.mark.procs
+def test_tensor_parallel_ranks_skip_a_save_any_rank_skips():
+    """Rank 0's load succeeded and rank 1's failed: rank 0 computed over rank 1's activations, so both
+    skip (two real processes in a gloo group, as vLLM's TP group's CPU side)."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from vllm_tp_rank import agree_rank  # a small module: the spawned children import only what it needs
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=agree_rank, args=(r, port, f, out))
+             for r, f in ((0, [False, False, True]), (1, [True, False, False]))]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got == {0: [True, False, True], 1: [True, False, True]}
+    assert tv._agree_across_ranks([True, False], 1) == [True, False]  # one rank: its own flags

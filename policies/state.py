@@ -53,6 +53,8 @@ WORD = 8
 GHOST_LIVE = 1
 #: A policy-defined mark on a live ghost entry (ARC: "p was already adapted for this key").
 GHOST_MARK = 2
+#: Flag bits below this shift; a policy's tag (``ghost_push(..., tags=)``) above it.
+GHOST_TAG_SHIFT = 2
 
 
 class StateLayout:
@@ -190,6 +192,15 @@ class SlotState:
     def set_gf(self, name: str, value: float) -> None:
         self._globals.view(np.float64)[self._gindex[name]] = value
 
+    def global_index(self, name: str) -> int:
+        """Index of the global word ``name`` in ``globals_view()`` (a policy's tables of words are
+        consecutive names, so one slice of the view holds a whole table)."""
+        return self._gindex[name]
+
+    def globals_view(self, dtype=np.int64) -> np.ndarray:
+        """All global words as one array (``np.float64`` for tables of floats); writes go to the state."""
+        return self._globals.view(dtype)
+
     def f64(self, field: str) -> np.ndarray:
         """A per-slot field viewed as float64 (for priorities that are not integers)."""
         return getattr(self, field).view(np.float64)
@@ -240,7 +251,7 @@ class SlotState:
         self._w[at] = self._w[at] | GHOST_MARK
         return True
 
-    def ghost_push(self, key64s, lst: int = 0, *, fresh: bool = False) -> None:
+    def ghost_push(self, key64s, lst: int = 0, *, fresh: bool = False, tags=None) -> None:
         """Append keys (oldest first) to ghost list ``lst``, dropping its oldest live keys if full.
 
         Args:
@@ -248,12 +259,18 @@ class SlotState:
             lst: which ghost list.
             fresh: the caller knows none of the keys is a ghost already (keys of blocks that were
                 resident: a key leaves the ghosts when its block is inserted), so skip that check.
+            tags: optional small non-negative ints, one per key, kept in the entry's flags above the
+                flag bits (``flags >> GHOST_TAG_SHIFT`` reads it back): what the policy wants to
+                remember about an evicted block, e.g. its class.
         """
         if not self.layout.ghost_lists:
             return
         R, cap = self.layout.ghost_ring, self.layout.ghost_slots
         w, o_flag, H = self._w, self._o_flag, 3 * lst
-        for k in np.atleast_1d(np.asarray(key64s, dtype=np.int64)).tolist():
+        keys = np.atleast_1d(np.asarray(key64s, dtype=np.int64)).tolist()
+        flag_words = ([GHOST_LIVE] * len(keys) if tags is None else
+                      (GHOST_LIVE | (np.asarray(tags, dtype=np.int64) << GHOST_TAG_SHIFT)).tolist())
+        for k, flag in zip(keys, flag_words):
             if not fresh and self._tfind(k) >= 0:
                 self.ghost_remove(k)
             if w[H + 2] >= cap:
@@ -263,7 +280,7 @@ class SlotState:
             tail = w[H + 1]
             ref = lst * R + tail % R
             w[3 * self.layout.ghost_lists + ref] = k
-            w[o_flag + ref] = GHOST_LIVE
+            w[o_flag + ref] = flag
             self._table.insert(k, ref)
             w[H + 1] = tail + 1
             w[H + 2] += 1

@@ -23,7 +23,7 @@ def _slice(trace: Trace, n: int) -> Trace:
 def _exhaustive_optimum(keys: list[int], cap: int, bypass: bool) -> int:
     """Most hits any schedule gets on ``keys`` (one access at a time), by trying every choice."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(t: int, cached: frozenset) -> int:
         if t == len(keys):
             return 0
@@ -116,7 +116,8 @@ def test_run_simulation_reports_the_optimum_and_the_gap_closed():
         if r["policy"] == "lru":
             assert r["gap_closed"] == 0
         else:
-            lru = next(x for x in out["results"] if x["policy"] == "lru" and x["capacity_blocks"] == r["capacity_blocks"])
+            lru = next(x for x in out["results"]
+                       if x["policy"] == "lru" and x["capacity_blocks"] == r["capacity_blocks"])
             assert r["gap_closed"] == pytest.approx(gap_closed(r["block_hit_ratio"], lru["block_hit_ratio"],
                                                                opt["block_hit_ratio"]))
     json.dumps(out)
@@ -135,7 +136,7 @@ def test_cli_prints_the_optimum_and_plots_it(tmp_path, capsys):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    argv = ["--synthetic", "150", "--policy", "arc", "--capacity", "5%,20%", "--no-progress",
+    argv = ["--synthetic", "150", "--policy", "arc", "--capacity", "5%,20%", "--no-progress", "--jobs", "1",
             "--json", str(tmp_path / "o.json")]
     if _has_matplotlib():
         argv += ["--plot", str(tmp_path / "mrc.png")]

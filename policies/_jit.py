@@ -115,9 +115,158 @@ def _oldest(field, n, candidates):
     return slots[order][:n]
 
 
+# ---- ghosts: the ring lists and their probe table (``state.py``; ``tieredkv.hashtable``) -----------
+# Same words, same algorithms as the Python code: Fibonacci hashing, linear probing, backward-shift
+# deletion, ring compaction in place. The words are ``w``: per list head, tail, live; then the ring
+# keys (L x R), the ring flags (L x R); ``tk``/``tr`` are the table's key and ref (value + 1) words.
+_FIB = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _home(key, shift):
+    return np.int64((np.uint64(key) * _FIB) >> np.uint64(shift))
+
+
+def _tfind(tk, tr, key, shift):
+    mask = len(tr) - 1
+    i = _home(key, shift)
+    for _ in range(len(tr)):
+        if tr[i] == 0:
+            return -1
+        if tk[i] == key:
+            return i
+        i = (i + 1) & mask
+    return -1
+
+
+def _tinsert(tk, tr, key, value, shift):
+    mask = len(tr) - 1
+    i = _home(key, shift)
+    for _ in range(len(tr)):
+        if tr[i] == 0:
+            tk[i] = key
+            tr[i] = value + 1
+            return True
+        i = (i + 1) & mask
+    return False
+
+
+def _tdelete_at(tk, tr, pos, shift):
+    mask = len(tr) - 1
+    i = pos
+    j = i
+    for _ in range(len(tr)):
+        j = (j + 1) & mask
+        if tr[j] == 0:
+            break
+        h = _home(tk[j], shift)
+        if (i < j and i < h <= j) or (i > j and (h > i or h <= j)):
+            continue
+        tk[i] = tk[j]
+        tr[i] = tr[j]
+        i = j
+    tr[i] = 0
+
+
+def _ghost_remove(w, tk, tr, key, n_lists, ring, shift):
+    """Forget ``key``; its list, or -1 if it was no ghost."""
+    i = _tfind(tk, tr, key, shift)
+    if i < 0:
+        return -1
+    ref = tr[i] - 1
+    lst = ref // ring
+    w[3 * n_lists + n_lists * ring + ref] = 0
+    _tdelete_at(tk, tr, i, shift)
+    w[3 * lst + 2] -= 1
+    return lst
+
+
+def _ghost_pop(w, tk, tr, lst, n_lists, ring, shift):
+    """Forget the oldest live key of ``lst``: (True, key), or (False, 0) if it has none."""
+    o_ring, o_flag, hd = 3 * n_lists, 3 * n_lists + n_lists * ring, 3 * lst
+    head, tail = w[hd], w[hd + 1]
+    while head < tail:
+        ref = lst * ring + head % ring
+        head += 1
+        if w[o_flag + ref] != 0:
+            w[hd] = head
+            key = w[o_ring + ref]
+            w[o_flag + ref] = 0
+            _tdelete_at(tk, tr, _tfind(tk, tr, key, shift), shift)
+            w[hd + 2] -= 1
+            return True, key
+    w[hd] = head
+    return False, np.int64(0)
+
+
+def _ghost_compact(w, tk, tr, lst, n_lists, ring, shift):
+    o_ring, o_flag, hd = 3 * n_lists, 3 * n_lists + n_lists * ring, 3 * lst
+    head, tail = w[hd], w[hd + 1]
+    n = tail - head
+    keys = np.empty(n, dtype=np.int64)
+    flags = np.empty(n, dtype=np.int64)
+    kept = 0
+    for a in range(head, tail):
+        ref = lst * ring + a % ring
+        if w[o_flag + ref] != 0:
+            keys[kept] = w[o_ring + ref]
+            flags[kept] = w[o_flag + ref]
+            kept += 1
+    for a in range(head, tail):
+        w[o_flag + lst * ring + a % ring] = 0
+    for i in range(kept):
+        ref = lst * ring + (head + i) % ring
+        w[o_ring + ref] = keys[i]
+        w[o_flag + ref] = flags[i]
+        tr[_tfind(tk, tr, keys[i], shift)] = ref + 1
+    w[hd + 1] = head + kept
+
+
+def _ghost_push(w, tk, tr, keys, flags, lst, n_lists, ring, cap, shift, fresh):
+    o_ring, o_flag, hd = 3 * n_lists, 3 * n_lists + n_lists * ring, 3 * lst
+    for i in range(len(keys)):
+        k = keys[i]
+        if not fresh and _tfind(tk, tr, k, shift) >= 0:
+            _ghost_remove(w, tk, tr, k, n_lists, ring, shift)
+        if w[hd + 2] >= cap:
+            _ghost_pop(w, tk, tr, lst, n_lists, ring, shift)
+        if w[hd + 1] - w[hd] >= ring:
+            _ghost_compact(w, tk, tr, lst, n_lists, ring, shift)
+        tail = w[hd + 1]
+        ref = lst * ring + tail % ring
+        w[o_ring + ref] = k
+        w[o_flag + ref] = flags[i]
+        _tinsert(tk, tr, k, ref, shift)
+        w[hd + 1] = tail + 1
+        w[hd + 2] += 1
+
+
+def _ghost_lookup(w, tk, tr, keys, n_lists, ring, shift):
+    """Per key its list (-1: no ghost) and its flags."""
+    lists = np.full(len(keys), -1, dtype=np.int64)
+    flags = np.zeros(len(keys), dtype=np.int64)
+    o_flag = 3 * n_lists + n_lists * ring
+    for i in range(len(keys)):
+        j = _tfind(tk, tr, keys[i], shift)
+        if j >= 0:
+            ref = tr[j] - 1
+            lists[i] = ref // ring
+            flags[i] = w[o_flag + ref]
+    return lists, flags
+
+
 if ENABLED:
     insert_common = numba.njit(cache=True, nogil=True)(_insert_common)
     remove_common = numba.njit(cache=True, nogil=True)(_remove_common)
     oldest = numba.njit(cache=True, nogil=True)(_oldest)
+    _compile = numba.njit(cache=True, nogil=True)
+    # Rebind the helpers first: a kernel calls the compiled versions it finds under these names.
+    _home, _tinsert, _tdelete_at = _compile(_home), _compile(_tinsert), _compile(_tdelete_at)
+    table_find = _tfind = _compile(_tfind)
+    ghost_remove = _ghost_remove = _compile(_ghost_remove)
+    ghost_pop = _ghost_pop = _compile(_ghost_pop)
+    _ghost_compact = _compile(_ghost_compact)
+    ghost_push = _compile(_ghost_push)
+    ghost_lookup = _compile(_ghost_lookup)
 else:
     insert_common = remove_common = oldest = None
+    table_find = ghost_remove = ghost_pop = ghost_push = ghost_lookup = None

@@ -62,6 +62,8 @@ def test_replay_is_identical_with_and_without_kernels(name, trace_slice, monkeyp
         assert np.array_equal(getattr(a.st, field), getattr(b.st, field)), field
     assert np.array_equal(a.st.globals_view(), b.st.globals_view())
     assert np.array_equal(a.st._gring, b.st._gring) and np.array_equal(a.st._gflag, b.st._gflag)
+    assert np.array_equal(a.st._table.keys, b.st._table.keys)
+    assert np.array_equal(a.st._table.refs, b.st._table.refs)
 
 
 def test_policies_still_import_without_numba():

@@ -254,6 +254,80 @@ def _ghost_lookup(w, tk, tr, keys, n_lists, ring, shift):
     return lists, flags
 
 
+# ---- CLOCK's hand (``clock.Clock.choose``) --------------------------------------------------------
+def _ascending_chunk(order, candidates, after, below, size):
+    """The up to ``size`` candidates with the smallest ``order`` in ``(after, below)``, ascending
+    (orders are distinct): one refill of ``OrderCursor``."""
+    count = 0
+    for s in range(len(candidates)):
+        if candidates[s] and after < order[s] < below:
+            count += 1
+    slots = np.empty(count, dtype=np.int64)
+    vals = np.empty(count, dtype=np.int64)
+    k = 0
+    for s in range(len(candidates)):
+        if candidates[s] and after < order[s] < below:
+            slots[k] = s
+            vals[k] = order[s]
+            k += 1
+    if size < count:
+        kth = np.partition(vals.copy(), size - 1)[size - 1]
+        keep = vals <= kth
+        slots, vals = slots[keep], vals[keep]
+    return slots[np.argsort(vals)]
+
+
+def _clock_choose(ref, order, candidates, n, seq):
+    """Walk the candidates in ascending ``order``; a block with a non-zero counter loses one and
+    goes behind the hand (order = seq, seq + 1, ...), the first with zero is a victim. Returns
+    (victims, new seq). The walk ``OrderCursor`` makes: the candidates by their orders, then the
+    passed blocks again in the order they were passed (their new orders are larger than any)."""
+    count = 0
+    room = 0
+    for s in range(len(candidates)):
+        if candidates[s]:
+            count += 1
+            room += max(ref[s], 0)     # a block re-enters at most ref times (one less each pass)
+    passed = np.empty(room, dtype=np.int64)
+    tail = 0
+    victims = np.empty(min(n, count), dtype=np.int64)
+    got = 0
+    first_seq = seq
+    chunk = np.empty(0, dtype=np.int64)
+    at = 0
+    size = 32
+    after = np.int64(-1) << 62
+    walked = 0
+    head = 0
+    while got < n:
+        if walked < count:              # the initial candidates, ascending, fetched lazily
+            if at == len(chunk):
+                # Passed blocks have orders >= first_seq: they come from ``passed``, not from here.
+                chunk = _ascending_chunk(order, candidates, after, first_seq, size)
+                at = 0
+                size *= 4
+                after = order[chunk[-1]]
+            s = chunk[at]
+            at += 1
+            walked += 1
+        elif head < tail:
+            s = passed[head]
+            head += 1
+        else:
+            break
+        r = ref[s]
+        if r != 0:
+            ref[s] = r - 1
+            order[s] = seq
+            seq += 1
+            passed[tail] = s
+            tail += 1
+        else:
+            victims[got] = s
+            got += 1
+    return victims[:got], seq
+
+
 if ENABLED:
     insert_common = numba.njit(cache=True, nogil=True)(_insert_common)
     remove_common = numba.njit(cache=True, nogil=True)(_remove_common)
@@ -267,6 +341,9 @@ if ENABLED:
     _ghost_compact = _compile(_ghost_compact)
     ghost_push = _compile(_ghost_push)
     ghost_lookup = _compile(_ghost_lookup)
+    _ascending_chunk = _compile(_ascending_chunk)
+    clock_choose = _compile(_clock_choose)
 else:
+    clock_choose = None
     insert_common = remove_common = oldest = None
     table_find = ghost_remove = ghost_pop = ghost_push = ghost_lookup = None

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from tieredkv import policies
+from tieredkv.errors import InvalidInput
 from tieredkv.policies.kv_aware import N_SIZE
 from tieredkv.policies.state import GHOST_TAG_SHIFT
 from tieredkv.sim import Trace, read_trace, simulate
@@ -81,3 +83,10 @@ def test_beats_lru_on_a_slice_of_the_conversation_trace():
     trace = Trace.from_requests(full.request(i).tolist() for i in range(2000))
     cap = round(0.05 * trace.unique_blocks)
     assert simulate(trace, "kv_aware", cap)["block_hit_ratio"] > simulate(trace, "lru", cap)["block_hit_ratio"]
+
+
+@pytest.mark.parametrize("bad", [{"horizon_factor": -1}, {"ghost_ratio": -0.5}, {"decay": 0}, {"decay": 1.5},
+                                 {"refresh": 0}])
+def test_bad_parameters_are_refused(bad):
+    with pytest.raises(InvalidInput):
+        policies.make("kv_aware", **bad)

@@ -10,12 +10,13 @@ Writes ``simulate.json`` and ``mrc_<trace>.png`` into ``--out`` and prints, with
 (``os.getloadavg``) beside every section (the machine may be shared; compare ratios from one run):
 
 1. throughput (first trace): our replay (requests/s and block accesses/s; the same policy code as
-   the hot tier, one request = one prompt, batched) beside libCacheSim's native replay of the same
-   block accesses (its C trace reader and loop, ``process_trace``) and its per-access Python API,
-   at the same capacity, in this run, with each one's block hit ratio. Medians of ``--repeat`` runs;
+   the hot tier, one request = one prompt, batched; also without the numba kernels, "numpy-only")
+   beside libCacheSim's native replay of the same block accesses (its C trace reader and loop,
+   ``process_trace``) and its per-access Python API, at the same capacity, in this run, with each
+   one's block hit ratio. Medians of ``--repeat`` runs;
    the last row sums the policies both have: a whole sweep, ours against libCacheSim's;
-2. policy operation costs: microseconds per ``insert`` / ``hit`` / ``evict`` call of 16 blocks on a
-   full state of 8,192 slots in shared memory (what the hot tier pays under its lock);
+2. policy operation costs: median microseconds per ``insert`` / ``hit`` / ``evict`` call of 16
+   blocks on a full state of 8,192 slots in shared memory (what the hot tier pays under its lock);
 3. per trace, the miss-ratio curve table: block and prefix hit ratio per policy and capacity,
    Belady's MIN beside them and the fraction of the LRU-to-optimum gap each policy closes.
 """
@@ -32,6 +33,7 @@ import time
 
 import numpy as np
 
+from tieredkv.policies import _jit
 from tieredkv.sim import Trace, format_table, plot_mrc, read_trace, run_simulation, simulate
 
 TRACES = [os.path.join(os.path.dirname(__file__), "traces", f"mooncake_{kind}_trace.jsonl")
@@ -67,14 +69,23 @@ def throughput(trace: Trace, policies: list[str], capacity: int, repeat: int) ->
             f.write("obj_id,obj_size\n")
             f.write("".join(f"{b},1\n" for b in trace.blocks.tolist()))
     try:
+        warm_up = _prefix(trace, 50)
         for name in policies:
-            ours_s, ours = [], None
+            simulate(warm_up, name, capacity)   # loads (or compiles) the numba kernels outside the timing
+            ours_s, numpy_s, ours = [], [], None
             for _ in range(repeat):
                 ours = simulate(trace, name, capacity)
                 ours_s.append(ours["seconds"])
+                if _jit.ENABLED:            # the same replay without the compiled kernels
+                    _jit.ENABLED = False
+                    try:
+                        numpy_s.append(simulate(trace, name, capacity)["seconds"])
+                    finally:
+                        _jit.ENABLED = True
             row = {"policy": name, "capacity_blocks": capacity, "requests": trace.n_requests,
                    "accesses": trace.n_accesses, "ours_s": statistics.median(ours_s),
-                   "ours_block_hit_ratio": ours["block_hit_ratio"]}
+                   "ours_block_hit_ratio": ours["block_hit_ratio"],
+                   "ours_numpy_s": statistics.median(numpy_s) if numpy_s else None}
             if name in makers:
                 native_s, loop_s = [], []
                 for _ in range(repeat):
@@ -106,6 +117,8 @@ def throughput(trace: Trace, policies: list[str], capacity: int, repeat: int) ->
                      "accesses": trace.n_accesses * len(both), "ours_s": sum(r["ours_s"] for r in both),
                      "lcs_native_s": sum(r["lcs_native_s"] for r in both),
                      "lcs_python_s": sum(r["lcs_python_s"] for r in both),
+                     "ours_numpy_s": (sum(r["ours_numpy_s"] for r in both)
+                                      if all(r["ours_numpy_s"] for r in both) else None),
                      "ours_block_hit_ratio": float("nan"), "lcs_block_hit_ratio": float("nan")})
     for r in rows:
         r["ours_requests_per_s"] = r["requests"] / r["ours_s"]
@@ -119,12 +132,13 @@ def throughput(trace: Trace, policies: list[str], capacity: int, repeat: int) ->
 
 
 def _throughput_table(rows: list[dict]) -> str:
-    head = ["policy", "ours req/s", "ours acc/s", "lcs C acc/s", "lcs py acc/s", "ours/lcs C",
-            "hit ours", "hit lcs"]
+    head = ["policy", "ours req/s", "ours acc/s", "numpy-only acc/s", "lcs C acc/s", "lcs py acc/s",
+            "ours/lcs C", "hit ours", "hit lcs"]
     body = []
     for r in rows:
         native = "lcs_native_s" in r
-        body.append([r["policy"], f"{r['ours_requests_per_s']:.0f}", f"{r['ours_accesses_per_s']:.0f}",
+        numpy_only = f"{r['accesses'] / r['ours_numpy_s']:.0f}" if r.get("ours_numpy_s") else "-"
+        body.append([r["policy"], f"{r['ours_requests_per_s']:.0f}", f"{r['ours_accesses_per_s']:.0f}", numpy_only,
                      f"{r['lcs_native_accesses_per_s']:.0f}" if native else "-",
                      f"{r['lcs_python_accesses_per_s']:.0f}" if native else "-",
                      f"{r['ours_vs_lcs_native']:.2f}x" if native else "-",
@@ -156,7 +170,7 @@ def op_costs(names: list[str], n_slots: int = 8192, batch: int = 16, rounds: int
                 parents = np.concatenate([[-1], slots[:-1]])
                 pol.insert(policy, st, slots, np.arange(key, key + len(slots)), parents, np.arange(len(slots)))
                 key += len(slots)
-            t_hit = t_evict = t_insert = 0.0
+            t_hit, t_evict, t_insert = [], [], []
             for _ in range(rounds):
                 hits = rng.choice(n_slots, size=batch, replace=False)
                 hits = hits[st.resident[hits] == 1]
@@ -170,13 +184,17 @@ def op_costs(names: list[str], n_slots: int = 8192, batch: int = 16, rounds: int
                 parents = np.concatenate([[-1], victims[:-1]])
                 pol.insert(policy, st, victims, keys[:len(victims)], parents, np.arange(len(victims)))
                 t3 = time.perf_counter()
-                t_hit, t_evict, t_insert = t_hit + t1 - t0, t_evict + t2 - t1, t_insert + t3 - t2
+                t_hit.append(t1 - t0)
+                t_evict.append(t2 - t1)
+                t_insert.append(t3 - t2)
             del st
         finally:
             shm.close()
             shm.unlink()
-        rows.append({"policy": name, "n_slots": n_slots, "batch": batch, "hit_us": 1e6 * t_hit / rounds,
-                     "evict_us": 1e6 * t_evict / rounds, "insert_us": 1e6 * t_insert / rounds})
+        # Medians: on a shared machine a mean is one descheduling away from meaningless.
+        rows.append({"policy": name, "n_slots": n_slots, "batch": batch,
+                     "hit_us": 1e6 * statistics.median(t_hit), "evict_us": 1e6 * statistics.median(t_evict),
+                     "insert_us": 1e6 * statistics.median(t_insert)})
     return rows
 
 

@@ -23,7 +23,6 @@ import argparse
 import collections
 import ctypes
 import dataclasses
-import gc
 import json
 import os
 import queue
@@ -245,7 +244,8 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
             if task[0] == "trim":
                 # Freed heap goes back to the OS, so that PSS counts what the worker holds, not what the
                 # allocator keeps in reserve (a full prefill's temporaries leave tens of MiB behind).
-                gc.collect()
+                # No gc.collect(): it writes to every object's header and so turns the pages the worker
+                # shares copy-on-write with the fork server into private ones (+50 MiB a worker).
                 _malloc_trim()
                 results.put(("trimmed", worker_id, None))
                 continue

@@ -28,6 +28,9 @@ def test_smollm2_is_converted_once_and_loads_the_same_weights(tmp_path):
     gguf = models.smollm2_gguf_path()
     converted = models.converted_gguf_dir(gguf)
     assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
+    import json
+
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     stamp = os.stat(converted / "model.safetensors").st_mtime_ns
     model, tokenizer = models.load_model("smollm2")
     assert tokenizer is not None and tokenizer.chat_template
@@ -44,3 +47,24 @@ def test_smollm2_is_converted_once_and_loads_the_same_weights(tmp_path):
     other = tmp_path / gguf.name                                # same name, other bytes: another key
     other.write_bytes(gguf.read_bytes()[:-1] + b"\0")
     assert models._file_digest(other) != models._file_digest(gguf)
+
+
+def test_a_converted_directory_names_its_architecture(tmp_path):
+    """vLLM picks the model class from config.json's ``architectures``; without it, it resolves the bare
+    ``LlamaModel`` (no LM head) and generates only ``<|endoftext|>``. A directory converted before the
+    field was written gets it on its next use, and nothing else in the config changes."""
+    import json
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF-bytes")
+    target = tmp_path / "cache" / "converted" / f"model-{models._file_digest(gguf)[:32]}"
+    target.mkdir(parents=True)
+    old = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}
+    (target / "config.json").write_text(json.dumps(old))
+    assert models.converted_gguf_dir(gguf, tmp_path / "cache") == target
+    doc = json.loads((target / "config.json").read_text())
+    assert doc == {**old, "architectures": ["LlamaForCausalLM"]}
+    assert [p.name for p in target.iterdir()] == ["config.json"]           # no temporary file left
+    stamp = os.stat(target / "config.json").st_mtime_ns
+    models.converted_gguf_dir(gguf, tmp_path / "cache")
+    assert os.stat(target / "config.json").st_mtime_ns == stamp            # a complete config is not rewritten

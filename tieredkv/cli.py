@@ -510,7 +510,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tieredkv import demo
 
-    return _delegate(args, demo.main)
+    return demo.main(args)  # `--json -`: the demo prints the JSON alone (progress goes to stderr)
 
 
 _BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"

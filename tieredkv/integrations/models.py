@@ -18,6 +18,7 @@ torch and transformers are imported inside the functions that need them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -112,15 +113,16 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
     Raises:
         InvalidInput: ``gguf`` is not a ``.gguf`` file.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = Path(gguf)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise InvalidInput(f"gguf must be a .gguf file, got {str(path)!r}")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / "converted" / f"{path.stem}-{_file_digest(path)[:32]}"
     if (target / "config.json").is_file():
+        _name_architecture(target / "config.json")
         return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
     shutil.rmtree(partial, ignore_errors=True)
@@ -135,6 +137,8 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        # The GGUF reader leaves `architectures` empty; vLLM needs it to pick the class with the LM head.
+        config.architectures = [type(model).__name__]
         config.save_pretrained(partial)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(partial)
@@ -151,6 +155,27 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def _name_architecture(config_json: Path) -> None:
+    """Add ``architectures`` to a converted ``config.json`` written without it (by an older tieredkv).
+
+    vLLM chooses the model class from that field; without it, it falls back to the bare decoder
+    (``LlamaModel``, no LM head) and generates nothing useful. The field is the causal-LM class
+    transformers maps the config's ``model_type`` to; the file is replaced atomically.
+    """
+    doc = json.loads(config_json.read_text())
+    if doc.get("architectures"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(doc.get("model_type", ""))
+    if name is None:
+        return  # not a causal LM transformers knows: leave the file as it is
+    doc["architectures"] = [name]
+    partial = config_json.with_name(f".{config_json.name}.{os.getpid()}.part")
+    partial.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, config_json)
 
 
 def tiny_llama_config(**overrides: Any):

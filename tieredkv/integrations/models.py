@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / "converted" / f"{path.stem}-{_file_digest(path)[:32]}"
     if (target / "config.json").is_file():
-        _name_architecture(target / "config.json")
+        _repair_converted(target)
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -143,6 +144,7 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(partial)
         save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        _repair_converted(partial)  # tied tensors under the names other loaders (vLLM) read
         try:
             AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(partial)
         except (OSError, ValueError):
@@ -157,25 +159,50 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
     return target
 
 
-def _name_architecture(config_json: Path) -> None:
-    """Add ``architectures`` to a converted ``config.json`` written without it (by an older tieredkv).
+def _repair_converted(directory: Path) -> None:
+    """Make a converted directory loadable by vLLM as well as by transformers (idempotent, atomic).
 
-    vLLM chooses the model class from that field; without it, it falls back to the bare decoder
-    (``LlamaModel``, no LM head) and generates nothing useful. The field is the causal-LM class
-    transformers maps the config's ``model_type`` to; the file is replaced atomically.
+    Two things transformers does not need but vLLM does, missing from directories an older tieredkv
+    converted: ``config.json``'s ``architectures`` (without it vLLM builds the bare decoder,
+    ``LlamaModel``, with no LM head) and, for tied embeddings, the tensor under the name of the
+    embedding (``save_model`` keeps one name of a tied pair, here ``lm_head.weight``; vLLM then loads
+    the head and leaves the embedding uninitialised: the output is ``<|endoftext|>`` only). Each file
+    is rewritten under a temporary name and renamed over the old one.
     """
-    doc = json.loads(config_json.read_text())
-    if doc.get("architectures"):
-        return
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from safetensors import safe_open
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(doc.get("model_type", ""))
-    if name is None:
-        return  # not a causal LM transformers knows: leave the file as it is
-    doc["architectures"] = [name]
-    partial = config_json.with_name(f".{config_json.name}.{os.getpid()}.part")
-    partial.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, config_json)
+    config_json = directory / "config.json"
+    doc = json.loads(config_json.read_text())
+    if not doc.get("architectures"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(doc.get("model_type", ""))
+        if name is not None:
+            doc["architectures"] = [name]
+            _replace_file(config_json, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
+    weights = directory / "model.safetensors"
+    if not (doc.get("tie_word_embeddings", True) and weights.is_file()):
+        return
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    with safe_open(str(weights), "pt") as f:
+        names = set(f.keys())
+        if embed in names or head not in names:
+            return
+        tensors = {(embed if k == head else k): f.get_tensor(k) for k in names}
+        metadata = f.metadata()
+
+    from safetensors.torch import save_file
+
+    _replace_file(weights, lambda p: save_file(tensors, str(p), metadata=metadata))
+
+
+def _replace_file(path: Path, write: Callable[[Path], object]) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def tiny_llama_config(**overrides: Any):

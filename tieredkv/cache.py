@@ -21,6 +21,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import errno
 import functools
 import os
 import threading
@@ -65,6 +66,24 @@ _SPARE_BUFFERS = 2
 #: Failures of the warm tier's state (damaged or unreachable files, a stuck writer, a disk too full to
 #: create it) after which a TieredCache starts hot-only instead of not at all.
 _WARM_STATE_ERRORS = (CorruptState, FormatError, WarmTierUnavailable, LockTimeout, CapacityError, OSError)
+
+
+def _warm_open_hint(warm_dir: str | os.PathLike, error: BaseException) -> str:
+    """What to do about a warm tier that could not open: a permission problem (a directory another user
+    made, e.g. a Kubernetes hostPath created root-owned) is fixed by its owner, not by a repair."""
+    cause = error if isinstance(error, OSError) else error.__cause__
+    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM):
+        try:
+            st = os.stat(warm_dir)
+            owner = f"owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}"
+        except OSError as exc:
+            owner = f"not readable: {exc.strerror}"
+        return (f"this process runs as uid {os.geteuid()} and may not write to {warm_dir} ({owner}): give the "
+                f"directory to the workers' user, mode 0700 (chown; systemd: CacheDirectory=; a Kubernetes hostPath: "
+                f"an init container that chowns it, see docs/deploy.md)")
+    if isinstance(cause, OSError) and cause.errno == errno.EROFS:
+        return f"{warm_dir} is on a read-only filesystem: mount it read-write"
+    return "`tieredkv verify --repair` checks and rebuilds it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +245,8 @@ class TieredCache:
                     # worker (and with it the hot tier every worker shares) from starting: serve hot-only
                     # and say so. Misuse (bad arguments, another spec, another user's files) still raises.
                     warnings.warn(f"tieredkv: the warm tier at {warm_dir} cannot open ({e}); running "
-                                  f"hot-only until restart (`tieredkv verify --repair` checks and "
-                                  f"rebuilds it)", RuntimeWarning, stacklevel=2)
+                                  f"hot-only until restart ({_warm_open_hint(warm_dir, e)})", RuntimeWarning,
+                                  stacklevel=2)
                     warm_failed = True
             self.hot = HotTier(spec, hot_bytes, n_slots=hot_blocks, name=hot_name, policy=eviction, numa_node=numa_node,
                                lock_timeout_s=lock_timeout_s,

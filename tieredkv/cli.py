@@ -418,10 +418,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError("give a warm tier DIRECTORY or --remote URL (one of them)")
     if args.remote:
         return _verify_remote(args)
+    if args.repair and not os.path.exists(args.directory):
+        return _nothing_to_verify(args, "does not exist yet")
     if not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory} is not a directory")
     report = verify(args.directory, repair=args.repair)
     tiers = report.get("tiers", [report])
+    if args.repair and not tiers:
+        return _nothing_to_verify(args, "holds no warm tier yet")
 
     def text() -> str:
         lines = []
@@ -451,6 +455,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # Damage found and repaired is a success: `verify --repair && start-workers` must work.
         return 0 if all(t["repaired"] and not t.get("error") for t in tiers) else 2
     return 0 if report.get("ok", True) else 2
+
+
+def _nothing_to_verify(args: argparse.Namespace, why: str) -> int:
+    """``verify --repair`` of a new host's warm directory: a success, so that the pre-start check
+    (``verify --repair DIR && start-workers``, systemd's ``Requires=``) lets the first workers start;
+    they create the tier. A plain ``verify`` of such a path stays an error (a typo is no clean scrub)."""
+    note = f"{args.directory} {why}: nothing to check (the workers create the warm tier there)"
+    _emit(args, {"ok": True, "tiers": [], "note": note}, lambda: note)
+    return 0
 
 
 def _verify_remote(args: argparse.Namespace) -> int:

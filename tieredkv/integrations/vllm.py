@@ -24,7 +24,6 @@ K/V split decide how a layer is read, and anything not understood is refused at 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import queue
 import threading
@@ -45,6 +44,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingConte
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from tieredkv.cache import PrefixHit, TieredCache
+from tieredkv.config import KEYWORDS
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.paged import KV_SPLIT, PagedKV, paged_view
 from tieredkv.keys import ChunkKeys, as_tokens
@@ -72,8 +72,7 @@ def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] =
         InvalidInput: an unknown key (the message lists the valid ones) or a malformed size.
     """
     extra = dict(extra or {})
-    params = inspect.signature(TieredCache.__init__).parameters
-    accepted = [name for name in params if name not in ("self", "spec")]
+    accepted = list(KEYWORDS)
     unknown = sorted(set(extra) - set(accepted) - set(own_keys))
     if unknown:
         raise InvalidInput(f"unknown kv_connector_extra_config keys {unknown}; valid keys: "
@@ -544,7 +543,7 @@ class TieredKVTier(SecondaryTierManager):
         payloads = self._primary[rows]  # a gather copy: the primary slots are released after the job
         codes = self.cache.hot.put_many(keys, payloads)
         if self.cache.warm is not None:
-            if self.cache.demotion.at_store:
+            if self.cache.levels[1].at_store:
                 self.cache.warm.put_many(keys, payloads)
             elif (codes == PutResult.NO_SPACE).any():
                 full = np.flatnonzero(codes == PutResult.NO_SPACE)

@@ -48,6 +48,7 @@ from tieredkv.errors import (
     require_positive_seconds,
 )
 from tieredkv.hot import HotTier
+from tieredkv.journal import EVICTED, STORED
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import blocks_to_model, model_to_blocks, overlaps_itself, page_aligned_empty
 from tieredkv.policies import demotion as demotion_rules
@@ -207,6 +208,7 @@ class TieredCache:
         self.warm: Tier | None = None
         self.hot: Tier  # set below; close() copes with a constructor that failed before it
         self.remote: Tier | None = None
+        self.journal: Any = None  # a tieredkv.journal.HostJournal, see attach_journal
         self._remote_writer: BackgroundWriter | None = None
         warm_failed = False
         try:
@@ -398,6 +400,7 @@ class TieredCache:
         chosen = self._promotion_chosen(keys)
         if len(chosen):
             codes = self.hot.put_many(keys.take(chosen), payloads[chosen])
+            self._journal(STORED, HOT, keys.take(chosen), codes)
             self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
 
     # ---- store ----------------------------------------------------------------------------------
@@ -437,6 +440,7 @@ class TieredCache:
         for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(todo)]):
             model_to_blocks(self.spec, src, int(todo[a]) * C, payloads[a:b])
         codes = self.hot.put_many(new, payloads)
+        self._journal(STORED, HOT, new, codes)
         stored = int(np.count_nonzero(codes == PutResult.STORED))
         to_warm = None
         if self.warm is not None:
@@ -489,6 +493,7 @@ class TieredCache:
     def _write_warm(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
         codes = self._warm_call(lambda: self._warm_tier().put_many(keys, payloads), default=None)
         if codes is not None:
+            self._journal(STORED, WARM, keys, codes)
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(warm_bytes_written=n * self.spec.block_bytes)
 
@@ -549,6 +554,7 @@ class TieredCache:
         codes = self._warm_call(lambda: self._warm_tier().put_many(evicted.keys.take(chosen), payloads[chosen]),
                                 default=None)
         if codes is not None:
+            self._journal(STORED, WARM, evicted.keys.take(chosen), codes)
             n = int(np.count_nonzero(codes == PutResult.STORED))
             self._count(demotions=n, warm_bytes_written=n * self.spec.block_bytes)
 
@@ -655,10 +661,12 @@ class TieredCache:
             return
         keys, payloads = keys.take(chosen), payloads[chosen]
         codes = self.hot.put_many(keys, payloads)
+        self._journal(STORED, HOT, keys, codes)
         self._count(promotions=int(np.count_nonzero(codes == PutResult.STORED)))
         if self.warm is not None:
             wcodes = self._warm_call(lambda: self.warm.put_many(keys, payloads), default=None)
             if wcodes is not None:
+                self._journal(STORED, WARM, keys, wcodes)
                 self._count(warm_bytes_written=int(np.count_nonzero(wcodes == PutResult.STORED))
                             * self.spec.block_bytes)
 
@@ -671,6 +679,7 @@ class TieredCache:
     def _remote_put(self, keys: ChunkKeys, payloads: np.ndarray) -> None:
         """On the writer thread."""
         codes = self._rt().put_many(keys, payloads)
+        self._journal(STORED, REMOTE, keys, codes)
         self._count(remote_bytes_written=int(np.count_nonzero(codes == PutResult.STORED)) * self.spec.block_bytes)
 
     def _remote_demote(self, evicted: Evicted) -> None:
@@ -705,6 +714,47 @@ class TieredCache:
         remote, self.remote = self.remote, None
         if remote is not None:
             remote.close()
+
+    # ---- host journal ------------------------------------------------------------------------------
+    # Every put above notes the blocks it STORED; the tiers' eviction hooks note what they EVICTED.
+    def attach_journal(self, journal: Any) -> None:
+        """Record this handle's tier changes in ``journal`` (a ``tieredkv.journal.HostJournal``).
+
+        From now on, blocks this handle stores into a tier (hot, warm, remote) are appended as
+        ``STORED``, and blocks a tier evicts while this handle makes room as ``EVICTED``; every process
+        of the host that attaches the same journal adds its own. Eviction hooks that did not exist
+        are added for keys only (no copy of the evicted bytes). A journal that fails to append is
+        logged once and never fails a call.
+        """
+        self.journal = journal
+        for code, tier in ((HOT, self.hot), (WARM, self.warm)):
+            if tier is None or not hasattr(tier, "on_evict"):
+                continue
+            previous = tier.on_evict
+            tier.on_evict = functools.partial(self._journal_evicted, code, previous)
+            if previous is None:
+                setattr(tier, "evict_payloads", False)  # noqa: B010 (an attribute of the hot and warm tiers only)
+
+    def _journal_evicted(self, code: int, previous: Callable[[Evicted], None] | None, evicted: Evicted) -> None:
+        self._journal(EVICTED, code, evicted.keys)
+        if previous is not None:
+            previous(evicted)
+
+    def _journal(self, op: int, tier: int, keys: ChunkKeys, codes: np.ndarray | None = None) -> None:
+        """Append ``keys`` (those ``codes`` says were STORED, when given) to the journal, if any."""
+        journal = self.journal
+        if journal is None:
+            return
+        if codes is not None:
+            keys = keys.take(np.flatnonzero(np.asarray(codes) == PutResult.STORED))
+        try:
+            journal.append(op, tier, keys)
+        except (OSError, TieredKVError) as e:
+            with self._lock:
+                first, self._warned_journal = not getattr(self, "_warned_journal", False), True
+            if first:
+                warnings.warn(f"tieredkv: the host journal failed ({e}); tier changes are not announced",
+                              RuntimeWarning, stacklevel=3)
 
     # ---- tensors ----------------------------------------------------------------------------------
     def _check_array(self, arr: np.ndarray, what: str, min_tokens: int) -> None:

@@ -153,3 +153,17 @@ def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b
         append(prev)
     chain = np.frombuffer(b"".join(digests), dtype="<u8").reshape(n + 1, 2)
     return ChunkKeys(chain[1:], chain[:-1], table)
+
+
+def opaque_keys(spec: KVSpec, names: Sequence[bytes]) -> ChunkKeys:
+    """``ChunkKeys`` for blocks an engine names itself (vLLM's offload keys, SGLang's page hashes).
+
+    Each key is xxh3-128 of ``spec.namespace_bytes() + name``: the same name under another namespace
+    (model, layout, TP shard, ...) is another key. The engine's names already chain the whole prefix
+    and its request identity, so a block is confirmed by its key alone: parents and tokens are zero.
+    """
+    seed = spec.namespace_bytes()
+    raw = b"".join(xxhash.xxh3_128_digest(seed + bytes(name)) for name in names)
+    n = len(raw) // 16
+    return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2), np.zeros((n, 2), dtype="<u8"),
+                     np.zeros((n, spec.chunk_tokens), dtype="<u4"))

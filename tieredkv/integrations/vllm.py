@@ -24,7 +24,6 @@ K/V split decide how a layer is read, and anything not understood is refused at 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import queue
 import threading
@@ -33,7 +32,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -46,9 +44,11 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tieredkv.cache import PrefixHit, TieredCache
 from tieredkv.errors import InvalidInput, TieredKVError
+from tieredkv.integrations import extra as extra_config
+from tieredkv.integrations.extra import DEFAULT_HOT_BYTES  # noqa: F401 (re-exported)
 from tieredkv.integrations.paged import KV_SPLIT, PagedKV, paged_view
-from tieredkv.keys import ChunkKeys, as_tokens
-from tieredkv.spec import KVSpec, normalize_dtype, parse_bytes
+from tieredkv.keys import ChunkKeys, as_tokens, opaque_keys
+from tieredkv.spec import KVSpec, normalize_dtype
 from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
@@ -57,33 +57,15 @@ logger = logging.getLogger(__name__)
 #: argument of ``TieredCache`` and is passed to it unchanged (``*_bytes`` values may be "8G").
 CONNECTOR_KEYS = ("chunk_tokens", "model_id")
 
-#: Hot-tier size when the config gives neither ``hot_bytes`` nor ``hot_blocks``.
-DEFAULT_HOT_BYTES = 1 << 30
-
 # ---- configuration -----------------------------------------------------------------------------
 def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> dict[str, Any]:
-    """``TieredCache`` keyword arguments from a vLLM ``extra_config`` mapping.
-
-    Every key ``TieredCache.__init__`` accepts passes through unchanged (so arguments added to it later
-    work from the vLLM config with no change here); ``*_bytes`` values are parsed as sizes ("8G").
+    """``TieredCache`` keyword arguments from a vLLM ``extra_config`` mapping (see
+    ``tieredkv.integrations.extra.cache_kwargs``).
 
     Raises:
         InvalidInput: an unknown key (the message lists the valid ones) or a malformed size.
     """
-    extra = dict(extra or {})
-    params = inspect.signature(TieredCache.__init__).parameters
-    accepted = [name for name in params if name not in ("self", "spec")]
-    unknown = sorted(set(extra) - set(accepted) - set(own_keys))
-    if unknown:
-        raise InvalidInput(f"unknown kv_connector_extra_config keys {unknown}; valid keys: "
-                           f"{sorted([*accepted, *own_keys])}")
-    kwargs = {name: extra[name] for name in accepted if name in extra}
-    for name, value in kwargs.items():
-        if name.endswith("_bytes") and value is not None:
-            kwargs[name] = parse_bytes(value, what=name)
-    if kwargs.get("hot_bytes") is None and kwargs.get("hot_blocks") is None:
-        kwargs["hot_bytes"] = DEFAULT_HOT_BYTES
-    return kwargs
+    return extra_config.cache_kwargs(extra, own_keys=own_keys, what="kv_connector_extra_config")
 
 
 def _default_chunk_tokens(block_size: int) -> int:
@@ -418,16 +400,12 @@ class TieredKVConnector(KVConnectorBase_V1):
 
 # ---- a secondary tier behind vLLM's CPU offloading ------------------------------------------------
 def offload_keys(spec: KVSpec, keys: Any) -> ChunkKeys:
-    """``ChunkKeys`` for vLLM ``OffloadKey`` bytes: xxh3-128 of each key under the spec's namespace.
+    """``ChunkKeys`` for vLLM ``OffloadKey`` bytes (``tieredkv.keys.opaque_keys``).
 
     vLLM's block hashes already chain the whole prefix and the request's cache salt, so a block is
-    confirmed by its key alone: parents and chunk tokens are zero.
+    confirmed by its key alone.
     """
-    seed = spec.namespace_bytes()
-    raw = b"".join(xxhash.xxh3_128_digest(seed + bytes(k)) for k in keys)
-    n = len(raw) // 16
-    return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2), np.zeros((n, 2), dtype="<u8"),
-                     np.zeros((n, spec.chunk_tokens), dtype="<u4"))
+    return opaque_keys(spec, list(keys))
 
 
 class TieredKVTier(SecondaryTierManager):

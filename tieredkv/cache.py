@@ -48,7 +48,7 @@ from tieredkv.errors import (
     require_positive_seconds,
 )
 from tieredkv.hot import HotTier
-from tieredkv.journal import EVICTED, STORED
+from tieredkv.journal import EVICTED, STORED, HostJournal, journal_path
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import blocks_to_model, model_to_blocks, overlaps_itself, page_aligned_empty
 from tieredkv.policies import demotion as demotion_rules
@@ -150,6 +150,8 @@ class TieredCache:
         remote_queue_blocks: bound on blocks waiting to be written to the remote tier; beyond it writes
             are dropped and counted (``remote_drops``).
         remote_flush_s: how long ``close()`` waits for queued remote writes.
+        journal: record the tier changes this handle makes in the host journal next to the hot segment
+            (``tieredkv.journal``; what KV-aware routers are told, docs/vllm.md).
 
     Raises:
         InvalidInput: a bad argument (the message says which and how to fix it).
@@ -165,7 +167,7 @@ class TieredCache:
                  warm_verify: str = "always",
                  numa_node: int | None = None, lock_timeout_s: float = 10.0, warm_queue_bytes: int = 256 << 20,
                  warm_flush_s: float = 10.0, remote=None, remote_write: str = "write_through",
-                 remote_queue_blocks: int = 256, remote_flush_s: float = 5.0):
+                 remote_queue_blocks: int = 256, remote_flush_s: float = 5.0, journal: bool = False):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -241,6 +243,8 @@ class TieredCache:
                                else None)
             if warm_failed:
                 self._count(warm_errors=1)
+            if journal:
+                self.attach_journal(HostJournal(journal_path(self.hot.name)))
         except BaseException:
             self.close()
             raise
@@ -921,6 +925,9 @@ class TieredCache:
         for tier in (getattr(self, "hot", None), self.warm):
             if tier is not None:
                 tier.close()
+        journal, self.journal = getattr(self, "journal", None), None
+        if journal is not None:
+            journal.close()
         self._staging = None
 
     def __enter__(self) -> TieredCache:

@@ -6,8 +6,8 @@ stored (they are equally local: one copy in shared memory), and lets a separate 
 the host's tiers to routers (``tieredkv.integrations.kv_events``).
 
 ```
-<dir>/tieredkv-<namespace>.journal        append-only records, rotated past max_bytes
-<dir>/tieredkv-<namespace>.journal.lock   flock'ed around each append (released by the kernel on death)
+/dev/shm/<hot segment>.journal        append-only records, rotated past max_bytes
+/dev/shm/<hot segment>.journal.lock   flock'ed around each append (released by the kernel on death)
 
 record = | magic "TKJ1" | length u32 | time f64 | pid i32 | op u8 | tier u8 | flags u16 | n u32 |
          | n keys x 16 bytes | n note lengths u32 | notes ... | crc32 u32 |
@@ -41,7 +41,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from tieredkv.errors import InvalidInput
-from tieredkv.spec import KVSpec
 
 #: Operations. ``CLEARED`` applies to the whole tier (no keys).
 STORED, EVICTED, CLEARED, NOTED = 1, 2, 3, 4
@@ -56,9 +55,12 @@ _VERSION = 1
 DEFAULT_DIR = "/dev/shm"
 
 
-def journal_path(spec: KVSpec, directory: str | os.PathLike | None = None) -> str:
-    """Where the journal of ``spec``'s namespace lives (default: ``/dev/shm``, next to the hot tier)."""
-    return os.path.join(os.fspath(directory or DEFAULT_DIR), f"tieredkv-{spec.namespace}.journal")
+def journal_path(segment_name: str, directory: str | os.PathLike | None = None) -> str:
+    """The journal of the hot segment ``segment_name`` (``/tieredkv-...``): ``/dev/shm/tieredkv-....journal``.
+
+    A journal is shared by exactly the processes that share the segment (same namespace, same host).
+    """
+    return os.path.join(os.fspath(directory or DEFAULT_DIR), segment_name.lstrip("/") + ".journal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +101,7 @@ class HostJournal:
     """The appending side of a namespace's journal (one per process and namespace is enough).
 
     Args:
-        path: the journal file (``journal_path(spec)``); created if missing.
+        path: the journal file (``journal_path(segment_name)``); created if missing.
         max_bytes: size past which the file is rotated.
 
     Raises:

@@ -42,14 +42,15 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tieredkv.cache import PrefixHit, TieredCache
+from tieredkv import blocks
+from tieredkv.cache import HOT, WARM, PrefixHit, TieredCache
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations import extra as extra_config
 from tieredkv.integrations.extra import DEFAULT_HOT_BYTES  # noqa: F401 (re-exported)
+from tieredkv.integrations.kv_events import ConnectorEvents, TierEvents
 from tieredkv.integrations.paged import KV_SPLIT, PagedKV, paged_view
-from tieredkv.keys import ChunkKeys, as_tokens, opaque_keys
+from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys, opaque_keys
 from tieredkv.spec import KVSpec, normalize_dtype
-from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         kwargs = cache_kwargs(extra)
+        # With KV events on, the tiers are announced to routers too: the host journal carries them.
+        events_on = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
+        if events_on:
+            kwargs.setdefault("journal", True)
         tp_rank = 0
         if role == KVConnectorRole.WORKER and vllm_config.parallel_config.tensor_parallel_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -232,6 +237,8 @@ class TieredKVConnector(KVConnectorBase_V1):
             tp_rank=tp_rank)
         self._block_size = int(self._attn.block_size)
         self.cache = TieredCache(self.spec, **kwargs)
+        self._events = (ConnectorEvents(self.cache, self._block_size)
+                        if role == KVConnectorRole.SCHEDULER and events_on and self.cache.journal is not None else None)
         # scheduler side
         self._lookups: dict[str, tuple[PrefixHit, int]] = {}
         self._loads: dict[str, LoadPlan] = {}
@@ -261,6 +268,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         self._tracked[req_id] = _Tracked(token_ids=as_tokens(request.prompt_token_ids or []), salt=_salt(request),
                                          cached_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
+        self._note_events(request, hit)
         if num_external_tokens <= 0 or hit is None:
             return
         C, N = self.spec.chunk_tokens, self._block_size
@@ -275,6 +283,23 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
                                        skip_tokens=local - first * C,
                                        block_ids=tuple(block_ids[local // N:-(-end // N)]))
+
+    def _note_events(self, request: Any, hit: PrefixHit | None) -> None:
+        """Describe the prompt's full chunks in the host journal (vLLM's hashes for whichever process
+        stores them) and announce the ones this lookup found in the tiers."""
+        events = self._events
+        if events is None:
+            return
+        tokens = as_tokens(request.prompt_token_ids or [])
+        C = self.spec.chunk_tokens
+        keys = chunk_keys(self.spec, tokens[: len(tokens) // C * C], _salt(request))
+        events.note_request(request, keys, hit.where.tolist() if hit is not None else [])
+
+    def take_events(self) -> list:
+        """KV events for routers since the last call (vLLM's scheduler publishes them with its own):
+        ``BlockStored`` for chunks stored into or found in tieredkv's tiers by any engine of the host,
+        ``BlockRemoved`` when a tier evicts one announced here (``tieredkv.integrations.kv_events``)."""
+        return self._events.take() if self._events is not None else []
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         """This step's loads, and saves for prompts whose last full chunk this step computes."""
@@ -395,6 +420,8 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Close this process's handle on the tiers (the shared state stays for other engines)."""
+        if self._events is not None:
+            self._events.close()
         self.cache.close()
 
 
@@ -439,6 +466,8 @@ class TieredKVTier(SecondaryTierManager):
         self.spec = KVSpec(model_id=str(model), num_layers=1, num_kv_heads=1, head_dim=chunk_bytes // 2, dtype="int8",
                            chunk_tokens=1, extra=f"vllm-offload;dtype={dtype};world={world}")
         self.cache = TieredCache(self.spec, **kwargs)
+        # With the config's journal on, chunks stored and evicted on the host become OffloadingEvents.
+        self._events = TierEvents(self.cache) if self.cache.journal is not None else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
@@ -451,10 +480,11 @@ class TieredKVTier(SecondaryTierManager):
         """HIT when the chunk is in the hot or the warm tier (a failing warm tier is a miss)."""
         keys = offload_keys(self.spec, [key])
         try:
-            if self.cache.hot.contains_many(keys)[0]:
-                return LookupResult.HIT
-            if self.cache.warm is not None and self.cache.warm.contains_many(keys)[0]:
-                return LookupResult.HIT
+            for code, tier in ((HOT, self.cache.hot), (WARM, self.cache.warm)):
+                if tier is not None and tier.contains_many(keys)[0]:
+                    if self._events is not None:
+                        self._events.found(keys[0], bytes(key), code)
+                    return LookupResult.HIT
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv tier: lookup failed (a miss): %s", e)
         return LookupResult.MISS
@@ -492,12 +522,19 @@ class TieredKVTier(SecondaryTierManager):
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
 
+    def take_events(self) -> list:
+        """``OffloadingEvent`` for chunks stored into or found in the tiers on this host, and for the ones
+        announced here that a tier evicted since (with the config's ``journal`` on; else none)."""
+        return self._events.take() if self._events is not None else []
+
     def shutdown(self) -> None:
         """Finish submitted jobs, stop the thread, close the tiers (idempotent)."""
         if self._thread.is_alive():
             self.drain_jobs()
             self._jobs.put(None)
             self._thread.join()
+        if self._events is not None:
+            self._events.close()
         self.cache.close()
 
     # ---- the transfer thread ------------------------------------------------------------------
@@ -518,15 +555,10 @@ class TieredKVTier(SecondaryTierManager):
         keys = offload_keys(self.spec, list(job.keys))
         rows = np.asarray(job.chunk_ids, dtype=np.int64)
         payloads = self._primary[rows]  # a gather copy: the primary slots are released after the job
-        codes = self.cache.hot.put_many(keys, payloads)
-        if self.cache.warm is not None:
-            if self.cache.demotion.at_store:
-                self.cache.warm.put_many(keys, payloads)
-            elif (codes == PutResult.NO_SPACE).any():
-                full = np.flatnonzero(codes == PutResult.NO_SPACE)
-                self.cache.warm.put_many(keys.take(full), payloads[full])
-        ok = bool(np.all(codes != PutResult.NO_SPACE)) or self.cache.warm is not None
-        return JobResult(job_id=job.job_id, success=ok, transfer_bytes=int(payloads.nbytes))
+        if self._events is not None:
+            self._events.note_store(keys, list(job.keys))
+        ok = blocks.write(self.cache, keys, payloads)  # hot, and warm per the demotion rule
+        return JobResult(job_id=job.job_id, success=bool(ok.all()), transfer_bytes=int(payloads.nbytes))
 
     def _load(self, job: TransferJob) -> JobResult:
         keys_in = list(job.keys)

@@ -244,7 +244,10 @@ class TieredCache:
             if warm_failed:
                 self._count(warm_errors=1)
             if journal:
-                self.attach_journal(HostJournal(journal_path(self.hot.name)))
+                host_journal = HostJournal(journal_path(self.hot.name))
+                if getattr(self.hot, "created", False):  # a new, empty segment: earlier records are stale
+                    host_journal.restart(HOT)
+                self.attach_journal(host_journal)
         except BaseException:
             self.close()
             raise

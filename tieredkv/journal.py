@@ -151,6 +151,15 @@ class HostJournal:
             if written != len(record):  # a full /dev/shm: never leave half a record behind
                 os.ftruncate(self._fd, size)
 
+    def restart(self, tier: int) -> None:
+        """Start a fresh file whose first record is ``CLEARED(tier)``: for a tier that is new and empty
+        (a hot segment just created after a reboot or a removal), whose old records are stale. Readers
+        holding the old file read it to its end, then the ``CLEARED``."""
+        with self._locked():
+            self._ensure_file()
+            self._rotate()
+        self.append(CLEARED, tier)
+
     def close(self) -> None:
         """Close the files (idempotent); the journal stays for the other processes."""
         for name in ("_fd", "_lock_fd"):

@@ -28,6 +28,7 @@ from test_vllm_connector import (  # noqa: F401 (model_dir is a fixture)
     offloading_spec,
     request,
     step,
+    stored_kv,
     tier_config,
     vllm_config,
     worker_for,
@@ -38,9 +39,8 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingKVEventsConfig, ReqContext
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from tieredkv import chunk_keys
+from tieredkv import TieredCache, chunk_keys
 from tieredkv import journal as jr
-from tieredkv.integrations import kv_events
 
 CHUNK = 64
 
@@ -220,12 +220,16 @@ def test_the_exporter_publishes_a_hosts_journal(events_cfg, seg_name):
         step(scheduler, worker, [req])
         got = sub.events(lambda ev: len(stored(ev, "CPU")) >= 3)
         assert [e.block_hashes for e in stored(got, "CPU")] == [chunk_hashes(req, i) for i in range(3)]
-        # Another process stores two more chunks (no vLLM description: not published) and evicts two of these.
-        other = worker.cache.hot.evict(2)
-        worker.cache._journal(jr.EVICTED, kv_events.HOT, other.keys)
-        got = sub.events(lambda ev: sum(isinstance(e, BlockRemoved) for e in ev) >= 2)
+        # Another worker of the host (a plain TieredCache handle) stores three chunks nobody described
+        # (not published); the hot tier (4 chunks) evicts some of these to make room.
+        other_tokens = np.arange(300, 492)
+        with TieredCache(worker.spec, hot_name=seg_name, journal=True) as other:
+            other.store(other_tokens, stored_kv(worker.spec, other_tokens))
+        got = sub.events(lambda ev: any(isinstance(e, BlockRemoved) for e in ev))
         removed = [e for e in got if isinstance(e, BlockRemoved)]
-        assert len(removed) == 2 and {e.medium for e in removed} == {"CPU"}
+        assert removed and {e.medium for e in removed} == {"CPU"}
+        assert all(e.block_hashes in [chunk_hashes(req, i) for i in range(3)] for e in removed)
+        assert not [e for e in got if isinstance(e, BlockStored)]
         scheduler.connector._events.reset()
         got = sub.events(lambda ev: any(isinstance(e, AllBlocksCleared) for e in ev))
         assert any(isinstance(e, AllBlocksCleared) for e in got)

@@ -3,11 +3,10 @@ SGLang's ``--hicache-storage-backend-extra-config``). No engine import here."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from tieredkv.cache import TieredCache
+from tieredkv.config import KEYWORDS
 from tieredkv.errors import InvalidInput
 from tieredkv.spec import parse_bytes
 
@@ -19,16 +18,16 @@ def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] =
                  what: str = "extra config") -> dict[str, Any]:
     """``TieredCache`` keyword arguments from an engine's extra-config mapping.
 
-    Every key ``TieredCache.__init__`` accepts passes through unchanged (so arguments added to it later
-    work from the engine's config with no change here); ``*_bytes`` values are parsed as sizes ("8G").
+    Every ``TieredCache`` keyword (``tieredkv.config.KEYWORDS``) passes through unchanged (so options
+    added later work from the engine's config with no change here); ``*_bytes`` values are parsed as
+    sizes ("8G").
     ``own_keys`` are the integration's own keys: allowed, not passed on.
 
     Raises:
         InvalidInput: an unknown key (the message lists the valid ones) or a malformed size.
     """
     extra = dict(extra or {})
-    params = inspect.signature(TieredCache.__init__).parameters
-    accepted = [name for name in params if name not in ("self", "spec")]
+    accepted = list(KEYWORDS)
     unknown = sorted(set(extra) - set(accepted) - set(own_keys))
     if unknown:
         raise InvalidInput(f"unknown {what} keys {unknown}; valid keys: {sorted([*accepted, *own_keys])}")

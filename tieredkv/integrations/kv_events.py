@@ -236,6 +236,7 @@ class _JournalEvents:
         if journal is None:
             raise ValueError("the cache has no journal (open it with journal=True)")
         self.cache = cache
+        self.journal = journal
         self.reader = jr.JournalReader(journal.path)
         self.announcer = Announcer()
         self._local: list[Announcement] = []
@@ -267,7 +268,7 @@ class ConnectorEvents(_JournalEvents):
         keys = keys[:len(notes)]
         key_bytes = [bytes(k) for k in keys]
         try:
-            self.cache.journal.append(jr.NOTED, HOT, keys, notes)
+            self.journal.append(jr.NOTED, HOT, keys, notes)
         except OSError as e:
             logger.warning("tieredkv: the host journal failed (%s); blocks are not announced", e)
         n = min(len(where), len(notes))
@@ -284,7 +285,7 @@ class ConnectorEvents(_JournalEvents):
         """The tiers were cleared for this engine: record it host-wide and announce ``AllBlocksCleared``."""
         try:
             for tier in (HOT, WARM):
-                self.cache.journal.append(jr.CLEARED, tier)
+                self.journal.append(jr.CLEARED, tier)
         except OSError as e:
             logger.warning("tieredkv: the host journal failed (%s)", e)
         return to_kv_events(self._take())
@@ -295,7 +296,7 @@ class TierEvents(_JournalEvents):
 
     def note_store(self, keys: Any, offload_keys: Sequence[bytes]) -> None:
         try:
-            self.cache.journal.append(jr.NOTED, HOT, keys, [offload_note(k) for k in offload_keys])
+            self.journal.append(jr.NOTED, HOT, keys, [offload_note(k) for k in offload_keys])
         except OSError as e:
             logger.warning("tieredkv: the host journal failed (%s); chunks are not announced", e)
 

@@ -134,7 +134,7 @@ class TieredKVStorage(HiCacheStorage):
         self._widths: list[int] = []
         self._page_size = 1
         self._lock = threading.Lock()
-        self._hits = {"hot": 0, "warm": 0, "miss": 0}
+        self._hits = {"hot": 0, "warm": 0, "miss": 0}  # pages served by level name, and pages missed
         self._since = {"prefetch_pgs": 0, "backup_pgs": 0}
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -215,32 +215,30 @@ class TieredKVStorage(HiCacheStorage):
             at += width
         return out
 
-    def _count(self, hot: int, warm: int, miss: int, *, got: int = 0, put: int = 0) -> None:
-        with self._lock:
-            self._hits["hot"] += hot
-            self._hits["warm"] += warm
-            self._hits["miss"] += miss
-            self._since["prefetch_pgs"] += got
-            self._since["backup_pgs"] += put
-
     def _read(self, keys: list[str], sink) -> int:
         try:
-            hot, warm = blocks.read(self._tiers(), self._keys(keys), sink)
+            by_level = blocks.read(self._tiers(), self._keys(keys), sink)
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: read failed (a miss): %s", e)
-            hot = warm = 0
-        self._count(hot, warm, len(keys) - hot - warm, got=hot + warm)
-        return hot + warm
+            by_level = {}
+        run = sum(by_level.values())
+        with self._lock:
+            for name, n in by_level.items():
+                self._hits[name] = self._hits.get(name, 0) + n
+            self._hits["miss"] += len(keys) - run
+            self._since["prefetch_pgs"] += run
+        return run
 
     def _write(self, keys: list[str], rows: np.ndarray) -> list[bool]:
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)  # MLA: one writer per shard; the others' pages are the same bytes
         try:
-            ok = blocks.write(self._tiers(), self._keys(keys), rows)
+            ok = self._tiers().put_blocks(self._keys(keys), rows)
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: write failed (not cached): %s", e)
             return [False] * len(keys)
-        self._count(0, 0, 0, put=int(ok.sum()))
+        with self._lock:
+            self._since["backup_pgs"] += int(ok.sum())
         return ok.tolist()
 
     # ---- the zero-copy interface (interface_v1) ---------------------------------------------------

@@ -42,7 +42,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tieredkv import blocks
 from tieredkv.cache import HOT, WARM, PrefixHit, TieredCache
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations import extra as extra_config
@@ -557,7 +556,7 @@ class TieredKVTier(SecondaryTierManager):
         payloads = self._primary[rows]  # a gather copy: the primary slots are released after the job
         if self._events is not None:
             self._events.note_store(keys, list(job.keys))
-        ok = blocks.write(self.cache, keys, payloads)  # hot, and warm per the demotion rule
+        ok = self.cache.put_blocks(keys, payloads)  # hot, and the lower levels per their rules
         return JobResult(job_id=job.job_id, success=bool(ok.all()), transfer_bytes=int(payloads.nbytes))
 
     def _load(self, job: TransferJob) -> JobResult:

@@ -46,7 +46,7 @@ MODULES: list[tuple[str, list[str] | None, set[str], str]] = [
      "The host journal of tier changes that any process of the host can read."),
     ("tieredkv.integrations.sglang", ["TieredKVStorage", "StorageStats", "page_components"], set(),
      "SGLang: tieredkv as HiCache's L3 storage backend ([sglang.md](sglang.md))."),
-    ("tieredkv.blocks", ["match", "read"], set(), "Whole-block calls for engines that name blocks themselves."),
+    ("tieredkv.blocks", ["read"], set(), "Whole-block calls for engines that name blocks themselves."),
     ("tieredkv.integrations.paged", ["paged_view", "PagedKV"], set(),
      "vLLM's paged KV cache <-> tieredkv blocks, without importing vLLM."),
     ("tieredkv.integrations.models", ["load_model", "smollm2_gguf_path", "converted_gguf_dir", "default_cache_dir",

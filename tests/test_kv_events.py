@@ -85,6 +85,16 @@ def chunk_hashes(req, i: int) -> list:
     return [maybe_convert_block_hash(h) for h in req.block_hashes[i * per:(i + 1) * per]]
 
 
+def engine_with_prompt(cfg, tokens):
+    """One engine (a Scheduler and a worker) that has computed and saved ``tokens``' prompt."""
+    scheduler = make_scheduler(cfg)
+    worker, _ = worker_for(cfg)
+    req = request("a", tokens)
+    scheduler.add_request(req)
+    step(scheduler, worker, [req])
+    return scheduler, worker, req
+
+
 def stored(events, medium):
     return [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
 
@@ -177,13 +187,8 @@ def test_the_schedulers_publisher_announces_stores_evictions_and_another_engines
 
 @pytest.mark.procs
 def test_a_restarted_engine_announces_what_its_lookup_finds_in_warm(events_cfg):
-    cfg = events_cfg(None)
-    scheduler = make_scheduler(cfg)
-    worker, _ = worker_for(cfg)
     tokens = np.arange(3, 203) % 500
-    req = request("a", tokens)
-    scheduler.add_request(req)
-    step(scheduler, worker, [req])
+    scheduler, worker, _ = engine_with_prompt(events_cfg(None), tokens)
     worker.cache.unlink_hot()  # a reboot: the segment is gone, the warm tier stays
     worker.shutdown()
     scheduler.connector.shutdown()
@@ -199,6 +204,7 @@ def test_a_restarted_engine_announces_what_its_lookup_finds_in_warm(events_cfg):
     assert [e.block_hashes for e in got] == [chunk_hashes(again, i) for i in range(3)]
     conn.shutdown()
     scheduler.shutdown()
+    scheduler2.shutdown()
 
 
 @pytest.mark.procs
@@ -212,12 +218,7 @@ def test_the_exporter_publishes_a_hosts_journal(events_cfg, seg_name):
     try:
         assert "publishing" in exporter.stdout.readline()
         time.sleep(0.5)  # PUB drops messages until the subscription has reached it
-        scheduler = make_scheduler(cfg)
-        worker, _ = worker_for(cfg)
-        tokens = np.arange(11, 211) % 500
-        req = request("a", tokens)
-        scheduler.add_request(req)
-        step(scheduler, worker, [req])
+        scheduler, worker, req = engine_with_prompt(cfg, np.arange(11, 211) % 500)
         got = sub.events(lambda ev: len(stored(ev, "CPU")) >= 3)
         assert [e.block_hashes for e in stored(got, "CPU")] == [chunk_hashes(req, i) for i in range(3)]
         # Another worker of the host (a plain TieredCache handle) stores three chunks nobody described

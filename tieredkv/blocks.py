@@ -4,7 +4,7 @@
 chain the prefix and whose pages are opaque bytes (``tieredkv.keys.opaque_keys``) needs three calls:
 
 ```
-match(cache, keys)           -> per block of the leading run held by some level: its level's code
+cache.resident_run(keys)     -> per block of the leading run held by some level: its level's code
 read(cache, keys, sink)      -> leading blocks handed to sink(i, rows): top-level rows straight from
                                 shared memory, lower ones from a staging buffer (then promoted)
 cache.put_blocks(keys, rows) -> per block: held by some level afterwards (as ``store`` places blocks)
@@ -28,23 +28,6 @@ from tieredkv.keys import ChunkKeys
 #: ``sink(i, rows)``: ``rows`` (``(k, block_bytes)`` uint8) are blocks ``i .. i+k-1`` of the call's keys;
 #: valid only during the call (top-level rows are views of shared memory).
 Sink = Callable[[int, np.ndarray], None]
-
-
-def match(cache: TieredCache, keys: ChunkKeys) -> np.ndarray:
-    """The level code of each block of the leading run some level holds; its length is the run."""
-    levels = cache.levels
-    where = np.full(len(keys), -1, dtype=np.int8)
-    if not len(keys):
-        return where
-    where[levels[0].contains(keys)] = levels[0].code
-    for level in levels[1:]:
-        missing = np.flatnonzero(where < 0)
-        if not len(missing):
-            break
-        n = level.match(keys.take(missing))
-        where[missing[:n]] = level.code
-    run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
-    return where[:run]
 
 
 def read(cache: TieredCache, keys: ChunkKeys, sink: Sink) -> dict[str, int]:

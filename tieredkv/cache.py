@@ -247,8 +247,21 @@ class TieredCache:
         ids = as_tokens(tokens)
         C = self.spec.chunk_tokens
         keys = chunk_keys(self.spec, ids[: (max(len(ids) - 1, 0) // C) * C], salt)
-        where = np.full(len(keys), -1, dtype=np.int8)
         levels = self._open_levels()
+        where = self.resident_run(keys)
+        run = len(where)
+        hit = PrefixHit(tokens=run * C, prompt_tokens=len(ids), keys=keys[:run], where=where)
+        deltas = {level.names.hit_tokens: hit.blocks_in(level.code) * C for level in levels if level.names.hit_tokens}
+        self._counting.add(lookups=1, prompt_tokens=len(ids), hit_tokens=hit.tokens, prefill_tokens=hit.prefill_tokens,
+                           **deltas)
+        self._counting.observe("lookup", time.perf_counter() - started)
+        return hit
+
+    def resident_run(self, keys: ChunkKeys) -> np.ndarray:
+        """The leading run of ``keys`` some level holds: per block, the code of the first level that
+        holds it (``PrefixHit.where``); its length is the run."""
+        levels = self._open_levels()
+        where = np.full(len(keys), -1, dtype=np.int8)
         if len(keys):
             where[levels[0].contains(keys)] = levels[0].code
         for level in levels[1:]:
@@ -262,12 +275,7 @@ class TieredCache:
             if n < len(missing):
                 level.count(misses=1)
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
-        hit = PrefixHit(tokens=run * C, prompt_tokens=len(ids), keys=keys[:run], where=where[:run].copy())
-        deltas = {level.names.hit_tokens: hit.blocks_in(level.code) * C for level in levels if level.names.hit_tokens}
-        self._counting.add(lookups=1, prompt_tokens=len(ids), hit_tokens=hit.tokens, prefill_tokens=hit.prefill_tokens,
-                           **deltas)
-        self._counting.observe("lookup", time.perf_counter() - started)
-        return hit
+        return where[:run].copy()
 
     # ---- load -----------------------------------------------------------------------------------
     def load(self, hit: PrefixHit, out: Any) -> int:

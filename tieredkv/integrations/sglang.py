@@ -247,7 +247,7 @@ class TieredKVStorage(HiCacheStorage):
         if not keys:
             return 0
         try:
-            return len(blocks.match(self._tiers(), self._keys(keys)))
+            return len(self._tiers().resident_run(self._keys(keys)))
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: lookup failed (a miss): %s", e)
             return 0

@@ -36,11 +36,11 @@ from tieredkv.config import CacheConfig
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.journal import EVICTED, STORED, HostJournal, journal_path
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import model_to_blocks, page_aligned_empty
+from tieredkv.layout import as_block_bytes, model_to_blocks, page_aligned_empty
 from tieredkv.levels import BufferLease, Counting, Level, Observer, close_level, open_levels
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
-from tieredkv.tier import PutResult, Tier
+from tieredkv.tier import PutResult, Tier, check_keys, out_rows
 
 #: ``PrefixHit.where`` codes of the standard levels (a level of your own has its own, from 3 up).
 HOT, WARM, REMOTE = 0, 1, 2
@@ -397,18 +397,8 @@ class TieredCache:
         edges = np.flatnonzero(np.diff(todo) != 1) + 1
         for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(todo)]):
             model_to_blocks(self.spec, src, int(todo[a]) * C, payloads[a:b])
-        return self._put_new(keys.take(todo), payloads)[0]
-
-    def put_blocks(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
-        """Store whole blocks an engine names itself (``tieredkv.keys.opaque_keys``, ``tieredkv.blocks``):
-        ``payloads`` (``(n, block_bytes)``, owned by this call: queued writes keep it) go where ``store``
-        puts blocks. Returns a bool per block: a level holds it (or has it queued) afterwards."""
-        held = np.ones(len(keys), dtype=bool)
-        todo = self._new_blocks(keys, 0)
-        if len(todo):
-            new = keys if len(todo) == len(keys) else keys.take(todo)
-            held[todo] = self._put_new(new, payloads if len(todo) == len(keys) else payloads[todo])[1]
-        return held
+        codes = self._put_new(keys.take(todo), payloads)
+        return int(np.count_nonzero(codes == PutResult.STORED))
 
     def _new_blocks(self, keys: ChunkKeys, skip: int) -> np.ndarray:
         """Positions from ``skip`` on of the blocks no level holds that a store would write again: not
@@ -420,15 +410,16 @@ class TieredCache:
                 todo = todo[~level.contains(keys.take(todo))]
         return todo
 
-    def _put_new(self, new: ChunkKeys, payloads: np.ndarray) -> tuple[int, np.ndarray]:
+    def _put_new(self, new: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
         """Store blocks no level holds: into the top level, then into each lower level that admits
         them at store; blocks the top level has no room for go to the level below it if that one
-        admits evicted blocks. Returns how many the top level stored, and per block whether some
-        level holds it (or has it queued)."""
+        admits evicted blocks. ``payloads`` is this call's own (queued writes keep it). Returns the
+        top level's ``PutResult`` codes."""
         levels = self._open_levels()
         top = levels[0]
-        codes = top.put(new, payloads)
-        held = codes != PutResult.NO_SPACE if codes is not None else np.zeros(len(new), dtype=bool)
+        codes = top.put(new, payloads)  # the top level raises rather than return None
+        if codes is None:
+            codes = np.full(len(new), PutResult.NO_SPACE, dtype=np.int8)
         # ``payloads`` is this call's own copy (never the caller's kv, which it may reuse): queued jobs
         # keep it until their writes are done; the last one hands it back for reuse.
         lease = BufferLease(payloads, self._give_back)
@@ -436,17 +427,106 @@ class TieredCache:
             for i, level in enumerate(levels[1:], start=1):
                 if level.at_store:
                     level.write(new, payloads, lease=lease)
-                    held[:] = True  # written, or queued, in a level that takes every block
-                elif i == 1 and codes is not None and (codes == PutResult.NO_SPACE).any():
+                elif i == 1 and (codes == PutResult.NO_SPACE).any():
                     # Did not fit in the top level at all (a store larger than it): straight below.
                     full = np.flatnonzero(codes == PutResult.NO_SPACE)
                     level.write(new.take(full), payloads[full], lease=lease)
-                    held[full] = True
         finally:
             lease.release()
-        stored = int(np.count_nonzero(codes == PutResult.STORED)) if codes is not None else 0
-        self._counting.add(stored_blocks=stored)
-        return stored, held
+        self._counting.add(stored_blocks=int(np.count_nonzero(codes == PutResult.STORED)))
+        return codes
+
+    # ---- blocks: callers that hold block rows, not model-layout arrays (vLLM's offloading tier) ----
+    def put_blocks(self, keys: ChunkKeys, payloads: np.ndarray, *, owned: bool = False) -> np.ndarray:
+        """Store blocks given as rows, through the same levels, writers and counters as ``store``.
+
+        Args:
+            keys: the blocks' keys (``ChunkKeys`` of this spec).
+            payloads: one block per key: ``(n, block_bytes)`` uint8 or the spec's dtype.
+            owned: the caller hands ``payloads`` over and never touches it again (queued writes then
+                keep it instead of a copy).
+
+        Returns:
+            One ``PutResult`` per key: ``STORED`` (new in the top level), ``EXISTS`` (a level that
+            ``store`` checks holds it already) or ``NO_SPACE`` (the top level had no room; a level
+            below it that admits evicted blocks got it).
+
+        Raises:
+            InvalidInput, InvalidPayload: keys of another spec, payloads of another size or dtype.
+        """
+        keys = check_keys(self.spec, keys)
+        rows = as_block_bytes(self.spec, payloads, len(keys))
+        codes = np.full(len(keys), PutResult.EXISTS, dtype=np.int8)
+        todo = self._new_blocks(keys, 0)
+        if not len(todo):
+            return codes
+        if owned and len(todo) == len(keys):
+            mine = rows
+        else:  # a copy of our own: the caller may reuse its rows once this returns
+            mine = self._payload_rows(len(todo))
+            mine.reshape(len(todo), -1).view(np.uint8)[:] = rows[todo]
+        codes[todo] = self._put_new(keys.take(todo), mine)
+        return codes
+
+    def locate(self, keys: ChunkKeys) -> np.ndarray:
+        """Where each block is: the code of the first level holding it (see ``PrefixHit.where``), or
+        -1. Unlike ``lookup`` the blocks need not be a prefix run: every level is asked for the
+        blocks the levels above miss. Counted like a lookup of ``len(keys)`` chunks.
+        """
+        started = time.perf_counter()
+        keys = check_keys(self.spec, keys)
+        where = np.full(len(keys), -1, dtype=np.int8)
+        levels = self._open_levels()
+        for level in levels:
+            missing = np.flatnonzero(where < 0)
+            if not len(missing):
+                break
+            where[missing[level.contains(keys.take(missing))]] = level.code
+        C = self.spec.chunk_tokens
+        found = int(np.count_nonzero(where >= 0))
+        deltas = {lv.names.hit_tokens: int(np.count_nonzero(where == lv.code)) * C for lv in levels
+                  if lv.names.hit_tokens}
+        self._counting.add(lookups=1, prompt_tokens=len(keys) * C, hit_tokens=found * C,
+                           prefill_tokens=(len(keys) - found) * C, **deltas)
+        self._counting.observe("lookup", time.perf_counter() - started)
+        return where
+
+    def get_blocks(self, keys: ChunkKeys, out: np.ndarray) -> np.ndarray:
+        """Read blocks wherever they are into ``out`` (row ``i`` for key ``i``): each level, top first,
+        reads the blocks the levels above miss, in runs of adjacent keys. Blocks read from a lower
+        level are promoted like ``load``'s. Returns a bool per key: read (and verified).
+
+        Raises:
+            InvalidInput, InvalidPayload: keys of another spec; ``out`` too small, read-only or of
+                another dtype (see ``Tier.get_many``).
+        """
+        started = time.perf_counter()
+        keys = check_keys(self.spec, keys)
+        rows = out_rows(self.spec, out, len(keys))
+        got = np.zeros(len(keys), dtype=bool)
+        levels = self._open_levels()
+        promote: list[tuple[Level, np.ndarray]] = []
+        for level in levels:
+            missing = np.flatnonzero(~got)
+            if not len(missing):
+                break
+            present = missing[level.contains(keys.take(missing))]
+            read = []
+            edges = np.flatnonzero(np.diff(present) != 1) + 1
+            for run in np.split(present, edges) if len(present) else []:
+                a, b = int(run[0]), int(run[-1]) + 1
+                n = level.read(keys[a:b], rows[a:b], None)
+                got[a:a + n] = True
+                read.append(run[:n])
+            if read and level is not levels[0]:
+                promote.append((level, np.concatenate(read)))
+        for level, idx in promote:
+            if len(idx):
+                self._promote(levels, level, keys.take(idx), rows[idx])
+        n = int(np.count_nonzero(got))
+        self._counting.add(loaded_tokens=n * self.spec.chunk_tokens, lost_blocks=len(keys) - n)
+        self._counting.observe("load", time.perf_counter() - started)
+        return got
 
     def _payload_rows(self, n: int) -> np.ndarray:
         """``n`` rows of block payloads for ``store`` to copy into.

@@ -219,7 +219,7 @@ class Level:
         """How many leading ``keys`` the level holds (a failing lower level: none)."""
         return self.call(lambda: self.tier.match(keys), default=0)
 
-    def read(self, keys: ChunkKeys, rows: np.ndarray, sink: Callable[[int, np.ndarray], None]) -> int:
+    def read(self, keys: ChunkKeys, rows: np.ndarray, sink: Callable[[int, np.ndarray], None] | None) -> int:
         """Read leading blocks into ``rows`` (``sink`` moves each group on as it is read); count the
         bytes and the blocks the tier found damaged."""
         corrupt_before = self.tier.corrupt_seen

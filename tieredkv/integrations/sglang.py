@@ -42,6 +42,7 @@ from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.extra import cache_kwargs
 from tieredkv.keys import ChunkKeys, opaque_keys
 from tieredkv.spec import KVSpec
+from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
 
@@ -232,11 +233,14 @@ class TieredKVStorage(HiCacheStorage):
     def _write(self, keys: list[str], rows: np.ndarray) -> list[bool]:
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)  # MLA: one writer per shard; the others' pages are the same bytes
+        cache = self._tiers()
         try:
-            ok = self._tiers().put_blocks(self._keys(keys), rows)
+            codes = cache.put_blocks(self._keys(keys), rows, owned=True)
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: write failed (not cached): %s", e)
             return [False] * len(keys)
+        # A page the top level had no room for went to the level below it, if there is one.
+        ok = (codes != PutResult.NO_SPACE) | (len(cache.levels) > 1)
         with self._lock:
             self._since["backup_pgs"] += int(ok.sum())
         return ok.tolist()

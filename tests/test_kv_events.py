@@ -41,6 +41,8 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from tieredkv import TieredCache, chunk_keys
 from tieredkv import journal as jr
+from tieredkv.cache import HOT, WARM
+from tieredkv.integrations import kv_events
 
 CHUNK = 64
 
@@ -176,8 +178,10 @@ def test_the_schedulers_publisher_announces_stores_evictions_and_another_engines
         keys = chunk_keys(worker.spec, tokens[:192])
         assert not worker.cache.hot.contains_many(keys.take(np.array(lost))).any()
         assert sub.seqs == sorted(sub.seqs)
-        # The connector's reset is announced host-wide: AllBlocksCleared.
-        assert [type(e) for e in scheduler.connector._events.reset()] == [AllBlocksCleared]
+        # reset_cache gives the engine a new key generation (every later salt carries it): nothing
+        # announced so far can serve this engine any more.
+        scheduler.connector._generation = os.urandom(16)  # what the connector's reset_cache sets
+        assert [type(e) for e in scheduler.connector.take_events()] == [AllBlocksCleared]
     finally:
         sub.close()
         worker.shutdown()
@@ -231,16 +235,45 @@ def test_the_exporter_publishes_a_hosts_journal(events_cfg, seg_name):
         assert removed and {e.medium for e in removed} == {"CPU"}
         assert all(e.block_hashes in [chunk_hashes(req, i) for i in range(3)] for e in removed)
         assert not [e for e in got if isinstance(e, BlockStored)]
-        scheduler.connector._events.reset()
-        got = sub.events(lambda ev: any(isinstance(e, AllBlocksCleared) for e in ev))
-        assert any(isinstance(e, AllBlocksCleared) for e in got)
-        worker.shutdown()
+        # The segment removed (a reboot, `tieredkv rm`) and created again: the hot tier is empty, its
+        # journal restarts with CLEARED, and the host's routers hear AllBlocksCleared.
         scheduler.connector.shutdown()
         scheduler.shutdown()
+        worker.cache.unlink_hot()
+        worker.shutdown()
+        with TieredCache(worker.spec, hot_name=seg_name, hot_blocks=4, journal=True):
+            got = sub.events(lambda ev: any(isinstance(e, AllBlocksCleared) for e in ev))
+        assert any(isinstance(e, AllBlocksCleared) for e in got)
     finally:
         sub.close()
         exporter.terminate()
         assert exporter.wait(timeout=30) == 0
+
+
+def test_an_announcer_announces_once_per_tier_and_follows_the_key_generation():
+    stored_note = kv_events.chunk_notes(request("n", np.arange(64)), 1, CHUNK, BLOCK)[0]
+    key, other = b"k" * 16, b"o" * 16
+
+    def j(op, tier, keys, notes=()):  # a journal record as a reader gets it
+        return jr.Record(op, tier, np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16), tuple(notes), 1, 0.0)
+
+    ann = kv_events.Announcer(generation=b"")
+    # A store before its description waits for it; then one announcement per tier, once.
+    assert ann.feed([j(jr.STORED, HOT, [key])]) == []
+    assert [a[:2] for a in ann.feed([j(jr.NOTED, HOT, [key], [stored_note])])] == [("stored", HOT)]
+    assert ann.feed([j(jr.STORED, HOT, [key])]) == []
+    assert [a[:2] for a in ann.feed([j(jr.STORED, WARM, [key]), j(jr.EVICTED, HOT, [key]),
+                                     j(jr.EVICTED, HOT, [other])])] == [("stored", WARM), ("removed", HOT)]
+    events = kv_events.to_kv_events(ann.feed([j(jr.EVICTED, WARM, [key])]))
+    assert [(type(e), e.medium) for e in events] == [(BlockRemoved, "STORAGE")]
+    # After a reset_cache (new generation): AllBlocksCleared once, and old-generation notes are ignored.
+    ann.feed([j(jr.STORED, HOT, [key])])
+    assert [a[0] for a in ann.regenerate(b"g" * 16)] == ["cleared"]
+    assert ann.feed([j(jr.NOTED, HOT, [other], [stored_note]), j(jr.STORED, HOT, [other])]) == []
+    mine = kv_events.chunk_notes(request("m", np.arange(64)), 1, CHUNK, BLOCK, generation=b"g" * 16)[0]
+    assert [a[:2] for a in ann.feed([j(jr.NOTED, HOT, [other], [mine])])] == [("stored", HOT)]
+    # The exporter reads every generation.
+    assert kv_events.Announcer().feed([j(jr.NOTED, HOT, [key], [mine]), j(jr.STORED, HOT, [key])])
 
 
 def test_the_secondary_tier_yields_offloading_events_vllms_tracker_accepts(seg_name, tmp_path):

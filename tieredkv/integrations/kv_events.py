@@ -74,9 +74,11 @@ _DECODER = msgspec.msgpack.Decoder(BlockStored)
 
 
 # ---- notes: what a journal reader needs to describe a block ---------------------------------------------
-def chunk_notes(request: Any, n_chunks: int, chunk_tokens: int, block_size: int) -> list[bytes]:
+def chunk_notes(request: Any, n_chunks: int, chunk_tokens: int, block_size: int,
+                generation: bytes = b"") -> list[bytes]:
     """One note per full chunk of ``request``'s prompt: the chunk's vLLM block hashes, its parent hash,
-    tokens, LoRA and per-block extra keys (the fields vLLM's own ``BlockStored`` carries)."""
+    tokens, LoRA and per-block extra keys (the fields vLLM's own ``BlockStored`` carries), tagged with
+    the engine's key generation (empty until a ``reset_cache``)."""
     hashes = list(getattr(request, "block_hashes", None) or [])
     per = chunk_tokens // block_size
     n_chunks = min(n_chunks, len(hashes) // per)
@@ -95,7 +97,7 @@ def chunk_notes(request: Any, n_chunks: int, chunk_tokens: int, block_size: int)
             token_ids=tokens[i * chunk_tokens:(i + 1) * chunk_tokens], block_size=block_size,
             lora_id=lora.adapter_id if lora is not None else None, medium=None,
             lora_name=lora.name if lora is not None else None, extra_keys=to_event_extra_keys(extra), group_idx=0)
-        notes.append(_STORED_NOTE + _ENCODER.encode(event))
+        notes.append(_STORED_NOTE + bytes([len(generation)]) + generation + _ENCODER.encode(event))
     return notes
 
 
@@ -104,10 +106,15 @@ def offload_note(key: bytes) -> bytes:
     return _OFFLOAD_NOTE + bytes(key)
 
 
+def note_generation(note: bytes) -> bytes | None:
+    """The key generation a connector's note was written under (None: not a connector's note)."""
+    return note[2:2 + note[1]] if note[:1] == _STORED_NOTE and len(note) > 1 else None
+
+
 def _stored(note: bytes) -> BlockStored | None:
     kind, body = note[:1], note[1:]
     if kind == _STORED_NOTE:
-        return _DECODER.decode(body)
+        return _DECODER.decode(body[1 + body[0]:])
     if kind == _OFFLOAD_NOTE:  # what vLLM's offloading connector announces for a key it cannot describe
         key = OffloadKey(body)
         return BlockStored(block_hashes=[maybe_convert_block_hash(BlockHash(get_offload_block_hash(key)))],
@@ -130,8 +137,10 @@ class Announcer:
     oldest are forgotten first).
     """
 
-    def __init__(self, max_blocks: int = 1 << 20):
+    def __init__(self, max_blocks: int = 1 << 20, generation: bytes | None = None):
         self.max_blocks = max_blocks
+        #: Only connector notes of this key generation are used (None: every note, as the exporter does).
+        self.generation = generation
         self._notes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._announced: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> tier bits
         self._waiting: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -163,6 +172,9 @@ class Announcer:
                 continue
             for i, key in enumerate(rec.key_bytes()):
                 if rec.op == jr.NOTED:
+                    gen = note_generation(rec.notes[i])
+                    if self.generation is not None and gen is not None and gen != self.generation:
+                        continue  # keys of another generation: this reader's requests never match them
                     self._bounded(self._notes, key, rec.notes[i], self.max_blocks)
                     bits = self._waiting.pop(key, 0)
                     for tier in (HOT, WARM, REMOTE):
@@ -195,6 +207,13 @@ class Announcer:
         self._announced.clear()
         self._waiting.clear()
         return [("cleared", -1, b"")] if had else []
+
+    def regenerate(self, generation: bytes) -> list[Announcement]:
+        """The reader's keys changed (a ``reset_cache``): nothing announced or described so far can
+        serve it any more."""
+        self.generation = generation
+        self._notes.clear()
+        return self.cleared()
 
 
 def to_kv_events(announcements: Iterable[Announcement]) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
@@ -231,14 +250,14 @@ def to_offloading_events(announcements: Iterable[Announcement]) -> list[Offloadi
 class _JournalEvents:
     """A journal reader and an announcer over a cache with an attached journal."""
 
-    def __init__(self, cache: TieredCache):
+    def __init__(self, cache: TieredCache, generation: bytes | None = None):
         journal = cache.journal
         if journal is None:
             raise ValueError("the cache has no journal (open it with journal=True)")
         self.cache = cache
         self.journal = journal
         self.reader = jr.JournalReader(journal.path)
-        self.announcer = Announcer()
+        self.announcer = Announcer(generation=generation)
         self._local: list[Announcement] = []
         self._lock = threading.Lock()
 
@@ -255,14 +274,15 @@ class ConnectorEvents(_JournalEvents):
     """``TieredKVConnector``'s events (scheduler side): the host journal plus this engine's lookup hits."""
 
     def __init__(self, cache: TieredCache, block_size: int):
-        super().__init__(cache)
+        super().__init__(cache, generation=b"")
         self.block_size = block_size
 
     def note_request(self, request: Any, keys: Any, where: Sequence[int] = ()) -> None:
         """Describe the full chunks of ``request`` (their ``keys``) in the journal, so whichever process
         stores them, every reader can announce them with vLLM's hashes; announce the ``where[i]`` tier
         of the leading chunks this engine found in the tiers."""
-        notes = chunk_notes(request, len(keys), self.cache.spec.chunk_tokens, self.block_size)
+        notes = chunk_notes(request, len(keys), self.cache.spec.chunk_tokens, self.block_size,
+                            self.announcer.generation or b"")
         if not notes:
             return
         keys = keys[:len(notes)]
@@ -281,14 +301,13 @@ class ConnectorEvents(_JournalEvents):
         """vLLM KV events since the last call."""
         return to_kv_events(self._take())
 
-    def reset(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-        """The tiers were cleared for this engine: record it host-wide and announce ``AllBlocksCleared``."""
-        try:
-            for tier in (HOT, WARM):
-                self.journal.append(jr.CLEARED, tier)
-        except OSError as e:
-            logger.warning("tieredkv: the host journal failed (%s)", e)
-        return to_kv_events(self._take())
+    def sync_generation(self, generation: bytes) -> None:
+        """Follow the connector's key generation: after its ``reset_cache`` no block stored before can
+        serve it, so ``AllBlocksCleared`` is announced (for this engine only: the blocks still serve the
+        host's other engines, whose readers are unaffected) and only notes of the new generation count."""
+        if generation != self.announcer.generation:
+            with self._lock:
+                self._local.extend(self.announcer.regenerate(generation))
 
 
 class TierEvents(_JournalEvents):

@@ -300,6 +300,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         events = self._events
         if events is None:
             return
+        events.sync_generation(getattr(self, "_generation", b""))
         tokens = as_tokens(request.prompt_token_ids or [])
         C = self.spec.chunk_tokens
         keys = chunk_keys(self.spec, tokens[: len(tokens) // C * C], _salt(request))
@@ -309,7 +310,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         """KV events for routers since the last call (vLLM's scheduler publishes them with its own):
         ``BlockStored`` for chunks stored into or found in tieredkv's tiers by any engine of the host,
         ``BlockRemoved`` when a tier evicts one announced here (``tieredkv.integrations.kv_events``)."""
-        return self._events.take() if self._events is not None else []
+        events = self._events
+        if events is None:
+            return []
+        # A reset_cache gives this engine new keys (a generation in every salt): follow it.
+        events.sync_generation(getattr(self, "_generation", b""))
+        return events.take()
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         """This step's loads, and saves for prompts whose last full chunk this step computes."""

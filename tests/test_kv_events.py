@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from tieredkv import TieredCache, chunk_keys
 from tieredkv import journal as jr
-from tieredkv.cache import HOT, WARM
+from tieredkv.cache import HOT, REMOTE, WARM
 from tieredkv.integrations import kv_events
 
 CHUNK = 64
@@ -272,6 +272,9 @@ def test_an_announcer_announces_once_per_tier_and_follows_the_key_generation():
     assert ann.feed([j(jr.NOTED, HOT, [other], [stored_note]), j(jr.STORED, HOT, [other])]) == []
     mine = kv_events.chunk_notes(request("m", np.arange(64)), 1, CHUNK, BLOCK, generation=b"g" * 16)[0]
     assert [a[:2] for a in ann.feed([j(jr.NOTED, HOT, [other], [mine])])] == [("stored", HOT)]
+    # The remote tier is STORAGE, REMOTE to the publisher.
+    (remote,) = kv_events.to_kv_events([("stored", REMOTE, mine)])
+    assert (remote.medium, remote.locality, remote.ownership) == ("STORAGE", "REMOTE", "tieredkv-remote")
     # The exporter reads every generation.
     assert kv_events.Announcer().feed([j(jr.NOTED, HOT, [key], [mine]), j(jr.STORED, HOT, [key])])
 

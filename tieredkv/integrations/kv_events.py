@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
@@ -193,6 +194,10 @@ class Announcer:
                         out.append(("removed", rec.tier, self._notes.get(key, b"")))
         return out
 
+    def knows(self, key: bytes) -> bool:
+        """Whether a description of ``key`` (of this announcer's generation) has been read."""
+        return key in self._notes
+
     def found(self, keys: Sequence[bytes], tiers: Sequence[int], notes: Sequence[bytes]) -> list[Announcement]:
         """Announcements for blocks a reader found in its tiers itself (a lookup hit)."""
         out: list[Announcement] = []
@@ -287,8 +292,12 @@ class ConnectorEvents(_JournalEvents):
             return
         keys = keys[:len(notes)]
         key_bytes = [bytes(k) for k in keys]
+        # Chunks some engine described already (a shared prefix) are not written again.
+        fresh = [i for i, k in enumerate(key_bytes) if not self.announcer.knows(k)]
         try:
-            self.journal.append(jr.NOTED, HOT, keys, notes)
+            if fresh:
+                self.journal.append(jr.NOTED, HOT, keys if len(fresh) == len(keys) else keys.take(np.asarray(fresh)),
+                                    [notes[i] for i in fresh])
         except OSError as e:
             logger.warning("tieredkv: the host journal failed (%s); blocks are not announced", e)
         n = min(len(where), len(notes))

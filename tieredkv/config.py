@@ -49,6 +49,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "remote_queue_blocks": ("remote", "queue_blocks"), "remote_queue_bytes": ("remote", "queue_bytes"),
     "remote_flush_s": ("remote", "flush_s"),
     "eviction": ("cache", "eviction"), "lock_timeout_s": ("cache", "lock_timeout_s"),
+    "journal": ("cache", "journal"),
 }
 _SECTION_CLASS = {"hot": "HotConfig", "warm": "WarmConfig", "remote": "RemoteConfig", "cache": "CacheConfig",
                   "level": "LevelConfig"}
@@ -263,8 +264,13 @@ class CacheConfig:
     eviction: str = "lru"
     #: Longest wait for a lock held by another live process before ``LockTimeout``.
     lock_timeout_s: float = 10.0
+    #: Record the tier changes this handle makes (stored, evicted) in the host journal next to the hot
+    #: segment (``tieredkv.journal``): what KV-aware routers are told (docs/vllm.md).
+    journal: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.journal, bool):
+            raise InvalidInput(f"{_name('cache', 'journal')} must be True or False, got {self.journal!r}")
         for section, cls in (("hot", HotConfig), ("warm", WarmConfig), ("remote", RemoteConfig)):
             value = getattr(self, section)
             if not isinstance(value, cls) and not (value is None and section != "hot"):

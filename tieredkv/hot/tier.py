@@ -161,6 +161,8 @@ class HotTier(Tier):
             numa.check_node(numa_node)
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
+        #: whether ``on_evict`` gets the evicted bytes (a copy); False: keys and hits only
+        self.evict_payloads = True
         self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
         if capacity_bytes is not None:
             capacity_bytes = require_positive_int("capacity_bytes", capacity_bytes, "64 << 20")
@@ -908,7 +910,7 @@ class HotTier(Tier):
             try:
                 if len(victims) and old is not None:
                     # The victims are WRITING by us: nobody else touches their bytes until we publish.
-                    payload = self._data[victims].copy() if self.on_evict is not None else None
+                    payload = self._data[victims].copy() if self.on_evict is not None and self.evict_payloads else None
                     evicted = Evicted(old.keys, payload, old.hits)
                 self._tokens[use] = keys.tokens[stored]
                 self._write_rows(use, src, stored)

@@ -172,6 +172,8 @@ class WarmTier(Tier):
         self.path = self.root / spec.namespace
         self.readonly = bool(readonly)
         self.on_evict = on_evict
+        #: whether ``on_evict`` gets the evicted bytes (read and verified); False: keys and hits only
+        self.evict_payloads = True
         self._closed = True
         self._lock = threading.RLock()
         self._rng = default_rng()
@@ -607,8 +609,11 @@ class WarmTier(Tier):
             try:
                 if len(victims) and self.on_evict is not None:
                     # The victims' slots are claimed by this call and not rewritten yet: read them now.
-                    gone = np.empty((len(victims), self.block_bytes), dtype=np.uint8)
-                    self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
+                    if self.evict_payloads:
+                        gone = np.empty((len(victims), self.block_bytes), dtype=np.uint8)
+                        self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
+                    else:
+                        self.on_evict(self._evicted(victims, None, np.ones(len(victims), dtype=bool)))
                 sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in idx.tolist()]
                 touched = self._slabs.write(slot_arr, rows, idx)
                 if self.sync != "none":

@@ -1069,11 +1069,6 @@ class HotTier(Tier):
         """Blocks this handle saw change under a pinned read (a broken invariant; never returned)."""
         return int(self._stats[_STAT["torn_reads"]]) if self._stats is not None else 0
 
-    def host_counters(self) -> dict:
-        """TieredCache counters and latency histograms summed over every handle: per host."""
-        self._check()
-        return counters.totals(self._owners)
-
     def live_handles(self) -> int:
         """Open handles (processes, or several handles in one process) attached right now."""
         return sum(1 for i in np.flatnonzero(self._owners["token"])

@@ -15,7 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Layer of each module (by its dotted-name prefix; the longest prefix wins). Higher imports lower only.
 LAYERS = {
-    "tieredkv.errors": 0, "tieredkv.spec": 1, "tieredkv.hashtable": 0, "tieredkv.policies": 1,
+    "tieredkv.errors": 0, "tieredkv.model_identity": 0, "tieredkv.spec": 1, "tieredkv.hashtable": 0,
+    "tieredkv.policies": 1,
     "tieredkv.keys": 2, "tieredkv.layout": 2, "tieredkv.counters": 2, "tieredkv.numa": 2,
     "tieredkv.tier": 3,
     "tieredkv.background": 4, "tieredkv.cuda": 4, "tieredkv.tensors": 4, "tieredkv.memory": 4,
@@ -25,7 +26,7 @@ LAYERS = {
     "tieredkv.integrations": 8, "tieredkv.estimate": 8, "tieredkv.metrics": 8, "tieredkv.sim": 8,
     "tieredkv.demo": 9, "tieredkv.cli": 10, "tieredkv.__main__": 11,
     # modules of branches not merged yet, placed where their imports put them
-    "tieredkv.forksafe": 0, "tieredkv.journal": 2, "tieredkv.model_identity": 2, "tieredkv.blocks": 8,
+    "tieredkv.forksafe": 0, "tieredkv.journal": 2, "tieredkv.blocks": 8,
 }
 #: Never imported by the core (only tieredkv.integrations may).
 SERVING_ENGINES = ("vllm", "sglang")

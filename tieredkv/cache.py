@@ -22,7 +22,9 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import errno
 import functools
+import os
 import threading
 import time
 import warnings
@@ -50,6 +52,27 @@ _SPARE_BUFFERS = 2
 _POSITIONAL = ("hot_bytes", "warm_dir", "warm_bytes", "eviction", "promotion", "demotion")
 #: Per-process memory of hits below the top level (for ``on_nth_hit`` promotion), in keys.
 _HIT_MEMORY = 65536
+
+
+def _open_failure_hint(name: str, warm_dir: str | os.PathLike | None, error: BaseException) -> str:
+    """What to do about a tier that could not open. For the warm tier, a permission problem (a directory
+    another user made, e.g. a Kubernetes hostPath created root-owned) is fixed by its owner, not by a
+    repair."""
+    if name != "warm" or warm_dir is None:
+        return "`tieredkv verify --repair` checks and rebuilds a warm tier"
+    cause = error if isinstance(error, OSError) else error.__cause__
+    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM):
+        try:
+            st = os.stat(warm_dir)
+            owner = f"owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}"
+        except OSError as exc:
+            owner = f"not readable: {exc.strerror}"
+        return (f"this process runs as uid {os.geteuid()} and may not write to {warm_dir} ({owner}): give the "
+                f"directory to the workers' user, mode 0700 (chown; systemd: CacheDirectory=; a Kubernetes hostPath: "
+                f"an init container that chowns it, see docs/deploy.md)")
+    if isinstance(cause, OSError) and cause.errno == errno.EROFS:
+        return f"{warm_dir} is on a read-only filesystem: mount it read-write"
+    return "`tieredkv verify --repair` checks and rebuilds it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +191,8 @@ class TieredCache:
             # with it the hot tier every worker shares) from starting: serve without it and say so.
             left = "+".join(level.name for level in levels)
             warnings.warn(f"tieredkv: the {name} tier cannot open ({error}); running {left}-only until restart "
-                          f"(`tieredkv verify --repair` checks and rebuilds a warm tier)", RuntimeWarning,
-                          stacklevel=2)
+                          f"({_open_failure_hint(name, self.config.warm.dir if self.config.warm else None, error)})",
+                          RuntimeWarning, stacklevel=2)
             self._counting.add(**{f"{name}_errors": 1})
         if any(level.writer is not None for level in levels):
             # A process that exits normally without close() still gets its queues written.

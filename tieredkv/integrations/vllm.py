@@ -52,6 +52,7 @@ from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.paged import KV_SPLIT, PagedKV, paged_view
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
 from tieredkv.keys import ChunkKeys
+from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec, normalize_dtype, parse_bytes
 from tieredkv.tier import PutResult
 
@@ -148,8 +149,8 @@ def spec_from_vllm(vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int 
                            "a part of the layers); use tensor parallelism")
     model = vllm_config.model_config
     if model_id is None:
-        model_id = str(model.model)
-        if getattr(model, "revision", None):
+        model_id = canonical_model_id(str(model.model))  # a local directory: its files, not its spelling
+        if getattr(model, "revision", None) and model_id == str(model.model):
             model_id += f"@{model.revision}"
     try:
         dtype = normalize_dtype(attn.dtype)
@@ -262,9 +263,10 @@ class TieredKVConnector(KVConnectorBase_V1):
     """Serve vLLM prompts' prefixes from tieredkv's host tiers and store what vLLM computes.
 
     Configured by ``kv_connector_extra_config``: ``chunk_tokens`` (a multiple of the engine's block
-    size; default the smallest multiple >= 64), ``model_id`` (default: the model path vLLM was given,
-    which is what ``KVSpec.from_hf_config`` uses), and any ``TieredCache`` argument (``hot_bytes``,
-    ``warm_dir``, ``warm_bytes``, ``eviction``, ``hot_name``, ...). Loads are synchronous
+    size; default the smallest multiple >= 64), ``model_id`` (default: the model vLLM was given; a
+    local directory is named by its files, ``local_model_id``, as ``KVSpec.from_hf_config`` does),
+    and any ``TieredCache`` argument (``hot_bytes``, ``warm_dir``, ``warm_bytes``, ``eviction``,
+    ``hot_name``, ...). Loads are synchronous
     (``start_load_kv`` finishes before the forward); saves happen in ``wait_for_save`` after it.
 
     A lookup, load or save failure never fails a request: a lookup failure is a miss; blocks a load
@@ -638,7 +640,7 @@ class TieredKVTier(SecondaryTierManager):
             raise InvalidInput(f"the primary tier's rows must be {chunk_bytes} contiguous bytes (an even count), "
                                f"got shape {rows.shape} strides {primary_kv_view.strides}")
         cfg = getattr(offloading_spec, "config", None)
-        model = config.get("model_id") or (cfg.model.name if cfg is not None else "vllm-model")
+        model = config.get("model_id") or (canonical_model_id(cfg.model.name) if cfg is not None else "vllm-model")
         dtype = cfg.model.dtype if cfg is not None else "?"
         world = cfg.parallel.world_size if cfg is not None else 1
         # One opaque block per chunk: 1 layer x (K,V) x 1 head x 1 token x chunk_bytes/2 int8 values.

@@ -1,7 +1,8 @@
 """Imports go down only (docs/architecture.md, "Layers"): read from the source, lazy imports included.
 
 integrations / cli / demo / metrics -> cache -> levels, config -> tiers, tensors, background, cuda
--> tier, counters -> keys, layout, spec, errors, hashtable; policies sees only itself and the hash table.
+-> tier, counters -> keys, layout, spec, errors, hashtable; policies sees only itself, the hash table and
+the errors.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ LAYERS = {
     "tieredkv.cache": 7,
     "tieredkv.integrations": 8, "tieredkv.blocks": 8, "tieredkv.estimate": 8, "tieredkv.metrics": 8, "tieredkv.sim": 8,
     "tieredkv.demo": 9, "tieredkv.cli": 10, "tieredkv.__main__": 11,
+    # modules of branches not merged yet, placed where their imports put them
+    "tieredkv.forksafe": 0, "tieredkv.journal": 2, "tieredkv.blocks": 8,
 }
 #: Never imported by the core (only tieredkv.integrations may).
 SERVING_ENGINES = ("vllm", "sglang")
@@ -83,11 +86,11 @@ def test_imports_go_down_only(name):
         assert engines == [], f"{name} imports a serving engine: {engines}"
 
 
-def test_policies_see_only_themselves_and_the_hash_table():
+def test_policies_see_only_themselves_the_hash_table_and_the_errors():
     for name, deps in GRAPH.items():
         if name.startswith("tieredkv.policies"):
             outside = {d for d in deps if d.startswith("tieredkv") and not d.startswith("tieredkv.policies")}
-            assert outside <= {"tieredkv.hashtable"}, f"{name}: {outside}"
+            assert outside <= {"tieredkv.hashtable", "tieredkv.errors"}, f"{name}: {outside}"
 
 
 def test_no_cycles_between_modules():

@@ -19,12 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import TieredKVError, UsageError
 from tieredkv.spec import KVSpec
 
-
-class UsageError(TieredKVError):
-    """A command was given arguments that cannot work together (exit status 2)."""
 
 def human(n: float) -> str:
     """Bytes as a short binary-unit string: 1,835,008 -> '1.75 MiB'."""
@@ -169,14 +166,14 @@ _LS_LEGEND = ("  hits / misses: blocks the hot tier delivered / could not delive
 
 def _remote_namespaces(url: str) -> dict:
     """The store's namespaces and numbers; a store that cannot list names still shows its numbers."""
-    from tieredkv.errors import InvalidInput
+    from tieredkv.errors import InvalidInput, Unsupported
     from tieredkv.remote import admin
 
     try:
         return admin.namespaces(url)
-    except InvalidInput as e:  # cannot enumerate (Mooncake), or a bad URL
-        if "cannot list" not in str(e):
-            raise UsageError(str(e)) from None
+    except InvalidInput as e:  # a bad URL
+        raise UsageError(str(e)) from None
+    except Unsupported as e:  # the store cannot enumerate its names (Mooncake)
         store = admin.connect(url)
         try:
             return {"url": store.url, "server": store.info(), "namespaces": None, "note": str(e)}
@@ -488,12 +485,12 @@ def _nothing_to_verify(args: argparse.Namespace, why: str) -> int:
 
 
 def _verify_remote(args: argparse.Namespace) -> int:
-    from tieredkv.errors import InvalidInput
+    from tieredkv.errors import InvalidInput, Unsupported
     from tieredkv.remote import admin
 
     try:
         report = admin.verify(args.remote, repair=args.repair)
-    except InvalidInput as e:
+    except (InvalidInput, Unsupported) as e:  # a bad URL; a store that cannot list what to verify
         raise UsageError(str(e)) from None
 
     def text() -> str:

@@ -98,8 +98,8 @@ def _rule(section: str, field: str, value: Any, registry: Any) -> str:
     name = _name(section, field)
     try:
         registry.make(value)
-    except (KeyError, ValueError, TypeError) as e:
-        raise InvalidInput(f"{name}: {e.args[0] if e.args else e}") from None
+    except InvalidInput as e:  # the rule's own message (an unknown name lists the valid ones)
+        raise InvalidInput(f"{name}: {e}") from None
     return value
 
 
@@ -289,8 +289,8 @@ class CacheConfig:
         name = _name("cache", "eviction")
         try:
             policies.make(self.eviction)
-        except (KeyError, ValueError, TypeError) as e:
-            raise InvalidInput(f"{name}: {e.args[0] if e.args else e}") from None
+        except InvalidInput as e:
+            raise InvalidInput(f"{name}: {e}") from None
         _set(self, "lock_timeout_s", _seconds("cache", "lock_timeout_s", self.lock_timeout_s, zero_ok=False))
 
     @classmethod

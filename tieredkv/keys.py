@@ -68,6 +68,11 @@ def _check_salt(salt: object) -> bytes:
     return bytes(salt)
 
 
+def key_at(raw: bytes, i: int) -> bytes:
+    """The ``i``-th 16-byte key of ``raw``, keys laid end to end (``ChunkKeys.keys.tobytes()``)."""
+    return raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+
+
 def root_key(spec: KVSpec, salt: bytes = b"") -> bytes:
     """``k_0``: the parent of a prompt's first chunk, one per (namespace, salt)."""
     return xxhash.xxh3_128_digest(spec.namespace_bytes() + _check_salt(salt))

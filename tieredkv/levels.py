@@ -259,16 +259,23 @@ class Level:
             self.put(keys, payloads, why=why)
             return
         step = writer.max_blocks
+        whole = len(keys) <= step
         for i in range(0, len(keys), step):
             k, p = keys[i:i + step], payloads[i:i + step]
-            if lease is not None:
-                lease.hold()
-            if writer.submit(_Job(self, k, p, lease, why), blocks=len(k)):
+            held = lease if whole else None
+            if not whole and p.base is not None:
+                # A job keeps what it refers to: a view (or the lease) would keep the whole store's
+                # buffer alive while the queue counts only the job's rows, and the queue bound must
+                # bound the memory really kept.
+                p = p.copy()
+            if held is not None:
+                held.hold()
+            if writer.submit(_Job(self, k, p, held, why), blocks=len(k)):
                 self.count(queued=len(k))
             else:  # backpressure: the tier is behind; never an unbounded queue
                 self.count(dropped=len(k))
-                if lease is not None:
-                    lease.release()
+                if held is not None:
+                    held.release()
 
     def admit_evicted(self, evicted: Evicted) -> None:
         """The ``on_evict`` hook of the level above: take the blocks this level's rule admits."""

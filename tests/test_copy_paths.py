@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import kv_for, payload_for, same_bytes
 
+from helpers import kv_for, payload_for, same_bytes
 from tieredkv import HotTier, KVSpec, PutResult, chunk_keys
 from tieredkv.layout import blocks_to_model, model_to_blocks, run_rows, slot_runs
 
@@ -121,7 +121,8 @@ def test_reads_coalesce_runs_in_both_directions(tiny_spec, seg_name, order):
 
 def test_misaligned_destination_rows(seg_name):
     # Rows whose stride is not a multiple of 64 and a base 16 bytes off: the per-run skew path.
-    spec = KVSpec(model_id="test/odd", num_layers=1, num_kv_heads=1, head_dim=9, dtype="float32", chunk_tokens=4)  # 288-byte rows
+    spec = KVSpec(model_id="test/odd", num_layers=1, num_kv_heads=1, head_dim=9, dtype="float32",
+                  chunk_tokens=4)  # 288-byte rows
     with HotTier(spec, n_slots=32, name=seg_name) as tier:
         keys = prompt(spec, 5, 9)
         data = payload_for(spec, keys)
@@ -133,3 +134,30 @@ def test_misaligned_destination_rows(seg_name):
         out = out_raw[16:16 + data.nbytes].reshape(9, spec.block_bytes)
         assert tier.get_many(keys, out) == 9
         assert same_bytes(out, data)
+
+
+@pytest.mark.parametrize("choice", ["ufunc", "memcpy", "probe"])
+def test_skewed_copy_strategy_is_chosen_per_cpu_and_copies_the_same_bytes(monkeypatch, choice):
+    """A misaligned copy takes the ufunc pass or memcpy as a probe of this CPU (or the override) says;
+    either way the bytes arrive."""
+    from tieredkv import layout
+
+    monkeypatch.setattr(layout, "_SKEWED_UFUNC", None)
+    if choice == "probe":
+        monkeypatch.delenv("TIEREDKV_SKEWED_COPY", raising=False)
+    else:
+        monkeypatch.setenv("TIEREDKV_SKEWED_COPY", choice)
+    decided = layout.skewed_copy_uses_ufunc()
+    assert isinstance(decided, bool) and layout._SKEWED_UFUNC is decided
+    if choice != "probe":
+        assert decided == (choice == "ufunc")
+    calls = []
+    real_or = np.bitwise_or
+    monkeypatch.setattr(layout.np, "bitwise_or", lambda *a, **k: calls.append(1) or real_or(*a, **k))
+    src = layout.page_aligned_empty((1 << 16) + 64)
+    src[:] = np.arange(len(src)) % 251
+    dst = layout.page_aligned_empty((1 << 16) + 64)
+    s, d = src[: 1 << 16].reshape(16, -1), dst[16:16 + (1 << 16)].reshape(16, -1)
+    assert layout.misaligned(d, s)
+    layout.copy_rows(d, s, True)
+    assert same_bytes(d, s) and bool(calls) == decided

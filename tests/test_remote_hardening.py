@@ -309,3 +309,45 @@ def test_cli_remote_survives_hostile_names_and_values(server):
     finally:
         client.delete(*hostile)
         client.close()
+
+
+# ---- 4: close() while the Mooncake writer is sending ---------------------------------------------------
+_CLOSE_WHILE_SENDING = """
+import sys, threading, time
+import numpy as np
+from tieredkv import KVSpec, chunk_keys
+from tieredkv.remote import RemoteTier
+
+spec = KVSpec(model_id="t/close", num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=16)
+tier = RemoteTier(spec, sys.argv[1] + "?deadline_ms=30000")
+tier.store.connect()
+payloads = np.ones((32, spec.block_bytes), np.uint8)  # 8 MiB per batch: the engine is busy sending
+started = threading.Event()
+
+def writer():
+    for i in range(1000):
+        started.set()
+        tier.put_many(chunk_keys(spec, np.arange(i * 10_000, i * 10_000 + 32 * 16)), payloads)
+
+threading.Thread(target=writer, daemon=True).start()
+started.wait()
+time.sleep(float(sys.argv[2]))
+tier.close()
+time.sleep(0.5)  # the writer goes on calling a closed tier: misses, no crash
+print("closed")
+"""
+
+
+@pytest.mark.procs
+def test_close_while_the_mooncake_writer_sends_does_not_crash():
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Mooncake Store client not importable: {e}")
+    with servers.MooncakeServer(segment_mb=256) as mc:
+        codes = []
+        for i in range(5):  # before the fix 7 of 8 such processes died of SIGSEGV
+            r = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_SENDING, mc.url, str(0.02 * i)],
+                               capture_output=True, text=True, timeout=120, env=os.environ)
+            codes.append(r.returncode)
+            assert r.returncode == 0 and "closed" in r.stdout, (codes, r.stderr[-2000:])

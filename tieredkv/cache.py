@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tieredkv import counters, policies
+from tieredkv import counters, forksafe, policies
 from tieredkv.background import BackgroundWriter
 from tieredkv.errors import (
     CapacityError,
@@ -198,6 +198,7 @@ class TieredCache:
         self._lock = threading.Lock()
         self._staging_lock = threading.Lock()
         self._warm_lock = threading.Lock()
+        forksafe.register(self)  # these locks, unlocked in a forked child (held by a writer at fork)
         self._staging: np.ndarray | None = None
         self._host_registry: Any = None   # tieredkv.cuda.HostRegistry, on the first load into CUDA
         self._device_stage: Any = None    # kept device staging buffer of those loads
@@ -502,22 +503,28 @@ class TieredCache:
             raise InvalidInput("this TieredCache does not write behind (demotion is not 'write_behind')")
         step = writer.max_blocks
         whole = buffer is not None and len(keys) <= step
+        # The job's closure must not refer to a buffer it does not hand back: it would keep it alive.
+        reuse = buffer if whole else None
 
         def job(k: ChunkKeys, p: np.ndarray) -> None:
             try:
                 self._write_warm(k, p)
             finally:
-                if whole and buffer is not None:
-                    self._give_back(buffer)
+                if reuse is not None:
+                    self._give_back(reuse)
 
         for i in range(0, len(keys), step):
             k, p = keys[i:i + step], payloads[i:i + step]
+            if not whole and p.base is not None:
+                # A job keeps what it refers to: a view would keep the whole store's buffer alive while
+                # the queue counts only its rows (warm_queue_bytes must bound memory really kept).
+                p = p.copy()
             if writer.submit(functools.partial(job, k, p), blocks=len(k)):
                 self._count(warm_queued_blocks=len(k))
             else:
                 self._count(warm_dropped_blocks=len(k))
-                if whole and buffer is not None:
-                    self._give_back(buffer)
+                if reuse is not None:
+                    self._give_back(reuse)
 
     def _write_behind_failed(self, error: BaseException) -> None:
         # _write_warm already turns tier errors into counted misses; anything else is a bug that must

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import posix_ipc
 
-from tieredkv import counters, numa, policies
+from tieredkv import counters, forksafe, numa, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
@@ -171,6 +171,7 @@ class HotTier(Tier):
                           create=create)
         self._tlock = threading.Lock()
         self._read_lock = threading.Lock()
+        forksafe.register(self)  # unlocked in a forked child (see tieredkv.forksafe)
         self._closed = True
         self._open(**self._args)
 

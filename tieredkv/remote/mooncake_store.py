@@ -19,6 +19,7 @@ import threading
 
 import numpy as np
 
+from tieredkv import forksafe
 from tieredkv.errors import InvalidInput, RemoteUnavailable
 from tieredkv.remote.store import OVERSIZED, Encoder, Sink, Store, int_option
 from tieredkv.tier import PutResult
@@ -73,6 +74,16 @@ class MooncakeStore(Store):
         self._pid = os.getpid()
         self._get_buf = np.empty(0, dtype=np.uint8)
         self._put_buf = np.empty(0, dtype=np.uint8)
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        # Locks are fresh (tieredkv.forksafe); the calls that were running were the parent's threads.
+        # The parent's client is of no use here (the engine's threads did not survive) and freeing it
+        # could touch what those threads held: keep it, unused; the next call sets up our own.
+        self._users = 0
+        if self._store is not None:
+            self._abandoned.append((self._store, self._get_buf, self._put_buf))
+        self._store, self._pid = None, os.getpid()
 
     # ---- connection -------------------------------------------------------------------------------
     def _client(self):

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from tieredkv import forksafe
 from tieredkv.errors import InvalidInput, RemoteUnavailable
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes
@@ -149,6 +150,7 @@ class RemoteTier(Tier):
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._in_flight = 0
+        forksafe.register(self)
         self._down_until = 0.0
         self._closed = False
         self._counts = {name: 0 for name in ("hits", "misses", "bytes_in", "bytes_out", "puts", "corrupt",
@@ -159,6 +161,10 @@ class RemoteTier(Tier):
         # probe, and against a master that is down it retries for about 90 s. Calls meanwhile wait
         # for it within their deadline (a miss if it is not done).
         self._start(self._connect)
+
+    def _after_fork_in_child(self) -> None:
+        # The lock is fresh (tieredkv.forksafe); the calls in flight were the parent's threads.
+        self._pid, self._in_flight = os.getpid(), 0
 
     def _connect(self) -> None:
         try:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tieredkv import forksafe
 from tieredkv.errors import InvalidInput, RemoteUnavailable
 from tieredkv.remote.store import OVERSIZED, Encoder, Sink, Store, float_option, int_option, read_secret_option
 from tieredkv.tier import PutResult
@@ -69,6 +70,7 @@ class ValkeyStore(Store):
             raise InvalidInput("URL options tls_ca/tls_cert/tls_key need tls=1 (or a valkeys:// URL)")
         # The connection pool is thread-safe and reconnects on the next command after a server restart.
         self._put_lock = threading.Lock()
+        forksafe.register(self)  # unlocked in a forked child; the client's pool renews itself after fork
         self._put_buf = np.empty(0, dtype=np.uint8)
         self._client = valkey.Valkey(host=host, port=port, db=int_option(options, "db", 0),
                                      username=options.get("username") or None, password=password,

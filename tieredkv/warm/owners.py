@@ -39,6 +39,7 @@ import stat
 import struct
 import threading
 
+from tieredkv import forksafe
 from tieredkv.errors import LockTimeout, WarmTierUnavailable
 from tieredkv.hot import locks
 
@@ -84,6 +85,7 @@ class Owners:
         self.owner = -1
         self.token = 0
         self._thread_lock = threading.Lock()  # OFD locks do not exclude threads sharing the descriptor
+        forksafe.register(self)  # unlocked in a forked child (see tieredkv.forksafe)
         self._holder: int | None = None  # the thread that owns _thread_lock (and so the writer byte)
         flags = os.O_CLOEXEC | os.O_NOFOLLOW
         try:

@@ -156,3 +156,68 @@ def test_demo_without_the_hf_extra_says_how_to_install_it():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ)
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "pip install 'tieredkv[hf]'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- 13 + 14: default segment names carry the layout version and the uid -----------------------------------
+_OLD_WORKER = """
+import sys
+import numpy as np
+import tieredkv.hot.segment as seg
+seg.LAYOUT_VERSION = 2  # a release with another segment layout
+from tieredkv import KVSpec, chunk_keys
+from tieredkv.hot import HotTier
+spec = KVSpec(model_id=sys.argv[1], num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", chunk_tokens=4)
+tier = HotTier(spec, n_slots=8)
+keys = chunk_keys(spec, np.arange(9))
+tier.put_many(keys, np.ones((2, spec.block_bytes), np.uint8))
+print(tier.name, flush=True)
+sys.stdin.read()  # serve until told to drain
+tier.close()
+"""
+
+
+@pytest.mark.procs
+def test_the_documented_upgrade_runs_old_and_new_workers_side_by_side(capsys):
+    """docs/deploy.md "Upgrading tieredkv": new workers start while old ones (another layout) still
+    serve; `rm --stale` leaves the old segment while it is in use and removes it once they drained.
+    Before: both used one name, and new workers failed with FormatError until the old ones were gone."""
+    import os
+    import secrets
+    import subprocess
+    import sys
+
+    from tieredkv import chunk_keys
+    from tieredkv.cli import main
+    from tieredkv.hot import HotTier
+    from tieredkv.hot import segment as seg
+
+    model = f"test/upgrade-{secrets.token_hex(4)}"
+    spec = KVSpec(model_id=model, num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", chunk_tokens=4)
+    old = subprocess.Popen([sys.executable, "-c", _OLD_WORKER, model], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, env=os.environ)
+    new = None
+    try:
+        old_name = old.stdout.readline().strip()
+        assert old_name == f"/tieredkv-v2-u{os.getuid()}-{spec.namespace}"
+        new = HotTier(spec, n_slots=8)  # a worker of the new release, while the old one serves
+        assert new.name == seg.default_name(spec) != old_name and f"-u{os.getuid()}-" in new.name
+        keys = chunk_keys(spec, np.arange(9))
+        assert new.put_many(keys, np.ones((2, spec.block_bytes), np.uint8)).tolist() == [0, 0]
+        assert main(["rm", "--stale", "--match", old_name]) == 0
+        assert os.path.exists("/dev/shm" + old_name)  # in use by the old worker: kept
+        old.stdin.close()  # the old worker drains and exits
+        assert old.wait(60) == 0
+        capsys.readouterr()
+        assert main(["rm", "--stale", "--match", old_name]) == 0
+        assert not os.path.exists("/dev/shm" + old_name) and "layout version 2" in capsys.readouterr().out
+        assert new.match(keys) == 2  # the new release's segment is untouched
+    finally:
+        if old.poll() is None:
+            old.kill()
+            old.wait()
+        if new is not None:
+            new.close()
+            new.unlink()
+        for name in (f"/tieredkv-v2-u{os.getuid()}-{spec.namespace}", seg.default_name(spec)):
+            if os.path.exists("/dev/shm" + name):
+                os.unlink("/dev/shm" + name)

@@ -82,8 +82,8 @@ def main(args: argparse.Namespace) -> int:
         print("tieredkv simulate: --hot and --warm go together", file=sys.stderr)
         return 2
     if args.synthetic is not None and not 1 <= args.synthetic <= MAX_SYNTHETIC:
-        print(f"tieredkv simulate: --synthetic takes 1 to {MAX_SYNTHETIC:,} requests, got {args.synthetic:,}",
-              file=sys.stderr)
+        print(f"tieredkv simulate: --synthetic must be positive and at most {MAX_SYNTHETIC:,} (requests), got "
+              f"{args.synthetic:,}", file=sys.stderr)
         return 2
     if args.trace and not os.path.isfile(args.trace):
         print(f"tieredkv simulate: --trace {args.trace}: " + ("not a file" if os.path.exists(args.trace)

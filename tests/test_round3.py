@@ -221,3 +221,56 @@ def test_the_documented_upgrade_runs_old_and_new_workers_side_by_side(capsys):
         for name in (f"/tieredkv-v2-u{os.getuid()}-{spec.namespace}", seg.default_name(spec)):
             if os.path.exists("/dev/shm" + name):
                 os.unlink("/dev/shm" + name)
+
+
+# ---- 11: a damaged owners file never frees a live writer's claim -------------------------------------------
+_LIVE_WRITER = """
+import sys
+from tieredkv import KVSpec
+from tieredkv.warm import WarmTier
+spec = KVSpec(model_id="test/owners", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", chunk_tokens=4)
+tier = WarmTier(spec, sys.argv[1], capacity_bytes=16 * 4096)
+print(*tier._index.identity, flush=True)
+sys.stdin.read()  # alive, mid-write as far as its claims say, until told to go
+tier.close()
+"""
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("damage", ["zeroed", "truncated"])
+def test_a_damaged_owners_file_never_frees_a_live_writers_claim(tmp_path, damage):
+    """A writer's claim (a slot it is copying into) must stay claimed while it lives, even when the
+    owners file that names it is zeroed or truncated: freed, the slot would be reused and the writer's
+    late copy would land on another block. Before the fix the claim was reaped at once."""
+    import os
+    import subprocess
+    import sys
+
+    from tieredkv.warm import WarmTier
+    from tieredkv.warm import index as ix
+
+    spec = KVSpec(model_id="test/owners", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32",
+                  chunk_tokens=4)
+    writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        owner, token = map(int, writer.stdout.readline().split())
+        with WarmTier(spec, tmp_path, capacity_bytes=16 * 4096) as tier:
+            def claim(txn):  # what put_many leaves between claiming a slot and publishing the block
+                slot = tier._pop_free(txn, 1)[0]
+                txn.put(b"\x01" * 16, ix.CLAIM.pack(slot, owner, token, 1), db=tier._index.inflight)
+
+            tier._index.write(claim)
+            owners = tier.path / "owners"
+            if damage == "zeroed":
+                owners.write_bytes(bytes(owners.stat().st_size))
+            else:
+                os.truncate(owners, 0)
+            assert tier._reap_claims() == 0  # the file cannot vouch for the claim: it is kept
+            writer.stdin.close()
+            assert writer.wait(60) == 0
+            assert tier._reap_claims() == 1  # its writer is gone: now it is freed
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()

@@ -168,8 +168,12 @@ class Owners:
         """
         if self.fd < 0 or not 0 <= owner < MAX_OWNERS or token == 0:
             return False
-        if self._entry(owner)[0] != token:
-            return False
+        written = self._entry(owner)[0]
+        if written not in (token, 0):
+            return False  # a later owner took the slot and wrote its own token: this one is gone
+        # The entry carries this token, or nothing (a zeroed or truncated file cannot vouch either
+        # way): the kernel's lock decides. A live writer's claim is never freed on the file's word,
+        # or its late copy would land on a reused slot.
         return locks.is_locked(self.fd, REGISTRY_BASE + owner)
 
     def others(self) -> list[tuple[int, tuple[int, int, int]]]:

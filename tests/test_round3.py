@@ -274,3 +274,31 @@ def test_a_damaged_owners_file_never_frees_a_live_writers_claim(tmp_path, damage
         if writer.poll() is None:
             writer.kill()
             writer.wait()
+
+
+# ---- 5: a reader repairs an index an interrupted critical section left empty --------------------------------
+def test_a_reader_repairs_an_index_left_empty_by_an_interrupted_critical_section(tiny_spec, seg_name):
+    """The state an interrupt storm left (16 of 16 slots READY, the index emptied by a rebuild that
+    never finished, ``dirty`` still set, the lock free): before, every reader missed every block until
+    some writer entered a critical section; now the first reader scrubs it."""
+    import warnings
+
+    from tieredkv import chunk_keys
+    from tieredkv.hot import HotTier
+
+    keys = chunk_keys(tiny_spec, np.arange(16 * 4 + 1))
+    payloads = np.arange(16 * tiny_spec.block_bytes, dtype=np.uint32).astype(np.uint8).reshape(16, -1)
+    with HotTier(tiny_spec, n_slots=16, name=seg_name) as writer, HotTier(tiny_spec, name=seg_name) as reader:
+        writer.put_many(keys, payloads)
+        assert reader.match(keys) == 16
+        # The interrupted critical section: inside (dirty = who was inside), index cleared, lock dropped.
+        writer._h["dirty"] = writer._owner + 1
+        writer._index.rebuild(np.zeros(0, dtype=np.int64))
+        assert int((writer._slots["state"] == 2).sum()) == 16
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = np.zeros_like(payloads)
+            assert reader.match(keys) == 16  # the reader's own call scrubbed first
+            assert reader.get_many(keys, out) == 16 and (out == payloads).all()
+        assert int(writer._h["dirty"]) == 0
+        writer.unlink()

@@ -9,6 +9,7 @@ inherited cache and exit. A child that has not exited within its bound is a hang
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import secrets
 import signal
@@ -38,13 +39,16 @@ def _child(cache: TieredCache, tokens: np.ndarray, own: np.ndarray) -> int:
     if n and not same_bytes(out[:, :, :, :n], kv_for(spec, tokens)[:, :, :, :n]):
         return 3
     cache.store(own, kv_for(spec, own))  # the child's own writers start lazily
-    if cache.lookup(own).blocks != len(own) // spec.chunk_tokens:
+    hit = cache.lookup(own)  # (the parent's stores may have evicted some of them already)
+    out = np.zeros((spec.num_layers, 2, spec.num_kv_heads, max(hit.tokens, 1), spec.head_dim), spec.numpy_dtype)
+    n = cache.load(hit, out)
+    if n and not same_bytes(out[:, :, :, :n], kv_for(spec, own)[:, :, :, :n]):
         return 4
     cache.close()
     return 0
 
 
-def _fork_under_writes(cache: TieredCache, spec: KVSpec) -> tuple[int, list[int]]:
+def _fork_under_writes(cache: TieredCache, spec: KVSpec, stacks) -> tuple[int, list[int]]:
     """Fork CHILDREN children while a thread stores; returns (hung, exit codes of the others)."""
     base = np.random.default_rng(0).integers(0, 30_000, 16 * 64 + 1)
     cache.store(base, kv_for(spec, base))
@@ -69,6 +73,8 @@ def _fork_under_writes(cache: TieredCache, spec: KVSpec) -> tuple[int, list[int]
             pid = os.fork()
             if pid == 0:  # the child: never returns into pytest
                 code = 99
+                f = open(stacks / f"child-{c}.txt", "w")  # noqa: SIM115 - open until os._exit
+                faulthandler.dump_traceback_later(CHILD_BOUND_S - 5, exit=True, file=f)
                 try:
                     code = _child(cache, base, own)
                 finally:
@@ -101,12 +107,14 @@ def test_children_forked_under_write_traffic_never_hang(tmp_path):
         cache = TieredCache(spec, hot_bytes=8 << 20, hot_name=name, warm_dir=tmp_path / "warm",
                             warm_bytes=64 << 20, remote=f"{server.url}?deadline_ms=10000")
         try:
-            hung, codes = _fork_under_writes(cache, spec)
+            hung, codes = _fork_under_writes(cache, spec, tmp_path)
         finally:
             cache.close()
             try:
                 posix_ipc.unlink_shared_memory(name)
             except posix_ipc.ExistentialError:
                 pass
-    assert hung == 0, f"{hung} of {CHILDREN} forked children hung (exit codes of the rest: {codes})"
-    assert codes == [0] * CHILDREN, codes
+    where = "".join(p.read_text() for p in sorted(tmp_path.glob("child-*.txt")))
+    print(where)  # the stacks of children that did not finish in time (faulthandler)
+    assert hung == 0, f"{hung} of {CHILDREN} forked children hung (exit codes of the rest: {codes}):\n{where}"
+    assert codes == [0] * CHILDREN, (codes, where)

@@ -15,12 +15,14 @@ Some state cannot be renewed that way: an LMDB environment with a transaction op
 cannot even be closed in the child (py-lmdb waits for that thread's transaction to end, for ever). An
 object that owns such state defines ``_before_fork()``, which runs in the parent just before ``fork``
 and may wait (bounded) for its in-flight work to end, and ``_after_fork_in_parent()``, which lets the
-parent go on.
+parent go on. numba's compiler lock (policy kernels compile on first use, on a writer thread too) is
+treated the same way: ``fork`` waits for a compilation under way, and the child's copy is unlocked.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -48,7 +50,24 @@ def renew(lock) -> None:
         reinit()
 
 
+#: How long ``fork`` waits for a JIT compilation under way (numba, which the policies may use).
+JIT_WAIT_S = 60.0
+_jit_held = False
+
+
+def _jit_lock():
+    """numba's process-wide compiler lock, if numba is loaded (a policy kernel compiles on first use, on
+    whatever thread runs it: a writer's). Held by another thread at fork, it stays held in the child,
+    and the child's first eviction waits on it for ever."""
+    module = sys.modules.get("numba.core.compiler_lock")
+    return getattr(getattr(module, "global_compiler_lock", None), "_lock", None)
+
+
 def _before() -> None:
+    global _jit_held
+    lock = _jit_lock()
+    # Wait for a compilation under way to end rather than copy numba half way through one.
+    _jit_held = lock is not None and lock.acquire(timeout=JIT_WAIT_S)
     _quiesced.clear()
     for obj in list(_objects):
         hook = getattr(obj, "_before_fork", None)
@@ -61,6 +80,10 @@ def _before() -> None:
 
 
 def _in_parent() -> None:
+    global _jit_held
+    if _jit_held:
+        _jit_held = False
+        _jit_lock().release()
     for obj in reversed(_quiesced):
         try:
             obj._after_fork_in_parent()
@@ -70,6 +93,11 @@ def _in_parent() -> None:
 
 
 def _in_child() -> None:
+    global _jit_held
+    _jit_held = False
+    lock = _jit_lock()
+    if lock is not None:
+        renew(lock)
     _quiesced.clear()
     for fn in list(_functions):
         try:

@@ -16,10 +16,9 @@ import tracemalloc
 import zlib
 
 import numpy as np
-import posix_ipc
 import pytest
 
-from helpers import kv_for, same_bytes
+from helpers import kv_for, same_bytes, unlink_segments_matching
 from tieredkv import InvalidInput, KVSpec, TieredCache, chunk_keys
 from tieredkv.cache import REMOTE
 from tieredkv.remote import RemoteTier
@@ -53,21 +52,18 @@ def slow(url: str) -> str:
 
 @pytest.fixture
 def hosts(spec):
-    opened = []
+    """A factory of "hosts" (a TieredCache each, its own segment); all closed and unlinked after."""
+    token, opened = f"tieredkv-test-{os.getpid()}-{secrets.token_hex(4)}", []
 
     def factory(url, **kw):
-        name = f"/tieredkv-test-{os.getpid()}-{secrets.token_hex(4)}"
-        cache = TieredCache(spec, hot_bytes=2 * MiB, hot_name=name, remote=url, **kw)
-        opened.append((cache, name))
+        cache = TieredCache(spec, hot_bytes=2 * MiB, hot_name=f"/{token}-{len(opened)}", remote=url, **kw)
+        opened.append(cache)
         return cache
 
     yield factory
-    for cache, name in opened:
+    for cache in opened:
         cache.close()
-        try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
-            pass
+    unlink_segments_matching(token)
 
 
 def _load(cache, tokens):

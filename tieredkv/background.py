@@ -56,7 +56,11 @@ class BackgroundWriter:
         forksafe.register(self)  # a child gets an unlocked condition, an empty queue and no thread
 
     def _after_fork_in_child(self) -> None:
-        self._after_fork()
+        # Nothing queued here is this process's to run, and no thread of the parent survived. The
+        # counters are reset on the child's first submit (_after_fork), as before.
+        self._queue.clear()
+        self._pending_blocks = self._running = 0
+        self._thread = None
 
     @property
     def pending_blocks(self) -> int:

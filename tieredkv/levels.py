@@ -261,18 +261,15 @@ class Level:
             self.put(keys, payloads, why=why)
             return
         step = writer.max_blocks
-        split = len(keys) > step
+        whole = len(keys) <= step
         for i in range(0, len(keys), step):
             k, p = keys[i:i + step], payloads[i:i + step]
-            held = lease
-            if split and writer.pending_blocks + len(k) > writer.max_blocks:
-                self.count(dropped=len(k))  # full: not worth a copy (submit would refuse it too)
-                continue
-            if split:
+            held = lease if whole else None
+            if not whole and p.base is not None:
                 # A job keeps what it refers to: a view (or the lease) would keep the whole store's
-                # buffer alive while the queue counts only the job's rows. The bound must bound the
-                # memory really kept, so a part of a split store travels as a copy of its own.
-                p, held = p.copy(), None
+                # buffer alive while the queue counts only the job's rows, and the queue bound must
+                # bound the memory really kept.
+                p = p.copy()
             if held is not None:
                 held.hold()
             if writer.submit(_Job(self, k, p, held, why), blocks=len(k)):
@@ -407,11 +404,14 @@ def open_levels(spec: KVSpec, config: Any, counting: Counting,
 def _open_level(spec: KVSpec, entry: _Entry, below: Level | None, counting: Counting, observers: list[Observer],
                 failures: list[tuple[str, BaseException]]) -> Level | None:
     rule = demotion_rules.make(entry.rule) if entry.rule is not None else None
-    on_evict = None
-    if below is not None and not below.at_store:
-        def on_evict(evicted: Evicted, below: Level = below) -> None:
-            for observer in observers:
-                observer("evicted", entry.name, evicted.keys)
+    # Every tier gets an eviction hook, so observers (added at any time) see evictions; only a level
+    # below that admits evicted blocks needs their bytes: the others' hooks take keys only.
+    admits = below is not None and not below.at_store
+
+    def on_evict(evicted: Evicted, below: Level | None = below if admits else None) -> None:
+        for observer in observers:
+            observer("evicted", entry.name, evicted.keys)
+        if below is not None:
             below.admit_evicted(evicted)
     try:
         tier = entry.open(spec, on_evict)
@@ -423,6 +423,8 @@ def _open_level(spec: KVSpec, entry: _Entry, below: Level | None, counting: Coun
     if getattr(tier, "spec", spec) != spec:
         tier.close()
         raise InvalidInput(f"the {entry.name} tier was opened for another spec; open it with this cache's spec")
+    if not admits and hasattr(tier, "evict_payloads"):
+        tier.evict_payloads = False  # nobody below takes the bytes: no copy of what is evicted
     level = Level(entry.name, entry.code, tier, rule=rule, names=entry.names, counting=counting,
                   fatal=rule is None, exclusive=entry.local and rule is not None and not rule.at_store,
                   flush_s=entry.flush_s, observers=observers)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tieredkv import forksafe
-from tieredkv.errors import InvalidInput, RemoteUnavailable
+from tieredkv.errors import InvalidInput, MissingDependency, RemoteUnavailable
 from tieredkv.remote.store import OVERSIZED, Encoder, Sink, Store, float_option, int_option, read_secret_option
 from tieredkv.tier import PutResult
 
@@ -50,7 +50,7 @@ class ValkeyStore(Store):
         try:
             import valkey
         except ImportError:
-            raise InvalidInput("valkey:// needs the valkey client: pip install 'tieredkv[remote]'") from None
+            raise MissingDependency("valkey:// needs the valkey client: pip install 'tieredkv[remote]'") from None
         # Every failure of the client is the store's, not the caller's: a refused, reset or stalled
         # connection, and also a reply the client cannot parse (a damaged stream, a proxy in between),
         # which surfaces as any of these.

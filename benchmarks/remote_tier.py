@@ -35,7 +35,12 @@ import numpy as np
 from tieredkv import KVSpec, TieredCache, chunk_keys
 from tieredkv.remote import RemoteTier
 from tieredkv.remote import testing as servers
+from tieredkv.remote.auth import ENV_SECRET
 from tieredkv.remote.value import split_planes
+
+# The benchmark's servers are a throwaway fleet of its own: it has a secret of its own too (values are
+# MACed as in production, so the numbers include that cost).
+os.environ.setdefault(ENV_SECRET, secrets.token_hex(32))
 
 SPECS = {
     "1.75MiB": KVSpec(model_id="bench/seed-7b", num_layers=28, num_kv_heads=2, head_dim=128, dtype="bfloat16"),

@@ -10,6 +10,10 @@ import pytest
 
 from tieredkv import KVSpec
 
+# A remote tier refuses to start without the fleet's secret: the test fleet has its own, given the way
+# operators give it (the environment; processes the tests spawn inherit it).
+os.environ.setdefault("TIEREDKV_REMOTE_SECRET", secrets.token_hex(32))
+
 
 @pytest.fixture
 def tiny_spec() -> KVSpec:

@@ -15,8 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Layer of each module (by its dotted-name prefix; the longest prefix wins). Higher imports lower only.
 LAYERS = {
-    "tieredkv.errors": 0, "tieredkv.model_identity": 0, "tieredkv.spec": 1, "tieredkv.hashtable": 0,
-    "tieredkv.policies": 1,
+    "tieredkv.errors": 0, "tieredkv.forksafe": 0, "tieredkv.model_identity": 0, "tieredkv.spec": 1,
+    "tieredkv.hashtable": 0, "tieredkv.policies": 1,
     "tieredkv.keys": 2, "tieredkv.layout": 2, "tieredkv.counters": 2, "tieredkv.numa": 2,
     "tieredkv.tier": 3,
     "tieredkv.background": 4, "tieredkv.cuda": 4, "tieredkv.tensors": 4, "tieredkv.memory": 4,

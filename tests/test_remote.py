@@ -21,6 +21,7 @@ from tieredkv import InvalidInput, KVSpec, TieredCache, chunk_keys
 from tieredkv.cache import HOT, REMOTE, WARM
 from tieredkv.remote import RemoteTier
 from tieredkv.remote import testing as servers
+from tieredkv.remote.auth import FleetKey
 from tieredkv.remote.value import HEADER_BYTES, Codec
 from tieredkv.tier import PutResult
 
@@ -117,25 +118,31 @@ def test_value_round_trip_and_every_check(spec):
     keys = chunk_keys(spec, prompt(12))
     kv = np.random.default_rng(1).standard_normal((3, spec.block_bytes // 2)).astype(np.float32)
     payloads = (kv.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bit patterns of normal floats
+    key = FleetKey.from_secret(b"s" * 32, "test")
     for compress in (False, True):
-        codec = Codec(spec, compress=compress)
-        value = bytes(codec.encode(keys, payloads, 1))
+        codec = Codec(spec, key, compress=compress)
+        digests = codec.digests(keys)
+        value = bytes(codec.encode(digests[1], payloads[1]))
         out = np.zeros(spec.block_bytes, np.uint8)
-        assert codec.decode_into(value, keys, 1, out) and same_bytes(out, payloads[1].view(np.uint8))
-        assert not codec.decode_into(value, keys, 0, out)  # another key
-        for at in (0, 4, 6, 8, 16, 32, 48, 56, 64, 72, HEADER_BYTES, len(value) - 1):
+        assert codec.decode_into(value, digests[1], out) and same_bytes(out, payloads[1].view(np.uint8))
+        assert not codec.decode_into(value, digests[0], out)  # another block's name
+        for at in (0, 4, 6, 7, 8, 12, 16, 24, 32, 48, 79, HEADER_BYTES, len(value) - 1):
             bad = bytearray(value)
             bad[at] ^= 0x40
-            assert not codec.decode_into(bytes(bad), keys, 1, out), f"a flipped byte at {at} was accepted"
-        assert not codec.decode_into(value[:-1], keys, 1, out)
-        assert not codec.decode_into(b"garbage", keys, 1, out)
+            assert not codec.decode_into(bytes(bad), digests[1], out), f"a flipped byte at {at} was accepted"
+        assert not codec.decode_into(value[:-1], digests[1], out)
+        assert not codec.decode_into(b"garbage", digests[1], out)
     # Byte planes make bf16 compress; the value says so and stays smaller.
-    assert len(Codec(spec, compress=True).encode(keys, payloads, 1)) < len(Codec(spec).encode(keys, payloads, 1))
-    # Another namespace (same tokens): its values are refused here.
+    digest = Codec(spec, key).digests(keys)[1]
+    assert len(Codec(spec, key, compress=True).encode(digest, payloads[1])) < len(Codec(spec, key).encode(digest, payloads[1]))
+    # Another namespace (same tokens) names its blocks otherwise: its values are refused here.
     other = KVSpec(model_id=spec.model_id + "-b", num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16",
                    chunk_tokens=4)
-    foreign = bytes(Codec(other).encode(chunk_keys(other, prompt(12)), payloads, 1))
-    assert not Codec(spec).decode_into(foreign, keys, 1, np.zeros(spec.block_bytes, np.uint8))
+    foreign_codec = Codec(other, key)
+    foreign_digest = foreign_codec.digests(chunk_keys(other, prompt(12)))[1]
+    assert foreign_digest != digest
+    foreign = bytes(foreign_codec.encode(foreign_digest, payloads[1]))
+    assert not Codec(spec, key).decode_into(foreign, digest, np.zeros(spec.block_bytes, np.uint8))
 
 
 def test_urls_are_checked(spec):
@@ -448,9 +455,11 @@ def test_cli_ls_stats_verify_remote(spec, capsys, host):
         assert cache.flush_remote(10)
         status, out, _ = _cli(capsys, "ls", "--remote", server.url, "--json", "-")
         doc = json.loads(out)["remote"]
-        assert status == 0 and doc["namespaces"] == [{"fingerprint": spec.fingerprint, "blocks": 4}]
+        tag = cache.remote.prefix.split(":")[1]  # the namespace's keyed tag
+        assert status == 0 and doc["namespaces"] == [{"tag": tag, "blocks": 4}]
+        assert spec.fingerprint not in json.dumps(doc)  # a store reader cannot tell the model from names
         status, out, _ = _cli(capsys, "stats", "--remote", server.url)
-        assert status == 0 and spec.fingerprint in out and "names 4" in out
+        assert status == 0 and tag in out and "names 4" in out
         status, out, _ = _cli(capsys, "verify", "--remote", server.url)
         assert status == 0 and "4 values checked, 0 bad" in out
         # Damage one value and plant a foreign one: verify finds both, --repair deletes them.

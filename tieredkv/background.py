@@ -9,7 +9,8 @@ close() ──flush(timeout_s)──► waits until the queue is empty or the bo
 
 A job is a callable with no arguments; it owns its data (the caller hands it copies, never views of
 buffers it will reuse). An exception raised by a job is caught, counted and handed to ``on_error``: the
-writer keeps running. After ``fork`` the child starts with an empty queue and a thread of its own on the
+writer keeps running. After ``fork`` the child starts with an unlocked condition (``tieredkv.forksafe``:
+the parent's writer may have held it at that instant), an empty queue and a thread of its own on the
 first ``submit`` (threads do not survive fork; the parent's pending jobs stay the parent's).
 """
 
@@ -20,6 +21,7 @@ import os
 import threading
 from collections.abc import Callable
 
+from tieredkv import forksafe
 from tieredkv.errors import InvalidInput
 
 
@@ -51,6 +53,14 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self.submitted = self.done = self.dropped = self.failed = self.dropped_blocks = 0
+        forksafe.register(self)  # a child gets an unlocked condition, an empty queue and no thread
+
+    def _after_fork_in_child(self) -> None:
+        # Nothing queued here is this process's to run, and no thread of the parent survived. The
+        # counters are reset on the child's first submit (_after_fork), as before.
+        self._queue.clear()
+        self._pending_blocks = self._running = 0
+        self._thread = None
 
     @property
     def pending_blocks(self) -> int:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tieredkv import counters, tensors
+from tieredkv import counters, forksafe, tensors
 from tieredkv.config import CacheConfig
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.journal import EVICTED, STORED, HostJournal, journal_path
@@ -180,6 +180,7 @@ class TieredCache:
         self._closed = True   # until the levels are open: close() copes with a constructor that failed
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()    # one kept staging buffer (and device staging buffer)
+        forksafe.register(self)  # these locks, unlocked in a forked child (held by a writer at fork)
         self._staging: np.ndarray | None = None
         self._spare: list[np.ndarray] = []   # write-behind payload buffers, back from their jobs
         self._lower_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
@@ -590,6 +591,9 @@ class TieredCache:
         base = rows if rows.base is None else rows.base
         if not isinstance(base, np.ndarray) or base.dtype != self.spec.numpy_dtype:
             return
+        warm = self.level("warm")
+        if warm is not None and warm.writer is not None and len(base) > warm.writer.max_blocks:
+            return  # parked, a buffer larger than the write-behind bound would outgrow it for good
         with self._lock:
             if len(self._spare) < _SPARE_BUFFERS and not self._closed:
                 self._spare.append(base)

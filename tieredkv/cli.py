@@ -174,7 +174,7 @@ def _remote_namespaces(url: str) -> dict:
     except InvalidInput as e:  # a bad URL
         raise UsageError(str(e)) from None
     except Unsupported as e:  # the store cannot enumerate its names (Mooncake)
-        store = admin.connect(url)
+        store, _ = admin.connect(url)
         try:
             return {"url": store.url, "server": store.info(), "namespaces": None, "note": str(e)}
         finally:
@@ -187,8 +187,8 @@ def _remote_text(doc: dict) -> str:
     out = f"remote store {doc['url']}: {facts}"
     if doc.get("namespaces") is None:
         return out + f"\n  ({doc.get('note', 'names not listed')})"
-    rows = [[n["fingerprint"], n["blocks"]] for n in doc["namespaces"]]
-    return out + "\n" + (_table(rows, ["namespace fingerprint", "blocks"]) if rows else "  no tieredkv blocks")
+    rows = [[n["tag"], n["blocks"]] for n in doc["namespaces"]]
+    return out + "\n" + (_table(rows, ["namespace tag", "blocks"]) if rows else "  no tieredkv blocks")
 
 
 def _pick_segment(name: str | None) -> str:

@@ -919,6 +919,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo; print the table; write ``--json`` / ``--plot``. Returns the exit status."""
+    try:  # the demo runs a real model: without the hf extra say so, not with a worker's traceback
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        print(f"tieredkv demo: needs PyTorch and transformers ({e}); install them with: "
+              f"pip install 'tieredkv[hf]'", file=sys.stderr)
+        return 1
     configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:

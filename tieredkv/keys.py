@@ -38,7 +38,13 @@ _MAX_TOKEN = 2**32 - 1
 def as_tokens(tokens: object) -> np.ndarray:
     """Return token ids as a 1-D little-endian uint32 array, or raise with how to fix the call."""
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor, without importing torch
-        tokens = tokens.detach().cpu().numpy()
+        if getattr(getattr(tokens, "device", None), "type", None) == "meta":
+            raise InvalidInput("tokens are a tensor on torch's meta device, which holds no values; pass "
+                               "the real token ids (a CPU or GPU tensor, a list or a numpy array)")
+        try:
+            tokens = tokens.detach().cpu().numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # no data to read, an odd dtype
+            raise InvalidInput(f"tokens must be a tensor of integer token ids that can be read ({exc})") from None
     if isinstance(tokens, (bytes, bytearray, str)):
         raise InvalidInput("tokens must be a 1-D sequence of integer token ids, not bytes or str")
     try:

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from tieredkv import counters
+from tieredkv import counters, forksafe
 from tieredkv.background import BackgroundWriter
 from tieredkv.errors import (
     CapacityError,
@@ -107,6 +107,7 @@ class Counting:
         self.extra: dict[str, int] = {}
         self._private = counters.private()
         self._lock = threading.Lock()
+        forksafe.register(self)  # unlocked in a forked child (a writer thread may count at fork)
 
     def row(self) -> counters.CacheCounters:
         """Asked on every call: a tier that reattached (after fork, or a recreated segment) hands out
@@ -168,6 +169,7 @@ class Level:
         self._block_bytes = tier.spec.block_bytes
         self._warned = False
         self._warn_lock = threading.Lock()
+        forksafe.register(self)
 
     @property
     def at_store(self) -> bool:
@@ -343,6 +345,7 @@ class BufferLease:
         self._give_back = give_back
         self._holders = 1
         self._lock = threading.Lock()
+        forksafe.register(self)
 
     def hold(self) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tieredkv import forksafe
 from tieredkv.errors import InvalidInput
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes
@@ -50,6 +51,7 @@ class MemoryTier(Tier):
         # key -> [parent, chunk tokens, payload, hits, position]; the first is the least recently used
         self._blocks: collections.OrderedDict[bytes, list] = collections.OrderedDict()
         self._lock = threading.Lock()
+        forksafe.register(self)  # unlocked in a forked child (a writer thread may hold it at fork)
         self._stats = TierStats("memory", self.capacity_blocks, 0)
         self._closed = False
 

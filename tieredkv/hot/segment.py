@@ -205,8 +205,16 @@ def check_mode(mode: object) -> int:
 
 
 def default_name(spec: KVSpec, numa_node: int | None = None) -> str:
+    """``/tieredkv-v<layout version>-u<uid>-<namespace>[-numa<node>]``.
+
+    The layout version lets an upgrade happen in place: workers of a release with another layout
+    create a segment of their own beside the old one, which its workers keep serving from until they
+    drain (then ``tieredkv rm --stale`` removes it). The uid keeps users of one host apart: another
+    user's segment is never this user's default, and a name taken by another user is refused with
+    ``PermissionDenied`` (pass ``hot_name=`` of your own then: docs/deploy.md).
+    """
     suffix = f"-numa{numa_node}" if numa_node is not None else ""
-    return f"/{PREFIX}{spec.namespace}{suffix}"
+    return f"/{PREFIX}v{LAYOUT_VERSION}-u{os.getuid()}-{spec.namespace}{suffix}"
 
 
 class Mapping:
@@ -299,7 +307,8 @@ def _check_owner(fd: int, name: str, mode: int | None = None) -> os.stat_result:
     st = os.fstat(fd)
     if st.st_uid != os.getuid():
         raise PermissionDenied(f"segment {name} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
-                               "refusing to use another user's cache")
+                               "refusing to use another user's cache: pass a name of your own (hot_name=), "
+                               "or have root remove it (`tieredkv rm NAME`)")
     extra = st.st_mode & 0o7777 & ~(mode if mode is not None else 0o775)
     if extra & 0o7002 or mode is not None and extra:
         # Someone widened it after creation (a creator always sets exactly its mode): what others

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import numpy as np
 import posix_ipc
 
-from tieredkv import counters, numa, policies
+from tieredkv import counters, forksafe, numa, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
@@ -100,6 +100,7 @@ def _survives_damage(method=None, *, user_code: bool = False):
 
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
+        self._heal_if_abandoned()
         try:
             result = method(self, *args, **kwargs)
         except caught as e:
@@ -176,6 +177,7 @@ class HotTier(Tier):
                           create=create)
         self._tlock = threading.Lock()
         self._read_lock = threading.Lock()
+        forksafe.register(self)  # unlocked in a forked child (see tieredkv.forksafe)
         self._closed = True
         self._open(**self._args)
 
@@ -424,6 +426,34 @@ class HotTier(Tier):
         elif int(h["repin"]):
             self._recount_pins()
         h["dirty"] = self._owner + 1 if self._owner >= 0 else seg.MAX_OWNERS + 1  # who is inside
+
+    def _heal_if_abandoned(self) -> None:
+        """Scrub now if a critical section was left unfinished and nobody is inside one.
+
+        ``dirty`` is set inside every critical section and cleared on the way out; set while the lock
+        is free, it means the holder died or was interrupted (an exception from a signal handler) half
+        way, maybe with the index emptied by a rebuild it did not finish. Readers never take the lock,
+        so without this they would all miss every block until some writer happened to enter. One
+        word read per call; the lock only when that word says so and no other process holds it.
+        """
+        h = self._h
+        if self._closed or h is None or os.getpid() != self._pid or self._retrying or not int(h["dirty"]):
+            return  # (a forked child's descriptor shares the parent's locks: _check reattaches first)
+        if self._tlock.locked() or locks.is_locked(self._fd, locks.META_LOCK_BYTE):
+            return  # a thread of ours, or another process, is inside right now: it clears the flag
+        # `with` and an unconditional unlock, as in every critical section here: an interrupt at any
+        # point leaves nothing held. (A thread that took _tlock since the check above is waited for
+        # as any critical section waits; this thread never holds it here: the check saw it free.)
+        with self._tlock:
+            try:
+                if int(h["dirty"]) and locks.try_lock(self._fd, locks.META_LOCK_BYTE) and int(h["dirty"]):
+                    try:
+                        self._scrub()
+                    except (_Damage, *_POLICY_FAULTS):
+                        self._scrub(policy_too=True)
+                    h["dirty"] = 0
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
 
     # ---- liveness and recovery -----------------------------------------------------------------
     def _owner_alive(self, i: int, token: int) -> bool:

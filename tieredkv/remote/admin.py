@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+from tieredkv.remote.auth import FleetKey, load_key
 from tieredkv.remote.store import Store, open_store, parse_url
 from tieredkv.remote.value import FORMAT_VERSION, check_value
 
@@ -17,44 +18,56 @@ from tieredkv.remote.value import FORMAT_VERSION, check_value
 VERIFY_BATCH = 64
 
 
-def connect(url: str) -> Store:
-    """A store client for ``url`` (tier options in the query string are ignored here)."""
+def connect(url: str, with_key: bool = False) -> tuple[Store, FleetKey | None]:
+    """A store client for ``url`` (tier options in the query string are ignored here), and with
+    ``with_key`` the fleet key (from the URL's ``secret_file`` or the environment, as for the tier)."""
     from tieredkv.remote.tier import TIER_OPTIONS
 
     scheme, host, port, options = parse_url(url)
-    return open_store(scheme, host, port, {k: v for k, v in options.items() if k not in TIER_OPTIONS})
+    key = load_key(options) if with_key else None
+    return open_store(scheme, host, port, {k: v for k, v in options.items() if k not in TIER_OPTIONS}), key
 
 
-def _split(name: str) -> tuple[str, str, str] | None:
-    """``(fingerprint, key hex, confirm hex)`` of a block's name, or None."""
+def _split(name: str) -> tuple[str, str] | None:
+    """``(namespace tag, name digest hex)`` of a block's name, or None."""
     parts = name.split(":")
-    if (len(parts) != 4 or parts[0] != f"tkv{FORMAT_VERSION}" or len(parts[1]) != 16 or len(parts[2]) != 32
-            or len(parts[3]) != 16):
+    if len(parts) != 3 or parts[0] != f"tkv{FORMAT_VERSION}" or len(parts[1]) != 16 or len(parts[2]) != 32:
         return None
-    return parts[1], parts[2], parts[3]
+    return parts[1], parts[2]
+
+
+def shown(name: str) -> str:
+    """A name as text that any terminal and JSON can take (bytes that are not UTF-8 as ``\\xNN``)."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def namespaces(url: str) -> dict:
-    """Blocks per namespace fingerprint in the store, and the server's own numbers."""
-    store = connect(url)
+    """Blocks per namespace tag in the store, and the server's own numbers. Needs no secret: a tag is a
+    keyed digest of the namespace (``FleetKey.namespace_tag`` maps a spec to it)."""
+    store, _ = connect(url)
     try:
         doc = {"url": store.url, "server": store.info()}
         counts: collections.Counter[str] = collections.Counter()
         for name in store.scan(f"tkv{FORMAT_VERSION}:"):
             parts = _split(name)
             counts[parts[0] if parts else "(unparsable names)"] += 1
-        doc["namespaces"] = [{"fingerprint": fp, "blocks": n} for fp, n in counts.most_common()]
+        doc["namespaces"] = [{"tag": tag, "blocks": n} for tag, n in counts.most_common()]
         return doc
     finally:
         store.close()
 
 
 def verify(url: str, repair: bool = False) -> dict:
-    """Fetch and check every tieredkv value in the store; with ``repair``, delete the bad ones.
+    """Fetch and check every tieredkv value in the store (its MAC under the fleet key, its name, its
+    lengths); with ``repair``, delete the bad ones.
 
     Returns ``{"url", "checked", "bad": [{"name", "reason"}], "removed", "ok"}``.
+
+    Raises:
+        InvalidInput: no fleet secret (see ``tieredkv.remote.auth``): a MAC cannot be checked without it.
     """
-    store = connect(url)
+    store, key = connect(url, with_key=True)
+    assert key is not None
     try:
         names = list(store.scan(f"tkv{FORMAT_VERSION}:"))
         bad: list[dict] = []
@@ -68,12 +81,14 @@ def verify(url: str, repair: bool = False) -> dict:
                     return
                 checked += 1
                 parts = _split(batch[i])
-                reason = "unparsable name" if parts is None else check_value(value, *parts)
+                reason = "unparsable name" if parts is None else check_value(value, parts[1], key)
                 if reason:
-                    bad.append({"name": batch[i], "reason": reason})
+                    bad.append({"name": shown(batch[i]), "reason": reason, "_raw": batch[i]})
 
             store.get_many(batch, 1 << 31, sink)
-        removed = store.delete_many([b["name"] for b in bad]) if repair and bad else 0
+        removed = store.delete_many([b.pop("_raw") for b in bad]) if repair and bad else 0
+        for b in bad:
+            b.pop("_raw", None)
         return {"url": store.url, "checked": checked, "bad": bad, "removed": removed, "ok": not bad}
     finally:
         store.close()

@@ -12,18 +12,25 @@ Python bytes object per value.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 
 import numpy as np
 
+from tieredkv import forksafe
 from tieredkv.errors import InvalidInput, MissingDependency, RemoteUnavailable
-from tieredkv.remote.store import Encoder, Sink, Store, int_option
+from tieredkv.remote.store import OVERSIZED, Encoder, Sink, Store, int_option
 from tieredkv.tier import PutResult
 
 #: Mooncake's "object not found" error code (OBJECT_NOT_FOUND): a clean miss, not a failure.
 _NOT_FOUND = -704
+#: The code ``batch_get_into`` gives one name whose object is larger than its buffer (the client logs
+#: "Buffer too small"): no value of ours, which the tier refuses and deletes, not a failed store.
+_TOO_BIG = -600
+#: How long ``close`` waits for a call in flight before abandoning the native client to it.
+CLOSE_WAIT_S = 10.0
 
 
 class MooncakeStore(Store):
@@ -59,9 +66,24 @@ class MooncakeStore(Store):
         self._put_lock = threading.Lock()  # the write buffer
         self._store = None
         self._closed = False
+        #: Native clients ``close`` could not close because a call was still using them: kept alive (a
+        #: client freed under a running call crashes the process), dropped with the process.
+        self._abandoned: list = []
+        self._users = 0  # calls running on the native client (close waits for them)
+        self._idle = threading.Condition(threading.Lock())
         self._pid = os.getpid()
         self._get_buf = np.empty(0, dtype=np.uint8)
         self._put_buf = np.empty(0, dtype=np.uint8)
+        forksafe.register(self)
+
+    def _after_fork_in_child(self) -> None:
+        # Locks are fresh (tieredkv.forksafe); the calls that were running were the parent's threads.
+        # The parent's client is of no use here (the engine's threads did not survive) and freeing it
+        # could touch what those threads held: keep it, unused; the next call sets up our own.
+        self._users = 0
+        if self._store is not None:
+            self._abandoned.append((self._store, self._get_buf, self._put_buf))
+        self._store, self._pid = None, os.getpid()
 
     # ---- connection -------------------------------------------------------------------------------
     def _client(self):
@@ -95,6 +117,21 @@ class MooncakeStore(Store):
                 self._store, self._get_buf, self._put_buf = store, get_buf, put_buf
             return self._store
 
+    @contextlib.contextmanager
+    def _using(self):
+        """The connected client, counted as in use until the block ends: ``close`` does not free a
+        client (nor its registered buffers) while a native call runs on it."""
+        # Counted before the client is taken: close() sets _closed first and then waits for the count,
+        # so either this call sees _closed (and raises) or close() sees this call (and waits).
+        with self._idle:
+            self._users += 1
+        try:
+            yield self._client()
+        finally:
+            with self._idle:
+                self._users -= 1
+                self._idle.notify_all()
+
     def connect(self) -> None:
         self._client()  # setup and buffer registration take long next to a deadline: do them up front
 
@@ -109,14 +146,14 @@ class MooncakeStore(Store):
     def exists_many(self, names: list[str]) -> np.ndarray:
         if not names:
             return np.zeros(0, dtype=bool)
-        codes = self._client().batch_is_exist(names)
+        with self._using() as store:
+            codes = store.batch_is_exist(names)
         if any(c < 0 for c in codes):
             raise RemoteUnavailable(f"{self.url}: batch_is_exist failed (codes {sorted(set(codes))})")
         return np.asarray(codes, dtype=np.int64) == 1
 
     def get_many(self, names: list[str], max_bytes: int, sink: Sink) -> None:
-        store = self._client()
-        with self._get_lock:
+        with self._get_lock, self._using() as store:
             base = self._get_buf.ctypes.data
             for batch in self._batches(len(names), max_bytes):
                 offsets = [(j - batch.start) * max_bytes for j in batch]
@@ -125,7 +162,9 @@ class MooncakeStore(Store):
                 for j, off, size in zip(batch, offsets, sizes):
                     if size == _NOT_FOUND:
                         sink(j, None)
-                    elif size < 0:
+                    elif size == _TOO_BIG:
+                        sink(j, OVERSIZED)
+                    elif size < 0 or size > max_bytes:
                         raise RemoteUnavailable(f"{self.url}: batch_get_into failed (rc={size})")
                     else:
                         sink(j, self._get_buf[off:off + size].data.toreadonly())
@@ -134,8 +173,7 @@ class MooncakeStore(Store):
         codes = np.full(len(names), PutResult.NO_SPACE, dtype=np.int8)
         if not names:
             return codes
-        store = self._client()
-        with self._put_lock:
+        with self._put_lock, self._using() as store:
             base = self._put_buf.ctypes.data
             for batch in self._batches(len(names), max_bytes):
                 offsets = [(j - batch.start) * max_bytes for j in batch]
@@ -151,12 +189,13 @@ class MooncakeStore(Store):
         return codes
 
     def delete_many(self, names: list[str]) -> int:
-        store = self._client()
-        # force=True: a value just written holds a lease for a few seconds; a corrupt value must go now.
-        return sum(1 for name in names if store.remove(name, True) == 0)
+        with self._using() as store:
+            # force=True: a value just written holds a lease for a few seconds; a corrupt value must go now.
+            return sum(1 for name in names if store.remove(name, True) == 0)
 
     def info(self) -> dict:
-        self._client()
+        with self._using():
+            pass
         return {"url": self.url, "local": self.local, "segment_bytes": self.segment_bytes}
 
     def close(self) -> None:
@@ -169,8 +208,17 @@ class MooncakeStore(Store):
             store, self._store = self._store, None
         finally:
             self._lock.release()
-        if store is not None and self._pid == os.getpid():
-            try:
-                store.close()
-            except Exception:  # noqa: BLE001 - closing a client of a dead master may fail: nothing to keep
-                pass
+        if store is None or self._pid != os.getpid():
+            return
+        # A read or write in flight (the background writer sending a batch) still uses the native
+        # client and the registered buffers: freeing them under it crashes the process (SIGSEGV).
+        # Wait for it; one that does not end in time keeps the client, abandoned, for the process.
+        with self._idle:
+            idle = self._idle.wait_for(lambda: self._users == 0, timeout=CLOSE_WAIT_S)
+        if not idle:
+            self._abandoned.append((store, self._get_buf, self._put_buf))
+            return
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001 - closing a client of a dead master may fail: nothing to keep
+            pass

@@ -16,9 +16,11 @@ from __future__ import annotations
 import abc
 import ipaddress
 import math
+import os
 import re
 import urllib.parse
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -28,8 +30,13 @@ from tieredkv.errors import InvalidInput, Unsupported
 #: ``encode(i, into)``: value ``i``'s bytes, built in ``into`` (a uint8 array) when given.
 Encoder = Callable[[int, "np.ndarray | None"], memoryview]
 #: ``sink(i, value)``: called by ``get_many`` for each name in order; ``value`` is a read-only view of
-#: the value's bytes, valid only during the call, or ``None`` when the store does not hold that name.
+#: the value's bytes, valid only during the call, ``None`` when the store does not hold that name, or
+#: ``OVERSIZED`` when it holds something under it that is no value of ours (larger than ``max_bytes``,
+#: or not a string): the tier refuses it like any damaged value, and deletes it.
 Sink = Callable[[int, "memoryview | None"], None]
+#: What a store hands ``sink`` for a name that holds no value it could read (never a real value: a value
+#: is never empty, so it fails every check).
+OVERSIZED = memoryview(b"")
 
 
 class Store(abc.ABC):
@@ -96,27 +103,64 @@ class Store(abc.ABC):
 
 
 def parse_url(url: str) -> tuple[str, str, int, dict[str, str]]:
-    """Split ``scheme://host:port?opt=value&...`` into its parts, or raise naming what is wrong."""
+    """Split ``scheme://[user[:password]@]host:port?opt=value&...`` into its parts, or raise naming what
+    is wrong. The user and password, when given, come back as the options ``username`` and ``password``;
+    a TLS scheme (``valkeys://``, ``rediss://``) as its plain scheme with ``tls=1``."""
     if not isinstance(url, str):
         raise InvalidInput(f"remote must be a URL string or a RemoteTier, got {type(url).__name__}")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in STORES:
-        raise InvalidInput(f"remote URL {url!r}: unknown scheme {parts.scheme!r}; use one of "
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as e:
+        raise InvalidInput(f"remote URL {redact(url)!r}: {e}") from None
+    shown = redact(url)
+    scheme = TLS_SCHEMES.get(parts.scheme, parts.scheme)
+    if scheme not in STORES:
+        raise InvalidInput(f"remote URL {shown!r}: unknown scheme {parts.scheme!r}; use one of "
                            f"{sorted(s + '://host:port' for s in STORES)}")
     try:
         port = parts.port
     except ValueError:
         port = None
     if not parts.hostname or port is None:
-        raise InvalidInput(f"remote URL {url!r} needs a host and a port, e.g. {parts.scheme}://127.0.0.1:6379")
+        raise InvalidInput(f"remote URL {shown!r} needs a host and a port, e.g. {parts.scheme}://127.0.0.1:6379")
     if not _host_ok(parts.hostname):
         # An over-long label fails in the resolver on every call, not here: refuse it here, once.
-        raise InvalidInput(f"remote URL {url!r}: {parts.hostname!r} is not a host name (labels of 1-63 letters, "
+        raise InvalidInput(f"remote URL {shown!r}: {parts.hostname!r} is not a host name (labels of 1-63 letters, "
                            f"digits or '-', at most 253 characters) nor an IP address")
     if parts.path not in ("", "/"):
-        raise InvalidInput(f"remote URL {url!r}: no path expected after host:port")
+        raise InvalidInput(f"remote URL {shown!r}: no path expected after host:port")
     options = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False))
-    return parts.scheme, parts.hostname, port, options
+    if parts.username:
+        options["username"] = urllib.parse.unquote(parts.username)
+    if parts.password is not None:
+        options["password"] = urllib.parse.unquote(parts.password)
+    if scheme != parts.scheme:
+        options["tls"] = "1"
+    return scheme, parts.hostname, port, options
+
+
+def redact(url: str) -> str:
+    """``url`` with the password of its ``user:password@``, if any, replaced by ``***`` (for messages)."""
+    head, sep, rest = url.partition("://")
+    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    userinfo, at, host = rest[:end].rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{head}://{userinfo.split(':', 1)[0]}:***@{host}{rest[end:]}"
+
+
+def read_secret_option(options: dict[str, str], name: str, env: str) -> str | None:
+    """A credential: the URL option ``name`` itself, else the file in ``<name>_file``, else the file in
+    ``<env>_FILE``, else the environment variable ``env``; None when none is given."""
+    if options.get(name):
+        return options[name]
+    path = options.get(f"{name}_file") or os.environ.get(f"{env}_FILE")
+    if path:
+        try:
+            return Path(path).expanduser().read_text().rstrip("\r\n")
+        except (OSError, UnicodeError) as e:
+            raise InvalidInput(f"cannot read the {name} file {path!r}: {e}") from None
+    return os.environ.get(env) or None
 
 
 def _host_ok(host: str) -> bool:
@@ -140,6 +184,8 @@ def open_store(scheme: str, host: str, port: int, options: dict[str, str]) -> St
     return getattr(importlib.import_module(module), cls)(host, port, options)
 
 
+#: TLS spellings of a scheme.
+TLS_SCHEMES = {"valkeys": "valkey", "rediss": "redis"}
 #: scheme -> (module, class). A new store is one module and one line here.
 STORES = {
     "valkey": ("tieredkv.remote.valkey_store", "ValkeyStore"),

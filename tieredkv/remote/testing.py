@@ -7,12 +7,14 @@ restart tests). Nothing here is used by the library itself.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,11 +68,12 @@ class ValkeyServer:
 
     Args:
         maxmemory: e.g. ``"64mb"``; with ``policy`` (default ``allkeys-lru``) the server evicts.
+        args: more server arguments, e.g. ``("--user", "fleet", "on", ">pw", "~*", "+@all")`` for an ACL.
     """
 
-    def __init__(self, maxmemory: str = "0", policy: str = "allkeys-lru"):
+    def __init__(self, maxmemory: str = "0", policy: str = "allkeys-lru", args: tuple[str, ...] = ()):
         self.port = free_port()
-        self.maxmemory, self.policy = maxmemory, policy
+        self.maxmemory, self.policy, self.args = maxmemory, policy, tuple(args)
         self.dir = Path(tempfile.mkdtemp(prefix="tieredkv-valkey-"))
         self.proc: subprocess.Popen | None = None
 
@@ -83,7 +86,7 @@ class ValkeyServer:
         self.proc = subprocess.Popen(
             [valkey_binary(), "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
              "--dir", str(self.dir), "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy,
-             "--protected-mode", "yes", "--logfile", str(log)],
+             "--protected-mode", "yes", "--logfile", str(log), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         log.touch()
         _wait_port(self.port, self.proc, 20, log)
@@ -184,3 +187,57 @@ class MooncakeServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class FaultyProxy:
+    """A TCP proxy on 127.0.0.1 in front of a server, that passes traffic through or, once ``mode`` is
+    set, damages every reply: ``"garbage"`` replaces it with random bytes, ``"flip"`` flips one bit of
+    it (a damaged stream, a broken middlebox).
+
+    Args:
+        port: the server's port on 127.0.0.1.
+    """
+
+    def __init__(self, port: int):
+        self.target = port
+        self.mode = "pass"
+        self._listener = socket.create_server((LOOPBACK, 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection((LOOPBACK, self.target))
+            except OSError:
+                return
+            self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if replies and self.mode == "garbage":
+                    data = os.urandom(len(data))
+                elif replies and self.mode == "flip":  # one bit of each reply chunk: framing, types, lengths
+                    at = int.from_bytes(os.urandom(4), "little") % len(data)
+                    data = data[:at] + bytes([data[at] ^ (1 << (at % 8))]) + data[at + 1:]
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for s in self._socks:
+            s.close()

@@ -25,10 +25,11 @@ from typing import Any, cast
 
 import numpy as np
 
+from tieredkv import forksafe
 from tieredkv.errors import InvalidInput, RemoteUnavailable
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import as_block_bytes
-from tieredkv.remote import value as fmt
+from tieredkv.remote.auth import AUTH_OPTIONS, load_key
 from tieredkv.remote.store import Store, float_option, open_store, parse_url
 from tieredkv.remote.value import FORMAT_VERSION, Codec
 from tieredkv.spec import KVSpec
@@ -43,20 +44,13 @@ from tieredkv.tier import (
 )
 
 #: URL options the tier itself reads (the rest go to the store).
-TIER_OPTIONS = ("deadline_ms", "retry_s", "compress", "min_mb_per_s")
+TIER_OPTIONS = ("deadline_ms", "retry_s", "compress", "min_mb_per_s") + AUTH_OPTIONS
 
 
-def name_prefix(fingerprint: str) -> str:
-    """Prefix of every name of one namespace in the store (``ls`` counts by it)."""
-    return f"tkv{FORMAT_VERSION}:{fingerprint}:"
-
-
-def block_names(prefix: str, keys: ChunkKeys) -> list[str]:
-    """``<prefix><key hex>:<confirm hex>`` per block; ``confirm`` covers the parent key and the chunk's
-    tokens (``value.confirm_digest``), so a probe by name confirms a hit the way the local tiers do."""
-    raw = np.ascontiguousarray(keys.keys, dtype="<u8").tobytes()
-    return [f"{prefix}{raw[16 * i:16 * i + 16].hex()}:{fmt.confirm_digest(keys.parents[i], keys.tokens[i]):016x}"
-            for i in range(len(keys))]
+def name_prefix(tag: str) -> str:
+    """Prefix of every name of one namespace in the store (``ls`` counts by it); ``tag`` is the
+    namespace's keyed tag (``FleetKey.namespace_tag``)."""
+    return f"tkv{FORMAT_VERSION}:{tag}:"
 
 
 class _Call:
@@ -109,14 +103,19 @@ class RemoteTier(Tier):
             does not answer, further calls are misses at once.
         capacity_blocks: the store's size in blocks as the operator sized it, for ``stats`` (0: derive it
             from the server's ``maxmemory`` when it reports one).
+        secret: the fleet secret (bytes); without it, it is read from the URL's ``secret_file=PATH``
+            or the environment (``tieredkv.remote.auth``). Never put it in the URL.
+        insecure: run without a secret (values can then be forged by any client of the store); also
+            ``insecure=1`` in the URL. Without a secret and without this, opening fails.
 
     Raises:
-        InvalidInput: a bad URL or option (the message names it).
+        InvalidInput: a bad URL or option, or no secret (the message names it).
     """
 
     def __init__(self, spec: KVSpec, store: Store | str, *, deadline_ms: float | None = None,
                  retry_s: float | None = None, compress: bool | None = None, min_mb_per_s: float | None = None,
-                 workers: int = 4, capacity_blocks: int = 0):
+                 workers: int = 4, capacity_blocks: int = 0, secret: bytes | None = None,
+                 insecure: bool | None = None):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         options: dict[str, str] = {}
@@ -141,14 +140,17 @@ class RemoteTier(Tier):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidInput(f"workers must be a positive int, got {workers!r}")
         self.capacity_blocks = check_count(capacity_blocks, "capacity_blocks")
-        self.codec = Codec(spec, compress=compress)
-        self.prefix = name_prefix(spec.fingerprint)
+        key = load_key(options, secret, insecure)
+        self.authenticated = key.authenticated
+        self.codec = Codec(spec, key, compress=compress)
+        self.prefix = name_prefix(key.namespace_tag(spec.fingerprint))
         # Opened only once every tier option checked out: a bad option leaves nothing open.
         self.store: Store = open_store(*url_parts) if url_parts is not None else cast(Store, store)
         self._workers = workers
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._in_flight = 0
+        forksafe.register(self)
         self._down_until = 0.0
         self._closed = False
         self._counts = {name: 0 for name in ("hits", "misses", "bytes_in", "bytes_out", "puts", "corrupt",
@@ -159,6 +161,10 @@ class RemoteTier(Tier):
         # probe, and against a master that is down it retries for about 90 s. Calls meanwhile wait
         # for it within their deadline (a miss if it is not done).
         self._start(self._connect)
+
+    def _after_fork_in_child(self) -> None:
+        # The lock is fresh (tieredkv.forksafe); the calls in flight were the parent's threads.
+        self._pid, self._in_flight = os.getpid(), 0
 
     def _connect(self) -> None:
         try:
@@ -175,8 +181,12 @@ class RemoteTier(Tier):
         return self.codec.compress
 
     def names(self, keys: ChunkKeys) -> list[str]:
-        """The store names of ``keys`` (see ``block_names``; the salt is inside the key)."""
-        return block_names(self.prefix, keys)
+        """The store names of ``keys``: ``tkv2:<namespace tag>:<name digest>``, both keyed by the fleet
+        secret (``Codec.digests``; the tenant's salt is inside the key)."""
+        return self._names(self.codec.digests(keys))
+
+    def _names(self, digests: list[bytes]) -> list[str]:
+        return [self.prefix + d.hex() for d in digests]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -218,10 +228,17 @@ class RemoteTier(Tier):
         if not call.finished.wait(timeout_s):
             self._failed()
             raise RemoteUnavailable(f"{self.url}: no answer within {timeout_s * 1000:.0f} ms")
-        if isinstance(call.error, RemoteUnavailable):
+        error = call.error
+        if isinstance(error, Exception) and not isinstance(error, InvalidInput):
+            # Whatever a store's client raised (a refused connection, and also a reply it could not
+            # parse: a damaged stream, a proxy in between, a protocol error) is the store failing: a
+            # miss with the retry back-off, never an exception on the request path.
             self._failed()
-        if call.error is not None:
-            raise call.error
+            if isinstance(error, RemoteUnavailable):
+                raise error
+            raise RemoteUnavailable(f"{self.url}: {type(error).__name__}: {error}") from error
+        if error is not None:  # a misuse (InvalidInput names it), KeyboardInterrupt: not the store's
+            raise error
         return call.result
 
     def _start(self, fn) -> _Call:
@@ -278,10 +295,11 @@ class RemoteTier(Tier):
         self._check_open()
         if n == 0:
             return 0
-        names = self.names(keys)
+        digests = self.codec.digests(keys)
+        names = self._names(digests)
         guard = _Guard()
         try:
-            run, bad = self._call(lambda: self._fetch(keys, names, rows, guard), self._read_deadline(n))
+            run, bad = self._call(lambda: self._fetch(digests, names, rows, guard), self._read_deadline(n))
         except RemoteUnavailable:
             guard.cancel()  # a late call must not write into the caller's rows any more
             run, bad = 0, False
@@ -290,7 +308,7 @@ class RemoteTier(Tier):
             sink(0, rows[:run])
         return run
 
-    def _fetch(self, keys: ChunkKeys, names: list[str], rows: np.ndarray, guard: _Guard) -> tuple[int, bool]:
+    def _fetch(self, digests: list[bytes], names: list[str], rows: np.ndarray, guard: _Guard) -> tuple[int, bool]:
         """On a caller thread: check each value and write its payload into ``rows``, stopping at the first
         absent or bad one, or when the caller gave up (``guard``). Returns ``(run, bad)``."""
         run, stop, bad = 0, False, False
@@ -306,7 +324,7 @@ class RemoteTier(Tier):
                 if guard.cancelled:
                     stop = True
                     return
-                good = self.codec.decode_into(value, keys, i, rows[i])
+                good = self.codec.decode_into(value, digests[i], rows[i])
             if good:
                 run += 1
             else:
@@ -339,11 +357,13 @@ class RemoteTier(Tier):
         kv = np.ascontiguousarray(keys.keys, dtype="<u8").view("V16").ravel()
         _, first = np.unique(kv, return_index=True)
         first.sort()
-        names = self.names(keys)
+        digests = self.codec.digests(keys)
+        names = self._names(digests)
         sizes = np.zeros(n, dtype=np.int64)
 
         def encode(j: int, into):
-            value = self.codec.encode(keys, rows, int(first[todo[j]]), into)
+            i = int(first[todo[j]])
+            value = self.codec.encode(digests[i], rows[i], into)
             sizes[first[todo[j]]] = len(value)
             return value
 
@@ -351,7 +371,11 @@ class RemoteTier(Tier):
             # Probe first: a block another host already sent costs one EXISTS, not its bytes.
             todo = np.flatnonzero(~self.store.exists_many([names[i] for i in first]))
             results = self.store.put_many([names[first[j]] for j in todo], self.codec.max_bytes, encode)
-        except RemoteUnavailable:
+            if len(results) != len(todo):
+                raise RemoteUnavailable(f"{self.url}: {len(results)} answers to {len(todo)} writes")
+        except InvalidInput:
+            raise
+        except Exception:  # noqa: BLE001 - any client failure is the store's (see _call): counted, backed off
             self._failed()
             codes[first] = PutResult.NO_SPACE
             return codes

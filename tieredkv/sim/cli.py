@@ -99,10 +99,18 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: The most requests ``--synthetic`` generates: a larger count is a slip (it would run for days).
+MAX_SYNTHETIC = 10_000_000
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``tieredkv simulate``; print the table; write ``--json`` / ``--plot``. Returns the exit code."""
     if bool(args.warm) != bool(args.hot):
         print("tieredkv simulate: --hot and --warm go together", file=sys.stderr)
+        return 2
+    if args.synthetic is not None and not 1 <= args.synthetic <= MAX_SYNTHETIC:
+        print(f"tieredkv simulate: --synthetic must be positive and at most {MAX_SYNTHETIC:,} (requests), got "
+              f"{args.synthetic:,}", file=sys.stderr)
         return 2
     if args.trace and not os.path.isfile(args.trace):
         print(f"tieredkv simulate: --trace {args.trace}: " + ("not a file" if os.path.exists(args.trace)

@@ -39,6 +39,7 @@ import stat
 import struct
 import threading
 
+from tieredkv import forksafe
 from tieredkv.errors import LockTimeout, WarmTierUnavailable
 from tieredkv.hot import locks
 
@@ -84,6 +85,7 @@ class Owners:
         self.owner = -1
         self.token = 0
         self._thread_lock = threading.Lock()  # OFD locks do not exclude threads sharing the descriptor
+        forksafe.register(self)  # unlocked in a forked child (see tieredkv.forksafe)
         self._holder: int | None = None  # the thread that owns _thread_lock (and so the writer byte)
         flags = os.O_CLOEXEC | os.O_NOFOLLOW
         try:
@@ -162,8 +164,12 @@ class Owners:
         """
         if self.fd < 0 or not 0 <= owner < MAX_OWNERS or token == 0:
             return False
-        if self._entry(owner)[0] != token:
-            return False
+        written = self._entry(owner)[0]
+        if written not in (token, 0):
+            return False  # a later owner took the slot and wrote its own token: this one is gone
+        # The entry carries this token, or nothing (a zeroed or truncated file cannot vouch either
+        # way): the kernel's lock decides. A live writer's claim is never freed on the file's word,
+        # or its late copy would land on a reused slot.
         return locks.is_locked(self.fd, REGISTRY_BASE + owner)
 
     def others(self) -> list[tuple[int, tuple[int, int, int]]]:

@@ -45,7 +45,7 @@ import numpy as np
 import xxhash
 from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
-from tieredkv import policies
+from tieredkv import forksafe, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError, WarmTierUnavailable
 from tieredkv.keys import KEY_BYTES, ChunkKeys, key_at
 from tieredkv.layout import as_block_bytes
@@ -62,6 +62,7 @@ from tieredkv.warm.view import PolicyView
 #: of) a claim another handle is still writing.
 _OWN_CLAIMS: set[tuple[int, int]] = set()
 _OWN_CLAIMS_LOCK = threading.Lock()
+forksafe.register_function(lambda: forksafe.renew(_OWN_CLAIMS_LOCK))
 
 
 def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int]:
@@ -177,6 +178,7 @@ class WarmTier(Tier):
         self.evict_payloads = True
         self._closed = True
         self._lock = threading.RLock()
+        forksafe.register(self)  # unlocked in a forked child: a write-behind write may hold it at fork
         self._rng = default_rng()
         self._map_size = map_size_bytes
         self._map_max = map_max_bytes
@@ -291,10 +293,29 @@ class WarmTier(Tier):
         if os.getpid() != self._pid:
             self._after_fork()
 
+    # ---- fork (tieredkv.forksafe): no LMDB transaction may be open on another thread at fork, or the
+    # child can neither close the inherited environment (py-lmdb waits for that thread for ever) nor
+    # open its own (py-lmdb refuses a second one). Every transaction of this handle runs under _lock,
+    # so the parent takes it just before fork: fork waits for the write under way (bounded).
+    _fork_quiet = True
+
+    def _before_fork(self) -> None:
+        self._fork_quiet = self._lock.acquire(timeout=self.lock_timeout_s + 5.0)
+
+    def _after_fork_in_parent(self) -> None:
+        if self._fork_quiet:
+            self._lock.release()
+
     def _after_fork(self) -> None:
         # LMDB: never use an environment opened by the parent. Drop the inherited copy (see
         # Index.close), open our own, and start with empty per-process state. Slab descriptors are
         # plain fds: inherited ones work for pread/pwrite as they are.
+        if not self._fork_quiet:
+            # Forked while a transaction of the parent's could not end in time: the inherited
+            # environment cannot be closed in this child, so this handle serves nothing here.
+            self._closed = True
+            raise WarmTierUnavailable(f"{self.path}: this process was forked while a warm write held the "
+                                      f"index for over {self.lock_timeout_s + 5.0:.0f} s; open a new WarmTier")
         self._index.close()
         self._reset_process_state()
         self._open_index()

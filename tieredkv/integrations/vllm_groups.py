@@ -172,8 +172,8 @@ def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:
         if (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype) != \
                 (first.block_size, first.num_kv_heads, first.head_size, first.dtype):
             raise _refuse("KV cache groups with different block sizes, head geometry or dtypes",
-                          f"{type(first).__name__}{first.block_size, first.num_kv_heads, first.head_size} vs "
-                          f"{type(spec).__name__}{spec.block_size, spec.num_kv_heads, spec.head_size}")
+                          f"{type(first).__name__}{first.block_size, first.num_kv_heads, first.head_size, first.dtype}"
+                          f" vs {type(spec).__name__}{spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype}")
         if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
             raise _refuse("packed KV pages", "one slot per KV head and one state per token are needed")
         if isinstance(spec, MLAAttentionSpec):

@@ -1,0 +1,84 @@
+"""One vLLM engine per model family for tests/test_vllm_families.py (a script, not a test module).
+
+``python tests/vllm_families.py JOB.json`` builds the tiny random-weight model of ``job["family"]``
+(``FAMILIES``), starts one CPU engine on it with the TieredKVConnector and runs, greedy, one prompt
+longer than any sliding window:
+
+- ``miss``: computed from scratch; the tiers are empty, so this is what an engine without the
+  connector computes (the connector only stores);
+- ``tier``: after ``reset_prefix_cache()`` (vLLM forgets its own prefix cache, the tiers keep theirs)
+  the same prompt: its prefix comes from the hot tier;
+- ``local``: the same prompt once more: vLLM's own prefix cache serves it (what an MLA backend whose
+  cached-prefix continuation is not bitwise equal to a full prefill must be compared with);
+- ``zeroed``: the control: the prefix's blocks in the hot tier are replaced by zeros and vLLM's
+  cache is reset again, so the restored prefix is wrong and the output must change.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the script also
+reports the connector's spec, its cache layout and the hot tier's counters. One engine start per
+family: the starts are the slow part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+#: family -> (config factory name in tieredkv.integrations.models, weight dtype, LLM keyword arguments)
+FAMILIES = {
+    "mla": ("tiny_deepseek_v3_config", "bfloat16", {"dtype": "bfloat16"}),
+    "sliding": ("tiny_mistral_config", "float32", {"dtype": "float32"}),
+    "hybrid-sliding": ("tiny_gemma3_config", "float32", {"dtype": "float32"}),
+    "fp8": ("tiny_llama_config", "float32", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
+}
+
+
+def run(job: dict) -> dict:
+    os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from tieredkv.integrations import models
+
+    factory, weights, llm_kwargs = FAMILIES[job["family"]]
+    overrides = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                 "head_dim": 64, "max_position_embeddings": 1024} if job["family"] == "fp8" else {}
+    # Larger random weights than the default 0.02 make greedy outputs depend on the whole prefix.
+    overrides["initializer_range"] = 0.2
+    model = models.save_random_model(getattr(models, factory)(**overrides), job["model_dir"], dtype=weights)
+    ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="tieredkv.integrations.vllm",
+                           kv_role="kv_both", kv_connector_extra_config=job["extra"],
+                           kv_load_failure_policy="recompute")
+    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=1024, enforce_eager=True, block_size=32,
+              max_num_seqs=2, enable_prefix_caching=True, kv_transfer_config=ktc, **llm_kwargs)
+    params = SamplingParams(max_tokens=job.get("max_tokens", 8), temperature=0.0, detokenize=False)
+    core = llm.llm_engine.engine_core.engine_core
+    conn = core.scheduler.connector
+    doc: dict = {"spec": conn.spec.to_dict(), "family": conn._layout.family,
+                 "groups": [[g.family, list(g.layers), g.window] for g in conn._layout.groups]}
+    import numpy as np
+    import torch
+
+    doc["amx"] = bool(torch.cpu._is_amx_tile_supported())  # vLLM picks AMX_MLA over CPU_MLA when true
+    for name in ("miss", "tier", "local", "zeroed"):
+        if name in ("tier", "zeroed"):
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+        if name == "zeroed":  # the control: the same blocks, zero-filled, must change the output
+            hit = conn.cache.lookup(job["tokens"])
+            conn.cache.hot.remove(hit.keys)
+            conn.cache.hot.put_many(hit.keys, np.zeros((len(hit.keys), conn.spec.block_bytes), np.uint8))
+        out = llm.generate([{"prompt_token_ids": job["tokens"]}], params, use_tqdm=False)[0]
+        doc[name] = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
+        doc[name + "-stats"] = {k: v for k, v in conn.cache.stats().items() if isinstance(v, (int, float))}
+    doc["hot_used_blocks"] = int(conn.cache.hot.stats().to_dict()["used_blocks"])
+    return doc
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    result = run(job)
+    with open(job["out"], "w") as f:
+        json.dump(result, f)

@@ -1,8 +1,8 @@
 """One vLLM engine per model family for tests/test_vllm_families.py (a script, not a test module).
 
-``python tests/vllm_families.py JOB.json`` builds the tiny random-weight model of ``job["family"]``
-(``FAMILIES``), starts one CPU engine on it with the TieredKVConnector and runs, greedy, one prompt
-longer than any sliding window:
+``python tests/vllm_families.py JOB.json`` builds, for each of ``job["families"]`` (``FAMILIES``),
+its tiny random-weight model, starts one CPU engine on it with the TieredKVConnector (its own hot
+segment, removed after) and runs, greedy, one prompt longer than any sliding window:
 
 - ``miss``: computed from scratch; the tiers are empty, so this is what an engine without the
   connector computes (the connector only stores);
@@ -14,8 +14,8 @@ longer than any sliding window:
   cache is reset again, so the restored prefix is wrong and the output must change.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the script also
-reports the connector's spec, its cache layout and the hot tier's counters. One engine start per
-family: the starts are the slow part.
+reports the connector's spec, its cache layout and the hot tier's counters. The engines run one
+after another in this one process, so vLLM is imported once.
 """
 
 from __future__ import annotations
@@ -34,6 +34,20 @@ FAMILIES = {
 
 
 def run(job: dict) -> dict:
+    """Run each of ``job["families"]`` on its own engine, one after another in this process."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    docs = {}
+    for family in job["families"]:
+        docs[family] = run_family(family, job)
+        gc.collect()
+        cleanup_dist_env_and_memory()  # the next engine initialises its own (single-rank) group
+    return docs
+
+
+def run_family(family: str, job: dict) -> dict:
     os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
                       VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
@@ -42,14 +56,15 @@ def run(job: dict) -> dict:
 
     from tieredkv.integrations import models
 
-    factory, weights, llm_kwargs = FAMILIES[job["family"]]
+    factory, weights, llm_kwargs = FAMILIES[family]
     overrides = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-                 "head_dim": 64, "max_position_embeddings": 1024} if job["family"] == "fp8" else {}
+                 "head_dim": 64, "max_position_embeddings": 1024} if family == "fp8" else {}
     # Larger random weights than the default 0.02 make greedy outputs depend on the whole prefix.
     overrides["initializer_range"] = 0.2
-    model = models.save_random_model(getattr(models, factory)(**overrides), job["model_dir"], dtype=weights)
+    model = models.save_random_model(getattr(models, factory)(**overrides), os.path.join(job["model_dir"], family),
+                                     dtype=weights)
     ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="tieredkv.integrations.vllm",
-                           kv_role="kv_both", kv_connector_extra_config=job["extra"],
+                           kv_role="kv_both", kv_connector_extra_config={**job["extra"], "hot_name": f"{job['hot_name']}-{family}"},
                            kv_load_failure_policy="recompute")
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=1024, enforce_eager=True, block_size=32,
               max_num_seqs=2, enable_prefix_caching=True, kv_transfer_config=ktc, **llm_kwargs)
@@ -73,6 +88,8 @@ def run(job: dict) -> dict:
         doc[name] = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
         doc[name + "-stats"] = {k: v for k, v in conn.cache.stats().items() if isinstance(v, (int, float))}
     doc["hot_used_blocks"] = int(conn.cache.hot.stats().to_dict()["used_blocks"])
+    conn.cache.unlink_hot()
+    del llm, core, conn
     return doc
 
 

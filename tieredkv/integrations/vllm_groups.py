@@ -47,7 +47,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from tieredkv.errors import InvalidInput
-from tieredkv.spec import normalize_dtype
+from tieredkv.spec import normalize_dtype, sliding_window_extra
 
 #: vLLM ``cache_dtype`` strings of per-tensor fp8 caches -> tieredkv dtype names.
 FP8_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -129,12 +129,8 @@ def _hf(vllm_config: Any) -> Any:
 def _sliding_descriptor(vllm_config: Any, n_layers: int) -> str:
     """The model's sliding window and which layers slide, as the model config states them."""
     hf = _hf(vllm_config)
-    window = getattr(hf, "sliding_window", None) if hf is not None else None
-    if not window:
-        return ""
-    types = getattr(hf, "layer_types", None)
-    pattern = "".join("s" if "sliding" in str(t) else "f" for t in types) if types else "s" * n_layers
-    return f"window={int(window)}:{pattern}"
+    doc = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)) if hf is not None else {}
+    return sliding_window_extra(doc, n_layers)
 
 
 def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:

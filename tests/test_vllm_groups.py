@@ -351,3 +351,32 @@ def test_mla_latent_is_written_once_and_restored_on_every_rank(models, seg_name,
     for w, _ in [*ranks, *fresh]:
         w.shutdown()
 
+
+
+# ---- fp8: the pages' own bytes -------------------------------------------------------------------------------
+def test_fp8_pages_round_trip_as_their_bytes(models, seg_name):
+    """Regression: fp8 pages (uint8 tensors) were refused by the cache's dtype check at every save."""
+    n = names(2)
+    kvc = kv_config((n, full(torch.uint8, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)))
+    cfg = config(models["llama"], extra(seg_name), 2, cache_dtype="fp8")
+    w, pages = worker(cfg, kvc)
+    kv = model_kv(w, 256, seed=5)
+    assert kv.dtype == torch.uint8 and w.spec.dtype == "float8_e4m3fn"
+    sched = scheduler(cfg, kvc)
+    tokens = np.arange(9, 209)
+    a = request("a", tokens)
+    sched.add_request(a)
+    ids: dict = {}
+    run_step(sched, [w], [a], kv, ids)
+    assert w.cache.lookup(tokens).tokens == 192
+    sched2 = scheduler(cfg, kvc)
+    w2, pages2 = worker(cfg, kvc)
+    b = request("b", tokens)
+    sched2.add_request(b)
+    out, _, errors = run_step(sched2, [w2], [b], None, {})
+    assert errors == set() and out.num_scheduled_tokens["b"] == 200 - 192
+    got = out.scheduled_new_reqs[0].block_ids[0][:6]
+    for layer in n:
+        assert torch.equal(pages2[layer][got], pages[layer][ids["a"][0][:6]])
+    w.shutdown()
+    w2.shutdown()

@@ -210,6 +210,12 @@ def _leading_nulls(ids: Any) -> int:
     return n
 
 
+def _raw(host: torch.Tensor) -> Any:
+    """fp8 pages travel as uint8 (``register_kv_caches``); torch has no fp8 view the cache checks
+    against the spec's fp8 dtype, so their host buffer goes to the cache as numpy bytes."""
+    return host.numpy() if host.dtype == torch.uint8 else host
+
+
 def _salt(request: Any) -> bytes:
     salt = getattr(request, "cache_salt", None)
     return salt.encode() if isinstance(salt, str) else bytes(salt or b"")
@@ -413,7 +419,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             done = 0
             try:
                 host = paged.host_buffer(plan.hit.tokens)
-                loaded = self.cache.load(plan.hit, host)
+                loaded = self.cache.load(plan.hit, _raw(host))
                 done = max(loaded - plan.skip_tokens, 0) // N
                 for group in self._layout.groups:
                     ids = plan.block_ids[group.index][:done]
@@ -444,7 +450,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 host = paged.host_buffer(len(plan.token_ids))
                 for group in self._layout.groups:
                     paged.read(plan.block_ids[group.index], host[:, :, :, plan.start_token:], layers=group.layers)
-                self.cache.store(plan.token_ids, host, plan.salt, from_token=plan.start_token)
+                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token)
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
 

@@ -204,13 +204,16 @@ def tiny_mistral_config(**overrides: Any):
 
 
 def tiny_gemma3_config(**overrides: Any):
-    """A small Gemma 3 text config: sliding-window and full-attention layers interleaved."""
+    """A small Gemma 3 text config: sliding-window and full-attention layers interleaved.
+
+    Untied embeddings: with tied ones a small random Gemma 3 echoes its last input token whatever
+    the prefix, which would hide a wrong prefix from a test comparing outputs."""
     from transformers import Gemma3TextConfig
 
     fields: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
                   sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
     fields.update(overrides)
     return Gemma3TextConfig(**fields)
 

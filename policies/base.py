@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from . import _jit
 from .state import SlotState
 
 _REGISTRY: dict[str, type[EvictionPolicy]] = {}
@@ -198,11 +199,28 @@ def _load_entry_points() -> None:
 
 
 # ---- the operations homes call ------------------------------------------------------------------
+def _int64s(values, n: int) -> np.ndarray:
+    """``values`` (an array or a scalar) as ``n`` contiguous int64s, for the compiled kernels."""
+    a = np.asarray(values, dtype=np.int64)
+    if a.shape == (n,):
+        return np.ascontiguousarray(a)
+    return np.ascontiguousarray(np.broadcast_to(a, (n,)))
+
+
 def insert(policy: EvictionPolicy, st: SlotState, slots: np.ndarray, key64: np.ndarray,
            parents: np.ndarray, positions: np.ndarray) -> None:
     """Make ``slots`` resident. ``parents``: parent slot per block or -1. Under the home's lock."""
     slots = np.asarray(slots, dtype=np.int64)
     if not len(slots):
+        return
+    if _jit.ENABLED:
+        end = st.add_g("tick", len(slots))
+        _jit.insert_common(st.resident, st.key64, st.last_access, st.insert_tick, st.hits, st.n_children,
+                           st.position, st.parent, slots,
+                           np.asarray(key64, dtype=np.uint64).view(np.int64).reshape(len(slots)),
+                           _int64s(parents, len(slots)), _int64s(positions, len(slots)), end - len(slots) + 1)
+        st.add_g("n_resident", len(slots))
+        policy.on_insert(st, slots)
         return
     ticks = st.advance(len(slots))
     st.resident[slots] = 1
@@ -242,6 +260,10 @@ def remove(policy: EvictionPolicy, st: SlotState, slots: np.ndarray, *, evicted:
     if not len(slots):
         return
     policy.on_remove(st, slots, evicted)
+    if _jit.ENABLED:
+        _jit.remove_common(st.resident, st.parent, st.n_children, slots)
+        st.add_g("n_resident", -len(slots))
+        return
     parents = st.parent[slots]
     live = parents >= 0
     if live.any():
@@ -290,7 +312,7 @@ def evict(policy: EvictionPolicy, st: SlotState, n: int, evictable: np.ndarray |
         st.incoming = None
     if len(victims) and not candidates[victims].all():
         raise RuntimeError(f"policy {policy.name!r} chose a slot that was not a candidate")
-    if len(victims) > n or (len(victims) > 1 and len(np.unique(victims)) != len(victims)):
+    if len(victims) > n or (len(victims) > 1 and len(set(victims.tolist())) != len(victims)):
         raise RuntimeError(f"policy {policy.name!r} chose {len(victims)} victims for n={n}, or a slot twice")
     remove(policy, st, victims, evicted=True)
     return victims

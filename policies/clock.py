@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _jit
 from .base import EvictionPolicy, register
 from .order import OrderCursor
 
@@ -46,6 +47,10 @@ class Clock(EvictionPolicy):
         st.clock_ref[slots] = np.minimum(st.clock_ref[slots] + 1, self.max_ref)
 
     def choose(self, st, n, candidates):
+        if _jit.ENABLED:
+            victims, seq = _jit.clock_choose(st.clock_ref, st.clock_order, candidates, int(n), st.g("clock_seq"))
+            st.set_g("clock_seq", int(seq))
+            return victims
         ref, order = st.clock_ref, st.clock_order
         mask = candidates.copy()
         hand = OrderCursor(order, mask)

@@ -8,13 +8,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _jit
+
 
 def oldest(field: np.ndarray, n: int, candidates: np.ndarray) -> np.ndarray:
-    """The ``n`` candidate slots with the smallest ``field`` values, smallest first."""
+    """The ``n`` candidate slots smallest by ``(field, slot)``, in that order.
+
+    Ties in ``field`` go to the lower slot, so the choice is one and the same in every process
+    (with or without the compiled kernel, ``_jit.oldest``, which does exactly this in one pass).
+    """
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if _jit.ENABLED:
+        return _jit.oldest(field, int(n), candidates)
     slots = np.flatnonzero(candidates)
     if n < len(slots):
-        part = np.argpartition(field[slots], n - 1)[:n]
-        slots = slots[part]
+        values = field[slots]
+        kth = np.partition(values, n - 1)[n - 1]
+        below = slots[values < kth]
+        slots = np.concatenate([below, slots[values == kth][:n - len(below)]])
     return slots[np.argsort(field[slots], kind="stable")][:n]
 
 

@@ -44,6 +44,8 @@ import numpy as np
 
 from tieredkv.hashtable import ProbeTable
 
+from . import _jit
+
 COMMON_SLOT_FIELDS = ("resident", "key64", "last_access", "insert_tick", "hits", "parent",
                       "n_children", "position")
 COMMON_GLOBAL_FIELDS = ("tick", "n_resident")
@@ -53,6 +55,8 @@ WORD = 8
 GHOST_LIVE = 1
 #: A policy-defined mark on a live ghost entry (ARC: "p was already adapted for this key").
 GHOST_MARK = 2
+#: Flag bits below this shift; a policy's tag (``ghost_push(..., tags=)``) above it.
+GHOST_TAG_SHIFT = 2
 
 
 class StateLayout:
@@ -142,6 +146,10 @@ class SlotState:
         # times cheaper than numpy scalar indexing.
         self._w = words[:3 * L + 2 * L * R].data.cast("B").cast("q")
         self._o_flag = 3 * L + L * R
+        # The same words as arrays, for the compiled kernels (``_jit``); only when there are ghosts.
+        self._kernels = _jit.ENABLED and T > 0
+        self._gw = words[:3 * L + 2 * L * R]
+        self._tshift = self._table._shift
         self.n_slots = n
         #: Keys about to be inserted, while ``evict(..., incoming=...)`` runs (process-local).
         self.incoming: np.ndarray | None = None
@@ -190,6 +198,15 @@ class SlotState:
     def set_gf(self, name: str, value: float) -> None:
         self._globals.view(np.float64)[self._gindex[name]] = value
 
+    def global_index(self, name: str) -> int:
+        """Index of the global word ``name`` in ``globals_view()`` (a policy's tables of words are
+        consecutive names, so one slice of the view holds a whole table)."""
+        return self._gindex[name]
+
+    def globals_view(self, dtype=np.int64) -> np.ndarray:
+        """All global words as one array (``np.float64`` for tables of floats); writes go to the state."""
+        return self._globals.view(dtype)
+
     def f64(self, field: str) -> np.ndarray:
         """A per-slot field viewed as float64 (for priorities that are not integers)."""
         return getattr(self, field).view(np.float64)
@@ -212,7 +229,8 @@ class SlotState:
 
     def ghost_find(self, key64: int) -> tuple[int, int]:
         """``(list, flags)`` of ``key64`` if it is a ghost, else ``(-1, 0)``."""
-        i = self._tfind(int(key64))
+        i = (_jit.table_find(self._table.keys, self._table.refs, int(key64), self._tshift) if self._kernels
+             else self._tfind(int(key64)))
         if i < 0:
             return -1, 0
         ref = self._table.value_at(i)
@@ -225,6 +243,9 @@ class SlotState:
         flags = np.zeros(len(keys), dtype=np.int64)
         if not self.layout.ghost_table or not len(keys) or not self._glive.any():
             return lists, flags
+        if self._kernels:
+            return _jit.ghost_lookup(self._gw, self._table.keys, self._table.refs, np.ascontiguousarray(keys),
+                                     self.layout.ghost_lists, self.layout.ghost_ring, self._tshift)
         ref = self._table.lookup(keys)
         found = ref >= 0
         lists[found] = ref[found] // self.layout.ghost_ring
@@ -240,7 +261,7 @@ class SlotState:
         self._w[at] = self._w[at] | GHOST_MARK
         return True
 
-    def ghost_push(self, key64s, lst: int = 0, *, fresh: bool = False) -> None:
+    def ghost_push(self, key64s, lst: int = 0, *, fresh: bool = False, tags=None) -> None:
         """Append keys (oldest first) to ghost list ``lst``, dropping its oldest live keys if full.
 
         Args:
@@ -248,12 +269,25 @@ class SlotState:
             lst: which ghost list.
             fresh: the caller knows none of the keys is a ghost already (keys of blocks that were
                 resident: a key leaves the ghosts when its block is inserted), so skip that check.
+            tags: optional small non-negative ints, one per key, kept in the entry's flags above the
+                flag bits (``flags >> GHOST_TAG_SHIFT`` reads it back): what the policy wants to
+                remember about an evicted block, e.g. its class.
         """
         if not self.layout.ghost_lists:
             return
         R, cap = self.layout.ghost_ring, self.layout.ghost_slots
+        if self._kernels:
+            keys_a = np.ascontiguousarray(np.atleast_1d(np.asarray(key64s, dtype=np.int64)))
+            flags_a = (np.full(len(keys_a), GHOST_LIVE, dtype=np.int64) if tags is None else
+                       np.ascontiguousarray(GHOST_LIVE | (np.asarray(tags, dtype=np.int64) << GHOST_TAG_SHIFT)))
+            _jit.ghost_push(self._gw, self._table.keys, self._table.refs, keys_a, flags_a, lst,
+                            self.layout.ghost_lists, R, cap, self._tshift, fresh)
+            return
         w, o_flag, H = self._w, self._o_flag, 3 * lst
-        for k in np.atleast_1d(np.asarray(key64s, dtype=np.int64)).tolist():
+        keys = np.atleast_1d(np.asarray(key64s, dtype=np.int64)).tolist()
+        flag_words = ([GHOST_LIVE] * len(keys) if tags is None else
+                      (GHOST_LIVE | (np.asarray(tags, dtype=np.int64) << GHOST_TAG_SHIFT)).tolist())
+        for k, flag in zip(keys, flag_words):
             if not fresh and self._tfind(k) >= 0:
                 self.ghost_remove(k)
             if w[H + 2] >= cap:
@@ -263,7 +297,7 @@ class SlotState:
             tail = w[H + 1]
             ref = lst * R + tail % R
             w[3 * self.layout.ghost_lists + ref] = k
-            w[o_flag + ref] = GHOST_LIVE
+            w[o_flag + ref] = flag
             self._table.insert(k, ref)
             w[H + 1] = tail + 1
             w[H + 2] += 1
@@ -271,6 +305,10 @@ class SlotState:
     def ghost_pop(self, lst: int = 0) -> int | None:
         """Forget and return the oldest live key of list ``lst`` (None if it has none)."""
         R = self.layout.ghost_ring
+        if self._kernels:
+            found, key = _jit.ghost_pop(self._gw, self._table.keys, self._table.refs, lst, self.layout.ghost_lists,
+                                        R, self._tshift)
+            return int(key) if found else None
         w, o_flag, o_ring, H = self._w, self._o_flag, 3 * self.layout.ghost_lists, 3 * lst
         head, tail = w[H], w[H + 1]
         while head < tail:
@@ -308,6 +346,9 @@ class SlotState:
         """Forget ``key64`` (it became resident again). Returns its list, or -1 if it was no ghost."""
         if not self.layout.ghost_lists:
             return -1
+        if self._kernels:
+            return int(_jit.ghost_remove(self._gw, self._table.keys, self._table.refs, int(key64),
+                                         self.layout.ghost_lists, self.layout.ghost_ring, self._tshift))
         i = self._tfind(int(key64))
         if i < 0:
             return -1

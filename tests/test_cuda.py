@@ -41,9 +41,9 @@ def test_hot_restore_into_cuda_is_exact_and_registers_the_segment(seg_name, dtyp
         assert cache.load(hit, big) == hit.tokens
         assert torch.equal(big[:, :, :, :hit.tokens].cpu(), kv[:, :, :, :hit.tokens])
         assert not big[:, :, :, hit.tokens:].any()
-        assert cache._host_registry is not None and cache._host_registry._ptrs  # DMA path taken
+        assert cache._placement.host_registry is not None and cache._placement.host_registry._ptrs  # DMA path taken
         cache.unlink_hot()
-    assert not cache._host_registry._ptrs  # unregistered before the segment was unmapped
+    assert not cache._placement.host_registry._ptrs  # unregistered before the segment was unmapped
 
 
 def test_mixed_hot_and_warm_restore_into_cuda(seg_name, tmp_path):

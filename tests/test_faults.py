@@ -124,7 +124,7 @@ def test_lmdb_map_full_degrades_and_keeps_what_was_stored(cache, tmp_path):
     cache.store(first, kv_for(SPEC, first))
     # Swap in a handle whose LMDB map may not grow: the next big store fills it.
     cache.warm.close()
-    cache.warm = WarmTier(SPEC, tmp_path / "warm", map_size_bytes=64 << 10, map_max_bytes=64 << 10)
+    cache.level("warm").tier = WarmTier(SPEC, tmp_path / "warm", map_size_bytes=64 << 10, map_max_bytes=64 << 10)
     big = np.arange(100_000, 100_000 + 4 * 200 + 1)
     with pytest.warns(RuntimeWarning, match="map limit"):
         assert cache.store(big, kv_for(SPEC, big)) > 0

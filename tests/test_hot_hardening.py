@@ -134,7 +134,7 @@ def test_attach_only_to_a_missing_segment_is_invalid_input(tiny_spec, seg_name):
 
 
 @pytest.mark.parametrize("kwargs, msg", [
-    (dict(hot_bytes="8M"), "hot_bytes must be a positive integer"),
+    (dict(hot_bytes="8 lots"), "hot_bytes must be a byte count or a size like '512M'"),  # "8M" is a size
     (dict(hot_bytes=1 << 20, lock_timeout_s="x"), "lock_timeout_s must be a positive"),
     (dict(hot_blocks=True), "hot_blocks must be a positive integer"),
 ])

@@ -78,8 +78,15 @@ def remote_tier(spec: KVSpec, capacity_blocks: int, where: pathlib.Path, cleanup
 #: which blocks ``evict`` and a full tier choose do not apply (store eviction: tests/test_remote.py).
 remote_tier.evicts_by_itself = True
 
+def memory_tier(spec: KVSpec, capacity_blocks: int, where: pathlib.Path, cleanup: list) -> Tier:
+    """The fourth level of tests/test_levels.py: process memory, LRU."""
+    from tieredkv.memory import MemoryTier
+
+    return MemoryTier(spec, capacity_blocks)
+
+
 TIER_FACTORIES = [pytest.param(hot_tier, id="hot"), pytest.param(warm_tier, id="warm"),
-                  pytest.param(remote_tier, id="remote")]
+                  pytest.param(remote_tier, id="remote"), pytest.param(memory_tier, id="memory")]
 
 
 @pytest.fixture(params=TIER_FACTORIES)

@@ -130,9 +130,9 @@ def cfg(model_dir, seg_name, tmp_path):
 
 # ---- configuration ----------------------------------------------------------------------------------
 def test_extra_config_passes_every_tieredcache_argument_and_parses_sizes():
-    import inspect
+    from tieredkv.config import KEYWORDS
 
-    accepted = [p for p in inspect.signature(TieredCache.__init__).parameters if p not in ("self", "spec")]
+    accepted = list(KEYWORDS)
     kwargs = tv.cache_kwargs({name: None for name in accepted} | {"hot_bytes": "8G", "warm_bytes": "1.5G"})
     assert set(kwargs) == set(accepted)
     assert kwargs["hot_bytes"] == 8 << 30 and kwargs["warm_bytes"] == 3 << 29

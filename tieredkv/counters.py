@@ -39,7 +39,8 @@ ROW_FIELDS = [
 ]
 ROW_DTYPE = np.dtype(ROW_FIELDS)
 
-_INDEX = {name: i for i, name in enumerate(CACHE_FIELDS)}
+#: Position of each name in ``CACHE_FIELDS``.
+FIELD_INDEX = {name: i for i, name in enumerate(CACHE_FIELDS)}
 _BOUNDS = np.asarray(LATENCY_BUCKETS_S)
 
 
@@ -60,13 +61,13 @@ class CacheCounters:
 
     def add(self, name: str, n: int) -> None:
         """Add ``n`` to counter ``name`` (one of ``CACHE_FIELDS``)."""
-        self.values[_INDEX[name]] += n
+        self.values[FIELD_INDEX[name]] += n
 
     def observe(self, what: str, seconds: float) -> None:
         """Record a lookup or load latency (``what`` is ``"lookup"`` or ``"load"``)."""
         hist = self.lookup_hist if what == "lookup" else self.load_hist
         hist[int(np.searchsorted(_BOUNDS, seconds))] += 1
-        self.values[_INDEX[what + "_ns"]] += int(seconds * 1e9)
+        self.values[FIELD_INDEX[what + "_ns"]] += int(seconds * 1e9)
 
     def totals(self) -> dict[str, Any]:
         """The sums over every row (see ``totals``)."""

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from tieredkv.config import CacheConfig, HotConfig, WarmConfig
 from tieredkv.errors import InvalidInput
 from tieredkv.keys import as_tokens, chunk_keys
 from tieredkv.spec import KVSpec, parse_bytes
@@ -133,6 +134,13 @@ class Settings:
     configs: tuple = CONFIGS
     namespace_tag: str = ""
 
+    def cache_config(self) -> CacheConfig:
+        """The shared cache of the ``shared`` and ``restart`` runs: the defaults. Every stored block is
+        written behind to the warm tier, and the workers close their caches when stopped (which
+        writes what is queued): what makes ``restart`` find every block."""
+        return CacheConfig(hot=HotConfig(bytes=self.hot_bytes, promotion="always"),
+                           warm=WarmConfig(self.warm_dir, self.warm_bytes, write="write_behind"), eviction="lru")
+
 
 #: With a real model (one that has a tokenizer) the prompts are text: this system prompt, repeated up to
 #: ``prefix_tokens``, then one of these questions (truncated to ``suffix_tokens``).
@@ -204,13 +212,7 @@ def _open_cache(config: str, settings: Settings, spec: KVSpec):
         return PrivatePrefixCache(spec)
     from tieredkv import TieredCache
 
-    return TieredCache(spec, hot_bytes=settings.hot_bytes, warm_dir=settings.warm_dir,
-                       warm_bytes=settings.warm_bytes, **_SHARED_POLICY)
-
-
-#: The defaults: every stored block is written behind to the warm tier, and the workers close their
-#: caches when stopped (which writes what is queued): what makes ``restart`` find every block.
-_SHARED_POLICY = {"eviction": "lru", "promotion": "always", "demotion": "write_behind"}
+    return TieredCache(spec, settings.cache_config())
 
 
 def _prefix_held(cache: Any, spec: KVSpec, prefix: np.ndarray) -> tuple[int, int]:

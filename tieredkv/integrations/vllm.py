@@ -26,7 +26,6 @@ once in ``tieredkv.integrations.vllm_groups``.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import queue
 import threading
@@ -47,6 +46,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingConte
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from tieredkv.cache import PrefixHit, TieredCache
+from tieredkv.config import KEYWORDS, CacheConfig
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_view
 from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
@@ -56,37 +56,45 @@ from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
 
-#: ``kv_connector_extra_config`` keys the connector reads itself; every other key must be an
-#: argument of ``TieredCache`` and is passed to it unchanged (``*_bytes`` values may be "8G").
+#: ``kv_connector_extra_config`` keys the connector reads itself; every other key must be one of
+#: ``TieredCache``'s keywords (``tieredkv.config.KEYWORDS``; sizes may be "8G").
 CONNECTOR_KEYS = ("chunk_tokens", "model_id")
 
 #: Hot-tier size when the config gives neither ``hot_bytes`` nor ``hot_blocks``.
 DEFAULT_HOT_BYTES = 1 << 30
 
+
 # ---- configuration -----------------------------------------------------------------------------
 def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> dict[str, Any]:
     """``TieredCache`` keyword arguments from a vLLM ``extra_config`` mapping.
 
-    Every key ``TieredCache.__init__`` accepts passes through unchanged (so arguments added to it later
-    work from the vLLM config with no change here); ``*_bytes`` values are parsed as sizes ("8G").
+    The keys are ``tieredkv.config.KEYWORDS`` (the one list of the cache's options) and ``own_keys``;
+    ``*_bytes`` values are parsed as sizes ("8G").
 
     Raises:
         InvalidInput: an unknown key (the message lists the valid ones) or a malformed size.
     """
     extra = dict(extra or {})
-    params = inspect.signature(TieredCache.__init__).parameters
-    accepted = [name for name in params if name not in ("self", "spec")]
-    unknown = sorted(set(extra) - set(accepted) - set(own_keys))
+    unknown = sorted(set(extra) - set(KEYWORDS) - set(own_keys))
     if unknown:
         raise InvalidInput(f"unknown kv_connector_extra_config keys {unknown}; valid keys: "
-                           f"{sorted([*accepted, *own_keys])}")
-    kwargs = {name: extra[name] for name in accepted if name in extra}
+                           f"{sorted([*KEYWORDS, *own_keys])}")
+    kwargs = {name: extra[name] for name in KEYWORDS if name in extra}
     for name, value in kwargs.items():
         if name.endswith("_bytes") and value is not None:
             kwargs[name] = parse_bytes(value, what=name)
     if kwargs.get("hot_bytes") is None and kwargs.get("hot_blocks") is None:
         kwargs["hot_bytes"] = DEFAULT_HOT_BYTES
     return kwargs
+
+
+def cache_config(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> CacheConfig:
+    """The ``CacheConfig`` of a vLLM ``extra_config`` mapping (see ``cache_kwargs``), every option checked.
+
+    Raises:
+        InvalidInput: an unknown key or a bad value (the message names the key).
+    """
+    return CacheConfig.from_kwargs(**cache_kwargs(extra, own_keys=own_keys))
 
 
 def _default_chunk_tokens(block_size: int) -> int:
@@ -252,7 +260,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        kwargs = cache_kwargs(extra)
+        config = cache_config(extra)
         tp_rank = 0
         if role == KVConnectorRole.WORKER and vllm_config.parallel_config.tensor_parallel_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -264,7 +272,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_size = self._layout.block_size
         # A replicated cache (MLA) is written by rank 0 alone; every rank loads it.
         self._writer = not self._layout.replicated or tp_rank == 0
-        self.cache = TieredCache(self.spec, **kwargs)
+        self.cache = TieredCache(self.spec, config)
         # scheduler side
         self._lookups: dict[str, tuple[PrefixHit, int]] = {}
         self._loads: dict[str, LoadPlan] = {}
@@ -480,7 +488,7 @@ def offload_keys(spec: KVSpec, keys: Any) -> ChunkKeys:
 
 
 class TieredKVTier(SecondaryTierManager):
-    """tieredkv's hot (shared memory) and warm (disk) tiers as a vLLM secondary offloading tier.
+    """tieredkv's levels (hot shared memory, warm disk, remote) as a vLLM secondary offloading tier.
 
     Every chunk of vLLM's CPU (primary) tier is one opaque tieredkv block under a namespace of the
     model, the KV dtype and the chunk size, so engines of one host share chunks through shared memory
@@ -495,7 +503,7 @@ class TieredKVTier(SecondaryTierManager):
                  backpressure_detector: Any = None, **config: Any):
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
-        kwargs = cache_kwargs({k: v for k, v in config.items() if k != "locality"}, own_keys=("model_id",))
+        cache_cfg = cache_config({k: v for k, v in config.items() if k != "locality"}, own_keys=("model_id",))
         chunk_bytes = self.block_size_bytes
         rows = np.asarray(primary_kv_view)
         self._primary = rows.view(np.uint8).reshape(rows.shape[0], -1)
@@ -509,7 +517,7 @@ class TieredKVTier(SecondaryTierManager):
         # One opaque block per chunk: 1 layer x (K,V) x 1 head x 1 token x chunk_bytes/2 int8 values.
         self.spec = KVSpec(model_id=str(model), num_layers=1, num_kv_heads=1, head_dim=chunk_bytes // 2, dtype="int8",
                            chunk_tokens=1, extra=f"vllm-offload;dtype={dtype};world={world}")
-        self.cache = TieredCache(self.spec, **kwargs)
+        self.cache = TieredCache(self.spec, cache_cfg)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
@@ -519,16 +527,14 @@ class TieredKVTier(SecondaryTierManager):
 
     # ---- scheduler-facing calls (non-blocking) ----------------------------------------------------
     def lookup(self, key: Any, req_context: Any) -> LookupResult:
-        """HIT when the chunk is in the hot or the warm tier (a failing warm tier is a miss)."""
-        keys = offload_keys(self.spec, [key])
+        """HIT when some level holds the chunk (a failing lower level is a miss; the remote tier, if
+        configured, is asked within its deadline)."""
         try:
-            if self.cache.hot.contains_many(keys)[0]:
-                return LookupResult.HIT
-            if self.cache.warm is not None and self.cache.warm.contains_many(keys)[0]:
-                return LookupResult.HIT
+            where = self.cache.locate(offload_keys(self.spec, [key]))
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv tier: lookup failed (a miss): %s", e)
-        return LookupResult.MISS
+            return LookupResult.MISS
+        return LookupResult.HIT if where[0] >= 0 else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._submit("store", job_metadata)
@@ -589,14 +595,10 @@ class TieredKVTier(SecondaryTierManager):
         keys = offload_keys(self.spec, list(job.keys))
         rows = np.asarray(job.chunk_ids, dtype=np.int64)
         payloads = self._primary[rows]  # a gather copy: the primary slots are released after the job
-        codes = self.cache.hot.put_many(keys, payloads)
-        if self.cache.warm is not None:
-            if self.cache.demotion.at_store:
-                self.cache.warm.put_many(keys, payloads)
-            elif (codes == PutResult.NO_SPACE).any():
-                full = np.flatnonzero(codes == PutResult.NO_SPACE)
-                self.cache.warm.put_many(keys.take(full), payloads[full])
-        ok = bool(np.all(codes != PutResult.NO_SPACE)) or self.cache.warm is not None
+        # The cache's store path: every level by its admission rule (write-behind and the remote tier
+        # included), counted. A chunk the top level had no room for went below it if there is a level.
+        codes = self.cache.put_blocks(keys, payloads, owned=True)
+        ok = bool(np.all(codes != PutResult.NO_SPACE)) or len(self.cache.levels) > 1
         return JobResult(job_id=job.job_id, success=ok, transfer_bytes=int(payloads.nbytes))
 
     def _load(self, job: TransferJob) -> JobResult:
@@ -604,17 +606,8 @@ class TieredKVTier(SecondaryTierManager):
         keys = offload_keys(self.spec, keys_in)
         rows = np.asarray(job.chunk_ids, dtype=np.int64)
         staging = np.empty((len(keys), self.block_size_bytes), dtype=np.uint8)
-        got = np.zeros(len(keys), dtype=bool)
-        # Chunks of one job need not be a prefix run: read each from wherever it is.
-        for i in range(len(keys)):
-            one = keys[i:i + 1]
-            if self.cache.hot.get_many(one, staging[i:i + 1]) == 1:
-                got[i] = True
-            elif self.cache.warm is not None:
-                try:
-                    got[i] = self.cache.warm.get_many(one, staging[i:i + 1]) == 1
-                except (TieredKVError, OSError) as e:
-                    logger.warning("tieredkv tier: warm read failed (a miss): %s", e)
+        # Chunks of one job need not be a prefix run: each is read from wherever it is.
+        got = self.cache.get_blocks(keys, staging)
         self._primary[rows[got]] = staging[got]
         success = bool(got.all())
         return JobResult(job_id=job.job_id, success=success,

@@ -14,6 +14,9 @@ is a miss. A store reconnects by itself on a later call once the server is back.
 from __future__ import annotations
 
 import abc
+import ipaddress
+import math
+import re
 import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import ClassVar
@@ -106,10 +109,27 @@ def parse_url(url: str) -> tuple[str, str, int, dict[str, str]]:
         port = None
     if not parts.hostname or port is None:
         raise InvalidInput(f"remote URL {url!r} needs a host and a port, e.g. {parts.scheme}://127.0.0.1:6379")
+    if not _host_ok(parts.hostname):
+        # An over-long label fails in the resolver on every call, not here: refuse it here, once.
+        raise InvalidInput(f"remote URL {url!r}: {parts.hostname!r} is not a host name (labels of 1-63 letters, "
+                           f"digits or '-', at most 253 characters) nor an IP address")
     if parts.path not in ("", "/"):
         raise InvalidInput(f"remote URL {url!r}: no path expected after host:port")
     options = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False))
     return parts.scheme, parts.hostname, port, options
+
+
+def _host_ok(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return len(host) <= 253 and all(_LABEL_RE.fullmatch(label) for label in labels)
+
+
+_LABEL_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 
 
 def open_store(scheme: str, host: str, port: int, options: dict[str, str]) -> Store:
@@ -146,6 +166,6 @@ def _option(options: dict[str, str], name: str, default, minimum, kind, what: st
         value = kind(raw)
     except ValueError:
         raise InvalidInput(f"URL option {name}={raw!r} must be {what}") from None
-    if not value >= minimum:  # also refuses a float NaN
-        raise InvalidInput(f"URL option {name}={value} must be >= {minimum}")
+    if not value >= minimum or not math.isfinite(value):  # also refuses NaN, and inf (no bound at all)
+        raise InvalidInput(f"URL option {name}={value} must be a finite number >= {minimum}")
     return value

@@ -50,25 +50,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=0,
                         help="worker processes for the policy x capacity replays (default 0: one per CPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-optimal", action="store_true",
+                        help="skip Belady's MIN (the optimum) and the gap-closed column")
+    parser.add_argument("--baseline", default="lru",
+                        help="policy the gap to the optimum is measured from (default lru)")
 
 
 def format_table(result: dict) -> str:
-    """The results as an aligned text table."""
+    """The results as an aligned text table.
+
+    With the optimum (``run_simulation(..., optimal=True)``, the CLI's default) each capacity also
+    gets a ``belady`` row (the block and prefix optimum) and every policy the fraction of the
+    baseline-to-optimum gap in block hit ratio it closes.
+    """
     two_level = any("hot_blocks" in r for r in result["results"])
+    optimal = result.get("optimal") or []
     head = ["policy", "hot", "warm"] if two_level else ["policy", "capacity"]
-    head += ["% unique", "block hit"] + (["hot hit", "warm hit"] if two_level else []) + ["prefix hit", "req/s"]
+    head += ["% unique", "block hit"] + (["hot hit", "warm hit"] if two_level else []) + ["prefix hit"]
+    head += (["gap closed"] if optimal else []) + ["req/s"]
     rows = []
-    for r in result["results"]:
+    shown = result["results"]
+    if optimal:  # per capacity: the policies, then the optimum
+        shown = sorted(shown + optimal, key=lambda r: (r["capacity_blocks"], r["policy"] == "belady"))
+    for r in shown:
         size = [r["hot_blocks"], r["warm_blocks"]] if two_level else [r["capacity_blocks"]]
         split = [f"{r['hot_hit_ratio']:.4f}", f"{r['warm_hit_ratio']:.4f}"] if two_level else []
-        rows.append([r["policy"], *map(str, size), f"{100 * r['capacity_fraction']:.1f}",
-                     f"{r['block_hit_ratio']:.4f}", *split, f"{r['prefix_hit_ratio']:.4f}",
-                     f"{r['requests_per_s'] or 0:.0f}"])
+        if r["policy"] == "belady":
+            gap = ["1.00"]
+        elif optimal:
+            gap = ["-" if r.get("gap_closed") is None else f"{r['gap_closed']:.2f}"]
+        else:
+            gap = []
+        speed = "-" if r["policy"] == "belady" else f"{r['requests_per_s'] or 0:.0f}"
+        name = "belady (optimum)" if r["policy"] == "belady" else r["policy"]
+        rows.append([name, *map(str, size), f"{100 * r['capacity_fraction']:.1f}",
+                     f"{r['block_hit_ratio']:.4f}", *split, f"{r['prefix_hit_ratio']:.4f}", *gap, speed])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = [f"trace {result['trace']}: {result['requests']} requests, {result['accesses']} block accesses, "
              f"{result['unique_blocks']} unique blocks"]
     lines += ["  ".join(str(x).rjust(w) if i else str(x).ljust(w) for i, (x, w) in enumerate(zip(row, widths)))
               for row in [head, *rows]]
+    if optimal:
+        base = (result.get("baseline") or [{}])[0].get("policy", "lru")
+        exact = all(o.get("exact_prefix") for o in optimal)
+        lines.append(f"gap closed: (block hit - {base}) / (belady - {base}) at the same capacity; belady is "
+                     "Belady's MIN with bypass, " + ("also the exact prefix optimum on this prefix-tree trace"
+                                                     if exact else "an upper bound of the prefix optimum"))
     return "\n".join(lines)
 
 
@@ -94,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
                                 hot=_csv(args.hot) if args.hot else None,
                                 warm=_csv(args.warm) if args.warm else None,
                                 promotion=args.promotion, demotion=args.demotion,
-                                progress=not args.no_progress and sys.stderr.isatty(), jobs=args.jobs)
+                                progress=not args.no_progress and sys.stderr.isatty(), jobs=args.jobs,
+                                optimal=not args.no_optimal, baseline=args.baseline)
     except (policies.UnknownPolicy, TieredKVError, OSError) as e:
         print(f"tieredkv simulate: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,10 @@ __all__ = ["plot_mrc"]
 def plot_mrc(result: dict, path: str | os.PathLike, *, title: str | None = None) -> str:
     """Draw block and prefix miss ratio against capacity, one line per policy, into a PNG.
 
+    When the result carries the optimum (``run_simulation(..., optimal=True)``), Belady's MIN is drawn
+    in both panels as a dashed black line: the lowest miss ratio any policy can reach (on a
+    prefix-tree trace, for prefix misses too).
+
     Args:
         result: what ``run_simulation`` returned.
         path: output image path.
@@ -44,6 +48,11 @@ def plot_mrc(result: dict, path: str | os.PathLike, *, title: str | None = None)
             pts = sorted(pts, key=lambda r: r["capacity_blocks"])
             xs = [100.0 * r["capacity_blocks"] / unique if unique else r["capacity_blocks"] for r in pts]
             ax.plot(xs, [1.0 - r[key] for r in pts], marker="o", ms=3, label=name)
+        best = sorted(result.get("optimal") or [], key=lambda r: r["capacity_blocks"])
+        if best:
+            xs = [100.0 * r["capacity_blocks"] / unique if unique else r["capacity_blocks"] for r in best]
+            ax.plot(xs, [1.0 - r[key] for r in best], "k--", marker="s", ms=3, lw=1.6,
+                    label="belady (optimum)")
         ax.set_xlabel("capacity (% of unique blocks)" if unique else "capacity (blocks)")
         ax.set_ylabel(label)
         ax.set_title(label)

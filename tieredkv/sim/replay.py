@@ -33,6 +33,7 @@ from tieredkv.errors import InvalidInput
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 
+from .optimal import belady, gap_closed
 from .trace import Trace
 
 __all__ = ["resolve_capacity", "simulate", "simulate_tiered", "run_simulation"]
@@ -275,7 +276,7 @@ def _run_job_in_worker(name: str, size, two_level: bool, promotion: str, demotio
 def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequence[int | str], *,
                    hot: Sequence[int | str] | None = None, warm: Sequence[int | str] | None = None,
                    promotion: str = "always", demotion: str = "on_evict", progress: bool = False,
-                   jobs: int = 1) -> dict:
+                   jobs: int = 1, optimal: bool = True, baseline: str = "lru") -> dict:
     """Replay ``trace`` for every policy x capacity (or x hot/warm size pair); the CLI's JSON.
 
     Args:
@@ -288,11 +289,19 @@ def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequen
         progress: show a tqdm progress bar (if tqdm is installed).
         jobs: worker processes (0: one per CPU). Each policy x capacity replay is independent and
             single-threaded, so they run side by side; results keep the same order either way.
+        optimal: single-level replay only: also compute Belady's MIN per capacity (``optimal.belady``,
+            the block and prefix optimum) and each result's ``gap_closed``: the fraction of the
+            ``baseline``-to-optimum block-hit gap it closes (``baseline`` is replayed too if it is
+            not among the policies; its rows go to ``"baseline"``).
+        baseline: the policy the gap is measured from.
 
     Returns:
         ``{"trace", "requests", "unique_blocks", "accesses", "results": [{"policy",
-        "capacity_blocks", "block_hit_ratio", "prefix_hit_ratio", ...}, ...]}``, one result per
-        policy and capacity, policies in the given order, capacities ascending.
+        "capacity_blocks", "block_hit_ratio", "prefix_hit_ratio", "gap_closed", ...}, ...],
+        "optimal": [{"policy": "belady", "capacity_blocks", "block_hit_ratio", "prefix_hit_ratio",
+        "exact_prefix", ...}, ...], "baseline": [...]}``, one result per policy and capacity,
+        policies in the given order, capacities ascending (no ``optimal``/``baseline``/``gap_closed``
+        for two-level replay or ``optimal=False``).
 
     Raises:
         UnknownPolicy: a policy name is not registered (listing the valid ones).
@@ -315,6 +324,11 @@ def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequen
         if not caps:
             raise InvalidInput("give at least one capacity")
         todo = [(p, c) for p in policy_names for c in caps]
+        optimal = optimal and trace.n_accesses > 0
+        if optimal:
+            policies.make(baseline)
+            if baseline not in policy_names:
+                todo += [(baseline, c) for c in caps]
     workers = min(len(todo), (os.cpu_count() or 1) if jobs <= 0 else jobs)
     update, close = _progress_bar(len(todo) * trace.n_requests, progress)
     try:
@@ -338,5 +352,21 @@ def run_simulation(trace: Trace, policy_names: Sequence[str], capacities: Sequen
         close()
     for r in results:
         r["capacity_fraction"] = r["capacity_blocks"] / unique if unique else math.nan
-    return {"trace": trace.name, "requests": trace.n_requests, "unique_blocks": unique,
-            "accesses": trace.n_accesses, "results": results}
+    out: dict[str, Any] = {"trace": trace.name, "requests": trace.n_requests, "unique_blocks": unique,
+                           "accesses": trace.n_accesses}
+    if hot or not optimal:
+        out["results"] = results
+        return out
+    n_asked = len(policy_names) * len(caps)
+    results, extra = results[:n_asked], results[n_asked:]
+    base_rows = [r for r in results if r["policy"] == baseline][:len(caps)] or extra
+    best = {c: belady(trace, c) for c in caps}
+    base = {r["capacity_blocks"]: r["block_hit_ratio"] for r in base_rows}
+    for r in results:
+        c = r["capacity_blocks"]
+        r["optimal_block_hit_ratio"] = best[c]["block_hit_ratio"]
+        r["gap_closed"] = gap_closed(r["block_hit_ratio"], base[c], best[c]["block_hit_ratio"])
+    for o in best.values():
+        o["capacity_fraction"] = o["capacity_blocks"] / unique if unique else math.nan
+    out.update(results=results, optimal=[best[c] for c in caps], baseline=base_rows)
+    return out

@@ -1,0 +1,349 @@
+"""Compiled kernels for the bookkeeping every policy operation does (numba, optional).
+
+``insert`` and ``remove`` in ``base.py`` keep the common per-slot fields; done with numpy that is a
+dozen small array operations per call, which dominates a replay (one call per request) and the hot
+tier's store path. With numba installed (``pip install 'tieredkv[fast]'``) they run as one compiled
+loop each; without it the numpy code in ``base.py`` runs, slower, to the same result: the kernels
+write exactly what the numpy code writes (``tests/test_policies_jit.py`` replays workloads both
+ways and compares every word of the state), so processes with and without numba can share one
+segment.
+
+``TIEREDKV_NO_NUMBA=1`` turns the kernels off (to compare, or to rule them out).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # the numpy path in base.py runs instead
+    numba = None
+
+#: True when the compiled kernels are in use.
+ENABLED = numba is not None and os.environ.get("TIEREDKV_NO_NUMBA", "") not in ("1", "true", "yes")
+
+
+def _insert_common(resident, key64, last_access, insert_tick, hits, n_children, position, parent,
+                   slots, keys, parents, positions, first_tick):
+    """``base.insert``'s field updates; returns the number of parents that counted (resident)."""
+    for i in range(len(slots)):
+        s = slots[i]
+        resident[s] = 1
+        key64[s] = keys[i]
+        last_access[s] = first_tick + i
+        insert_tick[s] = first_tick + i
+        hits[s] = 0
+        n_children[s] = 0
+        position[s] = positions[i]
+    linked = 0
+    # A second pass: a parent counts if resident, which it may be by the first pass (same batch).
+    for i in range(len(slots)):
+        p = parents[i]
+        if p >= 0 and resident[p] == 1:
+            parent[slots[i]] = p
+            n_children[p] += 1
+            linked += 1
+        else:
+            parent[slots[i]] = -1
+    return linked
+
+
+def _remove_common(resident, parent, n_children, slots):
+    """``base.remove``'s field updates for ``slots`` (all resident, distinct)."""
+    for i in range(len(slots)):
+        p = parent[slots[i]]
+        if p >= 0:
+            n_children[p] -= 1
+    orphaned = False
+    for i in range(len(slots)):
+        if n_children[slots[i]] > 0:
+            orphaned = True
+            break
+    if orphaned:
+        gone = np.zeros(len(parent), dtype=np.bool_)
+        for i in range(len(slots)):
+            if n_children[slots[i]] > 0:
+                gone[slots[i]] = True
+        for j in range(len(parent)):
+            p = parent[j]
+            if p >= 0 and gone[p]:
+                parent[j] = -1
+    for i in range(len(slots)):
+        s = slots[i]
+        resident[s] = 0
+        parent[s] = -1
+        n_children[s] = 0
+
+
+def _oldest(field, n, candidates):
+    """``order.oldest``: the ``n`` candidates smallest by ``(field, slot)``, in that order."""
+    count = 0
+    for s in range(len(candidates)):
+        if candidates[s]:
+            count += 1
+    slots = np.empty(count, dtype=np.int64)
+    k = 0
+    for s in range(len(candidates)):
+        if candidates[s]:
+            slots[k] = s
+            k += 1
+    if n < count:
+        values = np.empty(count, dtype=field.dtype)
+        for i in range(count):
+            values[i] = field[slots[i]]
+        kth = np.partition(values, n - 1)[n - 1]
+        chosen = np.empty(n, dtype=np.int64)
+        k = 0
+        for i in range(count):          # below kth, in slot order
+            if values[i] < kth:
+                chosen[k] = slots[i]
+                k += 1
+        for i in range(count):          # then ties at kth, lowest slots first
+            if k == n:
+                break
+            if values[i] == kth:
+                chosen[k] = slots[i]
+                k += 1
+        slots = chosen
+    keys = np.empty(len(slots), dtype=field.dtype)
+    for i in range(len(slots)):
+        keys[i] = field[slots[i]]
+    order = np.argsort(keys, kind="mergesort")   # stable: equal values keep slot order
+    return slots[order][:n]
+
+
+# ---- ghosts: the ring lists and their probe table (``state.py``; ``tieredkv.hashtable``) -----------
+# Same words, same algorithms as the Python code: Fibonacci hashing, linear probing, backward-shift
+# deletion, ring compaction in place. The words are ``w``: per list head, tail, live; then the ring
+# keys (L x R), the ring flags (L x R); ``tk``/``tr`` are the table's key and ref (value + 1) words.
+_FIB = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _home(key, shift):
+    return np.int64((np.uint64(key) * _FIB) >> np.uint64(shift))
+
+
+def _tfind(tk, tr, key, shift):
+    mask = len(tr) - 1
+    i = _home(key, shift)
+    for _ in range(len(tr)):
+        if tr[i] == 0:
+            return -1
+        if tk[i] == key:
+            return i
+        i = (i + 1) & mask
+    return -1
+
+
+def _tinsert(tk, tr, key, value, shift):
+    mask = len(tr) - 1
+    i = _home(key, shift)
+    for _ in range(len(tr)):
+        if tr[i] == 0:
+            tk[i] = key
+            tr[i] = value + 1
+            return True
+        i = (i + 1) & mask
+    return False
+
+
+def _tdelete_at(tk, tr, pos, shift):
+    mask = len(tr) - 1
+    i = pos
+    j = i
+    for _ in range(len(tr)):
+        j = (j + 1) & mask
+        if tr[j] == 0:
+            break
+        h = _home(tk[j], shift)
+        if (i < j and i < h <= j) or (i > j and (h > i or h <= j)):
+            continue
+        tk[i] = tk[j]
+        tr[i] = tr[j]
+        i = j
+    tr[i] = 0
+
+
+def _ghost_remove(w, tk, tr, key, n_lists, ring, shift):
+    """Forget ``key``; its list, or -1 if it was no ghost."""
+    i = _tfind(tk, tr, key, shift)
+    if i < 0:
+        return -1
+    ref = tr[i] - 1
+    lst = ref // ring
+    w[3 * n_lists + n_lists * ring + ref] = 0
+    _tdelete_at(tk, tr, i, shift)
+    w[3 * lst + 2] -= 1
+    return lst
+
+
+def _ghost_pop(w, tk, tr, lst, n_lists, ring, shift):
+    """Forget the oldest live key of ``lst``: (True, key), or (False, 0) if it has none."""
+    o_ring, o_flag, hd = 3 * n_lists, 3 * n_lists + n_lists * ring, 3 * lst
+    head, tail = w[hd], w[hd + 1]
+    while head < tail:
+        ref = lst * ring + head % ring
+        head += 1
+        if w[o_flag + ref] != 0:
+            w[hd] = head
+            key = w[o_ring + ref]
+            w[o_flag + ref] = 0
+            _tdelete_at(tk, tr, _tfind(tk, tr, key, shift), shift)
+            w[hd + 2] -= 1
+            return True, key
+    w[hd] = head
+    return False, np.int64(0)
+
+
+def _ghost_compact(w, tk, tr, lst, n_lists, ring, shift):
+    o_ring, o_flag, hd = 3 * n_lists, 3 * n_lists + n_lists * ring, 3 * lst
+    head, tail = w[hd], w[hd + 1]
+    n = tail - head
+    keys = np.empty(n, dtype=np.int64)
+    flags = np.empty(n, dtype=np.int64)
+    kept = 0
+    for a in range(head, tail):
+        ref = lst * ring + a % ring
+        if w[o_flag + ref] != 0:
+            keys[kept] = w[o_ring + ref]
+            flags[kept] = w[o_flag + ref]
+            kept += 1
+    for a in range(head, tail):
+        w[o_flag + lst * ring + a % ring] = 0
+    for i in range(kept):
+        ref = lst * ring + (head + i) % ring
+        w[o_ring + ref] = keys[i]
+        w[o_flag + ref] = flags[i]
+        tr[_tfind(tk, tr, keys[i], shift)] = ref + 1
+    w[hd + 1] = head + kept
+
+
+def _ghost_push(w, tk, tr, keys, flags, lst, n_lists, ring, cap, shift, fresh):
+    o_ring, o_flag, hd = 3 * n_lists, 3 * n_lists + n_lists * ring, 3 * lst
+    for i in range(len(keys)):
+        k = keys[i]
+        if not fresh and _tfind(tk, tr, k, shift) >= 0:
+            _ghost_remove(w, tk, tr, k, n_lists, ring, shift)
+        if w[hd + 2] >= cap:
+            _ghost_pop(w, tk, tr, lst, n_lists, ring, shift)
+        if w[hd + 1] - w[hd] >= ring:
+            _ghost_compact(w, tk, tr, lst, n_lists, ring, shift)
+        tail = w[hd + 1]
+        ref = lst * ring + tail % ring
+        w[o_ring + ref] = k
+        w[o_flag + ref] = flags[i]
+        _tinsert(tk, tr, k, ref, shift)
+        w[hd + 1] = tail + 1
+        w[hd + 2] += 1
+
+
+def _ghost_lookup(w, tk, tr, keys, n_lists, ring, shift):
+    """Per key its list (-1: no ghost) and its flags."""
+    lists = np.full(len(keys), -1, dtype=np.int64)
+    flags = np.zeros(len(keys), dtype=np.int64)
+    o_flag = 3 * n_lists + n_lists * ring
+    for i in range(len(keys)):
+        j = _tfind(tk, tr, keys[i], shift)
+        if j >= 0:
+            ref = tr[j] - 1
+            lists[i] = ref // ring
+            flags[i] = w[o_flag + ref]
+    return lists, flags
+
+
+# ---- CLOCK's hand (``clock.Clock.choose``) --------------------------------------------------------
+def _ascending_chunk(order, candidates, after, below, size):
+    """The up to ``size`` candidates with the smallest ``order`` in ``(after, below)``, ascending
+    (orders are distinct): one refill of ``OrderCursor``."""
+    count = 0
+    for s in range(len(candidates)):
+        if candidates[s] and after < order[s] < below:
+            count += 1
+    slots = np.empty(count, dtype=np.int64)
+    vals = np.empty(count, dtype=np.int64)
+    k = 0
+    for s in range(len(candidates)):
+        if candidates[s] and after < order[s] < below:
+            slots[k] = s
+            vals[k] = order[s]
+            k += 1
+    if size < count:
+        kth = np.partition(vals.copy(), size - 1)[size - 1]
+        keep = vals <= kth
+        slots, vals = slots[keep], vals[keep]
+    return slots[np.argsort(vals)]
+
+
+def _clock_choose(ref, order, candidates, n, seq):
+    """Walk the candidates in ascending ``order``; a block with a non-zero counter loses one and
+    goes behind the hand (order = seq, seq + 1, ...), the first with zero is a victim. Returns
+    (victims, new seq). The walk ``OrderCursor`` makes: the candidates by their orders, then the
+    passed blocks again in the order they were passed (their new orders are larger than any)."""
+    count = 0
+    room = 0
+    for s in range(len(candidates)):
+        if candidates[s]:
+            count += 1
+            room += max(ref[s], 0)     # a block re-enters at most ref times (one less each pass)
+    passed = np.empty(room, dtype=np.int64)
+    tail = 0
+    victims = np.empty(min(n, count), dtype=np.int64)
+    got = 0
+    first_seq = seq
+    chunk = np.empty(0, dtype=np.int64)
+    at = 0
+    size = 32
+    after = np.int64(-1) << 62
+    walked = 0
+    head = 0
+    while got < n:
+        if walked < count:              # the initial candidates, ascending, fetched lazily
+            if at == len(chunk):
+                # Passed blocks have orders >= first_seq: they come from ``passed``, not from here.
+                chunk = _ascending_chunk(order, candidates, after, first_seq, size)
+                at = 0
+                size *= 4
+                after = order[chunk[-1]]
+            s = chunk[at]
+            at += 1
+            walked += 1
+        elif head < tail:
+            s = passed[head]
+            head += 1
+        else:
+            break
+        r = ref[s]
+        if r != 0:
+            ref[s] = r - 1
+            order[s] = seq
+            seq += 1
+            passed[tail] = s
+            tail += 1
+        else:
+            victims[got] = s
+            got += 1
+    return victims[:got], seq
+
+
+if ENABLED:
+    insert_common = numba.njit(cache=True, nogil=True)(_insert_common)
+    remove_common = numba.njit(cache=True, nogil=True)(_remove_common)
+    oldest = numba.njit(cache=True, nogil=True)(_oldest)
+    _compile = numba.njit(cache=True, nogil=True)
+    # Rebind the helpers first: a kernel calls the compiled versions it finds under these names.
+    _home, _tinsert, _tdelete_at = _compile(_home), _compile(_tinsert), _compile(_tdelete_at)
+    table_find = _tfind = _compile(_tfind)
+    ghost_remove = _ghost_remove = _compile(_ghost_remove)
+    ghost_pop = _ghost_pop = _compile(_ghost_pop)
+    _ghost_compact = _compile(_ghost_compact)
+    ghost_push = _compile(_ghost_push)
+    ghost_lookup = _compile(_ghost_lookup)
+    _ascending_chunk = _compile(_ascending_chunk)
+    clock_choose = _compile(_clock_choose)
+else:
+    clock_choose = None
+    insert_common = remove_common = oldest = None
+    table_find = ghost_remove = ghost_pop = ghost_push = ghost_lookup = None

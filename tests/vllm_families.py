@@ -97,6 +97,9 @@ def watch_pages() -> dict:
 def run_family(family: str, job: dict) -> dict:
     os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
                       VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      # numba's llvmlite objects break the module scan an in-process vLLM engine
+                      # makes at start-up (vLLM 0.32, CPU platform): tieredkv's policies run without it.
+                      TIEREDKV_NO_NUMBA="1",
                       VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig

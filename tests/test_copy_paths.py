@@ -133,3 +133,30 @@ def test_misaligned_destination_rows(seg_name):
         out = out_raw[16:16 + data.nbytes].reshape(9, spec.block_bytes)
         assert tier.get_many(keys, out) == 9
         assert same_bytes(out, data)
+
+
+@pytest.mark.parametrize("choice", ["ufunc", "memcpy", "probe"])
+def test_skewed_copy_strategy_is_chosen_per_cpu_and_copies_the_same_bytes(monkeypatch, choice):
+    """A misaligned copy takes the ufunc pass or memcpy as a probe of this CPU (or the override) says;
+    either way the bytes arrive."""
+    from tieredkv import layout
+
+    monkeypatch.setattr(layout, "_SKEWED_UFUNC", None)
+    if choice == "probe":
+        monkeypatch.delenv("TIEREDKV_SKEWED_COPY", raising=False)
+    else:
+        monkeypatch.setenv("TIEREDKV_SKEWED_COPY", choice)
+    decided = layout.skewed_copy_uses_ufunc()
+    assert isinstance(decided, bool) and layout._SKEWED_UFUNC is decided
+    if choice != "probe":
+        assert decided == (choice == "ufunc")
+    calls = []
+    real_or = np.bitwise_or
+    monkeypatch.setattr(layout.np, "bitwise_or", lambda *a, **k: calls.append(1) or real_or(*a, **k))
+    src = layout.page_aligned_empty((1 << 16) + 64)
+    src[:] = np.arange(len(src)) % 251
+    dst = layout.page_aligned_empty((1 << 16) + 64)
+    s, d = src[: 1 << 16].reshape(16, -1), dst[16:16 + (1 << 16)].reshape(16, -1)
+    assert layout.misaligned(d, s)
+    layout.copy_rows(d, s, True)
+    assert same_bytes(d, s) and bool(calls) == decided

@@ -55,9 +55,11 @@ PSS = {"Pss": 100, "Pss_Anon": 60, "Pss_Shmem": 30, "Pss_File": 10}
 def test_summary_and_table():
     settings = demo.Settings(workers=2, requests_per_worker=2, prefix_tokens=8, suffix_tokens=4,
                              chunk_tokens=4, new_tokens=2)
-    done = [{"ttft_ms": t, "total_ms": t + 1, "cached_tokens": c, "computed_tokens": 12 - c,
-             "prompt_tokens": 12, "new_tokens": 2, "restore_ms": 0.1, "store_ms": 0.1}
-            for t, c in ((10.0, 0), (2.0, 8), (3.0, 8), (4.0, 8))]
+    done = [{"request": i, "worker": i // 2, "ttft_ms": t, "total_ms": t + 1, "cached_tokens": c,
+             "computed_tokens": 12 - c, "prompt_tokens": 12, "new_tokens": 2, "restore_ms": 0.1, "store_ms": 0.1,
+             "phases": {"lookup": 0.1, "lookup_cpu": 0.1, "forward": t - 0.5, "forward_cpu": t / 4, "store": 0.3,
+                        "store_cpu": 0.2, "cpu": t / 4 + 0.1, "wait": 3 * t / 4 - 0.1}}
+            for i, (t, c) in enumerate(((10.0, 0), (2.0, 8), (3.0, 8), (4.0, 8)))]
     stats = [{"prefix_hot_blocks": 2, "prefix_warm_blocks": 2, "cache": {}}] * 2
     shared = demo.summarize("shared", settings, SPEC, done, stats, wall_s=2.0, pss=PSS, rss=200)
     assert shared["prefix_hit_rate"] == 0.75 == shared["ideal_prefix_hit_rate"]
@@ -71,6 +73,24 @@ def test_summary_and_table():
            "configs": {"no_cache": {**shared, "prefix_hit_rate": 0.0}, "shared": shared}}
     table = demo.format_table(doc)
     assert "shared vs no_cache" in table and "TTFT p50" in table
+    # Where the time went: the mean CPU per phase (forward (10+2+3+4)/4/4 ms), the waiting, the store after.
+    assert shared["phases_ms"]["forward_cpu"]["mean"] == 19 / 16
+    assert shared["ttft_cpu_p50_ms"] == pytest.approx(3.5 / 4 + 0.1)
+    assert "  shared    1.3 ms CPU (forward 1.2, lookup 0.1) + 3.5 ms waiting; then 0.2 ms CPU storing" in table
+    assert [r["request"] for r in shared["per_request"]] == [0, 1, 2, 3]
+    # Several rounds: the table says the spread; a busy machine gets a note; a quiet one does not.
+    rounds = [dict(shared, ttft_p50_ms=t, ttft_cpu_p50_ms=t / 10) for t in (30.0, 10.0, 20.0)]
+    chosen = demo._median_round(rounds)
+    assert chosen["ttft_p50_ms"] == 20.0 and chosen["ttft_p50_ms_rounds"] == [30.0, 10.0, 20.0]
+    private = demo._median_round([dict(shared, ttft_p50_ms=t, ttft_cpu_p50_ms=t / 5) for t in (20.0, 20.0, 20.0)])
+    busy = {**doc, "configs": {"private": private, "shared": chosen},
+            "rounds": [{"busy_before": 0.6, "loadavg_before": [9.0, 8.0, 7.0], "loadavg_after": [9.0, 8, 7]}]}
+    text = demo.format_table(busy)
+    assert "shared vs private TTFT p50 +50%, -50%, +0% (median +0%)" in text
+    assert "CPU to 1st token -25%, -75%, -50% (median -50%)" in text
+    assert "NOTE: the machine was busy" in text and "load average up to 9.0" in text
+    quiet = {**busy, "rounds": [{"busy_before": 0.05, "loadavg_before": [0.2, 0, 0], "loadavg_after": [1, 0, 0]}]}
+    assert "NOTE" not in demo.format_table(quiet)
 
 
 def test_pss_of_this_process():
@@ -95,18 +115,22 @@ def test_demo_end_to_end_on_worker_processes(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "tieredkv.demo", "--workers", "2", "--requests-per-worker", "2",
-         "--prefix-tokens", "128", "--suffix-tokens", "16", "--new-tokens", "2", "--no-progress",
+         "--prefix-tokens", "128", "--suffix-tokens", "16", "--new-tokens", "2", "--no-progress", "--rounds", "2",
          "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
-    assert set(doc) == {"settings", "configs"}
+    assert set(doc) == {"settings", "configs", "rounds"}
+    assert len(doc["rounds"]) == 2 and all(0 <= r["busy_before"] <= 1 for r in doc["rounds"])
     assert list(doc["configs"]) == ["no_cache", "private", "shared", "restart"]
     for name, c in doc["configs"].items():
         for field in ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s", "prefix_hit_rate", "prefix_kv_bytes",
                       "pss_bytes"):
             assert isinstance(c[field], (int, float)), (name, field)
         assert c["requests"] == 4 and c["pss_bytes"] > 0 and c["tokens_per_s"] > 0
+        assert len(c["ttft_p50_ms_rounds"]) == 2 and c["ttft_p50_ms"] in c["ttft_p50_ms_rounds"]
+        assert c["pss_untrimmed_bytes"] > 0 and c["phases_ms"]["forward_cpu"]["mean"] > 0
+        assert len(c["per_request"]) == 4
     c = doc["configs"]
     assert c["no_cache"]["prefix_hit_rate"] == 0 and c["no_cache"]["prefix_kv_bytes"] == 0
     assert c["private"]["prefix_hit_rate"] == 0.5                  # each worker's first request misses
@@ -117,7 +141,10 @@ def test_demo_end_to_end_on_worker_processes(tmp_path):
     assert c["private"]["prefix_kv_bytes"] == 2 * 2 * block         # ... and once per worker
     assert doc["settings"]["workers"] == 2 and doc["settings"]["prefix_tokens"] == 128
     assert png.stat().st_size > 0
-    assert "restart vs no_cache" in proc.stdout
+    assert "restart vs no_cache" in proc.stdout and "2 rounds" in proc.stdout
+    assert "where the time to the first token went" in proc.stdout and "what the columns mean" in proc.stdout
+    # Each round started cold: the shared config's first request missed in both.
+    assert [r["cached_tokens"] for r in c["shared"]["per_request"]][0] == 0
     # Greedy decoding: every configuration generates the same tokens for the same request.
     answers = {name: tuple(cfg["first_answer_ids"]) for name, cfg in c.items()}
     assert len(set(answers.values())) == 1 and len(answers["shared"]) == 2, answers

@@ -182,12 +182,52 @@ def test_reused_cpu_host_buffer_gives_the_same_result(models, namespace, tmp_pat
         runner.prefill(ids[:, :70])
         first = runner.prefill(ids, all_logits=True)
         kept = runner._host_buf
-        second = runner.prefill(ids, all_logits=True)   # the same buffer, reloaded
-        assert runner._host_buf is kept is not None
+        # The cache layers live in the buffer (no concatenated copies)...
+        assert first.cache.layers[0].keys.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
+        # ...so a call while ``first`` is alive must not write into it: it takes a buffer of its own.
+        second = runner.prefill(ids, all_logits=True)
+        assert runner._host_buf is not kept
         assert first.cached_tokens == 64 and second.cached_tokens == 96
         assert_matches_full(model, first, ids, torch.float32)
         assert_matches_full(model, second, ids, torch.float32)
-        assert first.cache.layers[0].keys.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+        assert runner.decode(first, 4, eos_token_id=[]) == greedy_reference(model, ids, 4)
+        latest = runner._host_buf
+        del first, second                        # their buffers are free again: the next call reuses
+        third = runner.prefill(ids)
+        assert runner._host_buf is latest and third.cached_tokens == 96
+        assert third.cache.layers[0].keys.untyped_storage().data_ptr() == latest.untyped_storage().data_ptr()
+
+
+def test_decoding_past_the_buffer_moves_to_a_larger_one(models, namespace, tmp_path):
+    """The in-place buffer has room for one chunk of decoding; longer generations grow each layer."""
+    model = models("llama")
+    ids = prompt(90, seed=12)
+    with open_cache(model, namespace, tmp_path) as cache:
+        runner = hf.CachedPrefill(model, cache)
+        runner.prefill(ids)
+        res = runner.prefill(ids)
+        capacity = res.cache.layers[0]._kbuf.shape[-2]
+        new = runner.decode(res, capacity - 90 + 8, eos_token_id=[])
+        assert res.cache.layers[0]._kbuf.shape[-2] > capacity
+        assert new == greedy_reference(model, ids, len(new))
+
+
+def test_store_can_wait_until_the_first_token_is_out(models, namespace, tmp_path):
+    model = models("llama")
+    ids = prompt(100, seed=13)
+    with open_cache(model, namespace, tmp_path) as cache:
+        runner = hf.CachedPrefill(model, cache)
+        res = runner.prefill(ids, store=False)
+        assert res.stored_blocks == 0 and cache.lookup(ids).tokens == 0      # nothing stored yet
+        assert runner.store(res) == 6 and runner.store(res) == 0             # once
+        assert cache.lookup(ids).tokens == 96
+        later = runner.prefill(ids, store=False)
+        assert later.cached_tokens == 96
+        more = torch.cat([ids, prompt(40, seed=14)], dim=1)
+        pending = runner.prefill(more, store=False)
+        assert runner.decode(pending, 3, eos_token_id=[]) == greedy_reference(model, more, 3)
+        assert cache.lookup(more).tokens == 128                              # decode stored first
+        assert pending.phases["store_cpu"] > 0
 
 
 def test_update_path_gives_the_same_result(models, namespace, tmp_path, monkeypatch):

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from test_policies_conformance import NAMES, _workload
 
-from tieredkv import policies
 from tieredkv.policies import _jit
 from tieredkv.sim import Trace, read_trace, simulate
 
-pytestmark = pytest.mark.skipif(not _jit.ENABLED, reason="numba is not installed (pip install 'tieredkv[fast]')")
+needs_numba = pytest.mark.skipif(not _jit.ENABLED, reason="numba is not installed (pip install 'tieredkv[fast]')")
 
 MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "traces", "mooncake_synthetic_trace.jsonl")
 
 
+@needs_numba
 @pytest.mark.parametrize("name", NAMES)
 def test_kernels_decide_and_write_like_numpy(name, monkeypatch):
     fast_log, fast_arrays = _workload(name, seed=3, steps=300)
@@ -35,9 +35,10 @@ def test_kernels_decide_and_write_like_numpy(name, monkeypatch):
 @pytest.fixture(scope="module")
 def trace_slice():
     full = read_trace(MOONCAKE)
-    return Trace.from_requests(full.request(i).tolist() for i in range(600))
+    return Trace.from_requests(full.request(i).tolist() for i in range(300))
 
 
+@needs_numba
 @pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "prefix_aware:clock", "kv_aware"])
 def test_replay_is_identical_with_and_without_kernels(name, trace_slice, monkeypatch):
     cap = round(0.05 * trace_slice.unique_blocks)
@@ -81,7 +82,3 @@ def test_policies_still_import_without_numba():
     assert out.returncode == 0, out.stderr
     from tieredkv.sim import synthetic_trace
     assert int(out.stdout.strip()) == simulate(synthetic_trace(50, seed=1), "lru", 40)["hits"]
-
-
-def test_kernels_are_on_when_numba_is_installed():
-    assert policies.base._jit.ENABLED

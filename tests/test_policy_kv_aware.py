@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from tieredkv import policies
-from tieredkv.errors import InvalidInput
 from tieredkv.policies.kv_aware import N_SIZE
 from tieredkv.policies.state import GHOST_TAG_SHIFT
 from tieredkv.sim import Trace, read_trace, simulate
@@ -88,5 +87,5 @@ def test_beats_lru_on_a_slice_of_the_conversation_trace():
 @pytest.mark.parametrize("bad", [{"horizon_factor": -1}, {"ghost_ratio": -0.5}, {"decay": 0}, {"decay": 1.5},
                                  {"refresh": 0}])
 def test_bad_parameters_are_refused(bad):
-    with pytest.raises(InvalidInput):
+    with pytest.raises(ValueError):
         policies.make("kv_aware", **bad)

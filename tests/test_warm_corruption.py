@@ -169,8 +169,8 @@ def test_damaged_meta(tmp_path, damage):
         np.testing.assert_array_equal(out, payload_for(k, SPEC.block_bytes))
 
 
-def test_flipped_bytes_caught_by_the_overlapped_hashing(tmp_path, monkeypatch):
-    # Groups of 3 blocks: each group is hashed on the helper thread while the next one is read.
+def test_flipped_bytes_caught_by_the_grouped_hashing(tmp_path, monkeypatch):
+    # Groups of 3 blocks: each group is hashed and handed to the sink right after it is read.
     from tieredkv.warm import tier as warm_tier
 
     monkeypatch.setattr(warm_tier, "READ_GROUP_BYTES", 3 * SPEC.block_bytes)
@@ -178,14 +178,15 @@ def test_flipped_bytes_caught_by_the_overlapped_hashing(tmp_path, monkeypatch):
     flip(slab(d, 1), (13 - PER_SLAB) * SLOT + 7)  # slot 13: the fifth group
     with WarmTier(SPEC, tmp_path) as t:
         out = np.zeros((16, SPEC.block_bytes), np.uint8)
-        assert t.get_many(k, out) == 13
+        seen = []
+        assert t.get_many(k, out, lambda i, rows: seen.append(i)) == 13
         np.testing.assert_array_equal(out[:13], payload_for(k[:13], SPEC.block_bytes))
         assert t.stats().corrupt == 1
         assert t.contains_many(k).tolist() == [i != 13 for i in range(16)]
-        assert t._hasher is not None  # the grouped path ran (not the inline one)
+        assert seen == [0, 3, 6, 9, 12, 15]  # the grouped path ran (not the one-read one)
 
 
-@pytest.mark.parametrize("group_blocks", [3, 1000])  # the helper-thread path and the inline one
+@pytest.mark.parametrize("group_blocks", [3, 1000])  # the grouped path and the one-read one
 def test_sink_gets_every_group_in_order_and_its_errors_surface(tmp_path, monkeypatch, group_blocks):
     from tieredkv.warm import tier as warm_tier
 

@@ -27,6 +27,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -204,15 +205,19 @@ class TieredCache:
         return tuple(self._levels)
 
     # ---- lookup ---------------------------------------------------------------------------------
-    def lookup(self, tokens: Any, salt: bytes = b"") -> PrefixHit:
+    def lookup(self, tokens: Any, salt: bytes = b"", *, extra: Sequence[bytes | None] | None = None,
+               count: bool = True) -> PrefixHit:
         """Find the longest cached prefix of ``tokens`` (1-D ints) under ``salt``.
 
         A hit never covers the whole prompt: the model needs at least one token to compute logits.
+        ``extra``: per-chunk bytes folded into the keys (``chunk_keys``). ``count=False`` leaves the
+        hit counters alone: a caller that asks again for one prompt counts what it served itself
+        (``count_served``).
         """
         started = time.perf_counter()
         ids = as_tokens(tokens)
         C = self.spec.chunk_tokens
-        keys = chunk_keys(self.spec, ids[: (max(len(ids) - 1, 0) // C) * C], salt)
+        keys = chunk_keys(self.spec, ids[: (max(len(ids) - 1, 0) // C) * C], salt, extra)
         where = np.full(len(keys), -1, dtype=np.int8)
         levels = self._open_levels()
         if len(keys):
@@ -229,11 +234,24 @@ class TieredCache:
                 level.count(misses=1)
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
         hit = PrefixHit(tokens=run * C, prompt_tokens=len(ids), keys=keys[:run], where=where[:run].copy())
-        deltas = {level.names.hit_tokens: hit.blocks_in(level.code) * C for level in levels if level.names.hit_tokens}
-        self._counting.add(lookups=1, prompt_tokens=len(ids), hit_tokens=hit.tokens, prefill_tokens=hit.prefill_tokens,
-                           **deltas)
+        if count:
+            self.count_served(len(ids), {level.code: hit.blocks_in(level.code) * C for level in levels},
+                              prefill_tokens=hit.prefill_tokens)
         self._counting.observe("lookup", time.perf_counter() - started)
         return hit
+
+    def count_served(self, prompt_tokens: int, served: Mapping[int, int], *, prefill_tokens: int) -> None:
+        """Count one prompt's lookup: its length, the tokens each level served (by level code, as in
+        ``PrefixHit.where``), and the tokens the model computes.
+
+        ``lookup`` calls it; an engine that asks ``lookup(count=False)`` more than once per prompt, or
+        whose own prefix cache supplies part of the prompt, calls it once with what the levels
+        actually served (the prefix hit rate is their sum over ``prompt_tokens``).
+        """
+        deltas = {level.names.hit_tokens: int(served.get(level.code, 0)) for level in self._levels
+                  if level.names.hit_tokens}
+        self._counting.add(lookups=1, prompt_tokens=prompt_tokens, hit_tokens=sum(int(n) for n in served.values()),
+                           prefill_tokens=prefill_tokens, **deltas)
 
     # ---- load -----------------------------------------------------------------------------------
     def load(self, hit: PrefixHit, out: Any) -> int:
@@ -328,12 +346,14 @@ class TieredCache:
         return np.flatnonzero(self.promotion.should_promote(counts))
 
     # ---- store ----------------------------------------------------------------------------------
-    def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0) -> int:
+    def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0,
+              extra: Sequence[bytes | None] | None = None) -> int:
         """Cache the full chunks among the first ``n_tokens`` tokens, ``n_tokens = kv.shape[3]``.
 
         Blocks already present in a tier (or being written by another process) are skipped.
         ``from_token`` (a multiple of ``chunk_tokens``): chunks before it are not stored and ``kv``'s
         positions before it are never read (the caller just restored them, e.g. into a GPU cache).
+        ``extra``: per-chunk bytes folded into the keys, as given to ``lookup``.
         Returns the number of blocks newly stored in the hot tier.
         """
         ids = as_tokens(tokens)
@@ -345,7 +365,7 @@ class TieredCache:
         if isinstance(from_token, bool) or not isinstance(from_token, (int, np.integer)) or from_token < 0 \
                 or from_token % C:
             raise InvalidInput(f"from_token must be a non-negative multiple of chunk_tokens={C}, got {from_token!r}")
-        keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt)
+        keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt, extra)
         skip = min(int(from_token) // C, len(keys))
         todo = self._new_blocks(keys, skip)
         if not len(todo):

@@ -111,8 +111,8 @@ class DeviceRestore:
     def place(self, rows: np.ndarray, at_token: int) -> None:
         """Copy blocks ``rows`` into ``out[:, :, :, at_token:at_token + k*C, :]``; the host rows are no
         longer read when this returns."""
-        # The warm tier calls this from its hashing thread: name the stream, or that thread's copies would
-        # go to its own current stream while ``finish`` waits on the caller's.
+        # Name the stream: a caller on another thread (the warm tier's sink once ran on a hashing thread)
+        # would otherwise copy on its own current stream while ``finish`` waits on the caller's.
         with self.torch.cuda.stream(self.stream):
             self._place(rows, at_token)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import dataclasses
 import json
 import os
@@ -242,6 +243,14 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
             task = tasks.get()
             if task[0] == "stop":
                 break
+            if task[0] == "trim":
+                # Freed heap goes back to the OS, so that PSS counts what the worker holds, not what the
+                # allocator keeps in reserve (a full prefill's temporaries leave tens of MiB behind).
+                # No gc.collect(): it writes to every object's header and so turns the pages the worker
+                # shares copy-on-write with the fork server into private ones (+50 MiB a worker).
+                _malloc_trim()
+                results.put(("trimmed", worker_id, None))
+                continue
             if task[0] == "stats":
                 hot, warm = _prefix_held(cache, spec, task[1])
                 stats = cache.stats() if cache is not None else {}
@@ -250,20 +259,39 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
                 continue
             _, request_id, tokens = task
             start = time.perf_counter()
-            res = runner.prefill(tokens)
+            cpu_start = time.thread_time()
+            # As a streaming server does: the first token goes out before the new chunks are stored
+            # (decode stores them first).
+            res = runner.prefill(tokens, store=False)
+            before_first = time.perf_counter()
             first = int(res.logits[0, -1].argmax())
             ttft = time.perf_counter() - start
+            first_ms = (time.perf_counter() - before_first) * 1e3
+            cpu_ms = (time.thread_time() - cpu_start) * 1e3
             new = runner.decode(res, settings.new_tokens, eos_token_id=[])
             done = time.perf_counter() - start
+            phases = dict(res.phases, first_token=first_ms, first_token_cpu=first_ms, cpu=cpu_ms,
+                          wait=max(ttft * 1e3 - cpu_ms, 0.0))
             results.put(("done", worker_id, {
                 "request": request_id, "ttft_ms": ttft * 1e3, "total_ms": done * 1e3,
                 "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
                 "prompt_tokens": len(tokens), "new_tokens": len(new), "first_token": first, "new_ids": new,
-                "restore_ms": res.restore_ms, "store_ms": res.store_ms}))
+                "restore_ms": res.restore_ms, "store_ms": phases["store"], "phases": phases, "worker": worker_id}))
+            # A result's cache lives in the runner's one buffer: dropping it lets the next request
+            # reuse that buffer (memory already touched) instead of making a new one.
+            del res
         if cache is not None:
             cache.close()
     except BaseException:  # report anything, the parent decides
         results.put(("error", worker_id, traceback.format_exc()))
+
+
+def _malloc_trim() -> None:
+    """glibc's ``malloc_trim(0)``; nothing where there is no glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _plain(value: Any) -> Any:
@@ -340,6 +368,8 @@ def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], s
         "ttft_p50_ms": _percentile(ttft, 50),
         "ttft_p99_ms": _percentile(ttft, 99),
         "ttft_mean_ms": float(np.mean(ttft)) if ttft else 0.0,
+        # The request's own CPU time up to its first token: what other load on the machine barely changes.
+        "ttft_cpu_p50_ms": _percentile([d["phases"]["cpu"] for d in done if "phases" in d], 50),
         "tokens_per_s": sum(d["new_tokens"] for d in done) / wall_s if wall_s else 0.0,
         "prompt_tokens_per_s": sum(d["prompt_tokens"] for d in done) / wall_s if wall_s else 0.0,
         "prefix_hit_rate": hits / total if total else 0.0,
@@ -358,7 +388,29 @@ def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], s
         "restore_ms_p50": _percentile([d["restore_ms"] for d in done if d["cached_tokens"]], 50),
         "requests": total,
         "wall_s": wall_s,
+        "phases_ms": phase_breakdown(done),
+        "per_request": [{k: d[k] for k in ("request", "worker", "ttft_ms", "cached_tokens", "phases") if k in d}
+                        for d in sorted(done, key=lambda d: d["request"])],
     }
+
+
+#: The phases of a request up to its first token, in order (``CachedPrefill``'s ``PrefillResult.phases``
+#: plus picking the first token).
+PHASES = ("lookup", "load", "adopt", "forward", "first_token")
+#: What runs after the first token went out (decode runs the store first).
+AFTER_FIRST = ("extract", "store")
+
+
+def phase_breakdown(done: list[dict]) -> dict:
+    """Per phase: mean and p50 over the requests, in ms; ``wait`` is wall minus this thread's CPU time
+    over the request (time spent waiting for a core, a lock or the disk)."""
+    out: dict[str, dict] = {}
+    names = (*PHASES, *AFTER_FIRST)
+    for name in (*names, *(f"{p}_cpu" for p in names), "cpu", "wait"):
+        values = [d["phases"].get(name, 0.0) for d in done if "phases" in d]
+        if values:
+            out[name] = {"mean": float(np.mean(values)), "p50": _percentile(values, 50)}
+    return out
 
 
 # ---- orchestration -------------------------------------------------------------------------------
@@ -368,15 +420,21 @@ class _Progress:
     def __init__(self, total: int, enabled: bool):
         self._bar = None
         self.enabled = enabled
+        self.prefix = ""
         if enabled:
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+                # No time-left estimate: the first request computes the whole prompt alone and the
+                # rest restore it; extrapolating from it promised an hour for a run of minutes.
+                self._bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True,
+                                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} requests "
+                                            "[{elapsed} so far]")
             except ImportError:
                 pass
 
     def stage(self, text: str) -> None:
+        text = self.prefix + text
         if self._bar is not None:
             self._bar.set_description(text)
         elif self.enabled:
@@ -470,7 +528,13 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
             done.append(pool.receive("done", _REQUEST_TIMEOUT_S)[1])
             progress.advance()
         wall = time.perf_counter() - start
-        # Memory while every worker is alive and idle, before anything else touches the caches.
+        # Memory while every worker is alive and idle, before anything else touches the caches: as the
+        # workers left it, then after each returned its freed heap to the OS (what the table shows).
+        untrimmed = sum(pss_bytes(pid)["Pss"] for pid in pool.pids.values())
+        for q in pool.tasks:
+            q.put(("trim",))
+        for _ in range(settings.workers):
+            pool.receive("trimmed", _READY_TIMEOUT_S)
         pss_per_worker = [pss_bytes(pid) for pid in pool.pids.values()]
         pss = {k: sum(p[k] for p in pss_per_worker) for k in _PSS_FIELDS}
         rss = sum(rss_bytes(pid) for pid in pool.pids.values())
@@ -481,6 +545,7 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
     finally:
         pool.stop()
     result = summarize(config, settings, spec, done, stats, wall, pss, rss)
+    result["pss_untrimmed_bytes"] = untrimmed
     result["first_answer_ids"] = [int(t) for t in next(d["new_ids"] for d in done if d["request"] == 0)]
     return result
 
@@ -503,8 +568,57 @@ def drop_hot_tier(spec: KVSpec) -> bool:
     return True
 
 
-def run_demo(settings: Settings, *, progress: bool = True) -> dict:
-    """Run every configuration in ``settings.configs``; return the JSON document.
+def busy_fraction(seconds: float = 1.0) -> float:
+    """The share of the host's CPU time spent busy over ``seconds`` (``/proc/stat``); 0 where unknown.
+
+    Measured between rounds, when the demo's own workers are stopped: what other programs use.
+    """
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values[:8]), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    total = total1 - total0
+    return max(0.0, 1.0 - (idle1 - idle0) / total) if total > 0 else 0.0
+
+
+#: Other programs using more than this share of the CPUs before a round make its wall times noisy.
+BUSY_WARNING = 0.25
+
+
+def _round_settings(settings: Settings, round_no: int, rounds: int) -> Settings:
+    """Each round starts cold: a namespace (and, for several rounds, a warm directory) of its own."""
+    if rounds == 1:
+        return settings
+    warm_dir = os.path.join(settings.warm_dir, f"round{round_no + 1}") if settings.warm_dir else ""
+    return dataclasses.replace(settings, namespace_tag=f"{settings.namespace_tag}r{round_no + 1}",
+                               warm_dir=warm_dir)
+
+
+def _median_round(results: list[dict]) -> dict:
+    """The round whose shared-or-not TTFT p50 is the median (the lower one for an even count), with
+    every round's TTFT p50, TTFT CPU p50 and PSS beside it."""
+    order = sorted(range(len(results)), key=lambda i: results[i]["ttft_p50_ms"])
+    chosen = dict(results[order[(len(order) - 1) // 2]])
+    for field in ("ttft_p50_ms", "ttft_cpu_p50_ms", "pss_bytes", "tokens_per_s"):
+        chosen[f"{field}_rounds"] = [r[field] for r in results]
+    return chosen
+
+
+def run_demo(settings: Settings, *, progress: bool = True, rounds: int = 1) -> dict:
+    """Run every configuration in ``settings.configs``, ``rounds`` times; return the JSON document.
+
+    Each round runs every configuration on fresh workers in a fresh namespace. ``configs`` holds, per
+    configuration, the round with the median TTFT p50 (and every round's figures in ``*_rounds``);
+    ``rounds`` holds each round's load: the CPU share other programs used just before it and the load
+    average.
 
     With a model that has a tokenizer the prompts are text, and ``sample`` holds the first request's
     prompt tail and the answer each configuration generated for it (greedy: the same in every one).
@@ -517,7 +631,8 @@ def run_demo(settings: Settings, *, progress: bool = True) -> dict:
 
         model, tokenizer = models.load_model(settings.model, dtype=settings.dtype)
     vocab = int(model.config.get_text_config().vocab_size)
-    spec = run_spec(settings, model)
+    specs = [run_spec(_round_settings(settings, r, rounds), model) for r in range(rounds)]
+    spec = specs[0]
     del model
     if not settings.hot_bytes or not settings.warm_bytes:
         size = auto_tier_bytes(settings, spec)
@@ -525,25 +640,37 @@ def run_demo(settings: Settings, *, progress: bool = True) -> dict:
                                        warm_bytes=settings.warm_bytes or 2 * size)
     requests = make_requests(settings, vocab, tokenizer)
     ctx = _context()
-    bar = _Progress(len(requests) * len(settings.configs), progress)
-    configs: dict[str, dict] = {}
+    bar = _Progress(len(requests) * len(settings.configs) * rounds, progress)
+    per_config: dict[str, list[dict]] = {c: [] for c in settings.configs}
+    round_docs = []
     try:
-        for config in settings.configs:
-            if config == "restart":
-                drop_hot_tier(spec)  # new workers find only the warm tier
-            configs[config] = run_config(ctx, config, settings, spec, requests, bar)
+        for r in range(rounds):
+            busy = busy_fraction()
+            load = os.getloadavg()
+            current, round_spec = _round_settings(settings, r, rounds), specs[r]
+            bar.prefix = f"round {r + 1}/{rounds}, " if rounds > 1 else ""
+            try:
+                for config in settings.configs:
+                    if config == "restart":
+                        drop_hot_tier(round_spec)  # new workers find only the warm tier
+                    per_config[config].append(run_config(ctx, config, current, round_spec, requests, bar))
+            finally:
+                if any(c in settings.configs for c in ("shared", "restart")):
+                    try:
+                        drop_hot_tier(round_spec)
+                    except Exception as exc:  # cleanup must not hide the run's own error
+                        print(f"[tieredkv demo] could not remove the hot tier: {exc}", file=sys.stderr)
+            round_docs.append({"busy_before": busy, "loadavg_before": list(load),
+                               "loadavg_after": list(os.getloadavg()),
+                               "ttft_p50_ms": {c: per_config[c][-1]["ttft_p50_ms"] for c in settings.configs}})
     finally:
         bar.close()
-        if any(c in settings.configs for c in ("shared", "restart")):
-            try:
-                drop_hot_tier(spec)
-            except Exception as exc:  # cleanup must not hide the run's own error
-                print(f"[tieredkv demo] could not remove the hot tier: {exc}", file=sys.stderr)
+    configs = {c: _median_round(results) for c, results in per_config.items()}
     doc_settings = dataclasses.asdict(settings)
     doc_settings["configs"] = list(settings.configs)
     doc_settings.update(kv_bytes_per_token=spec.bytes_per_token, block_bytes=spec.block_bytes,
-                        spec=spec.to_dict(), cpu_count=os.cpu_count())
-    doc = {"settings": doc_settings, "configs": configs}
+                        spec=spec.to_dict(), cpu_count=os.cpu_count(), rounds=rounds)
+    doc = {"settings": doc_settings, "configs": configs, "rounds": round_docs}
     if tokenizer is not None and configs:
         answers = {name: tokenizer.decode(c["first_answer_ids"], skip_special_tokens=True).strip()
                    for name, c in configs.items()}
@@ -564,11 +691,13 @@ def _size(n: float) -> str:
 def format_table(doc: dict) -> str:
     """The results table (as in docs/architecture.md, "Targets"): one row per configuration, then the
     changes against no_cache and private."""
-    head = ("config", "prefix KV held", "PSS (workers)", "TTFT p50", "TTFT p99", "tokens/s", "prefix hit")
+    head = ("config", "prefix KV held", "PSS (workers)", "TTFT p50", "TTFT p99", "CPU to 1st token",
+            "tokens/s", "prefix hit")
     rows = [head]
     for name, c in doc["configs"].items():
         rows.append((name, _size(c["prefix_kv_bytes"]), _size(c["pss_bytes"]), f"{c['ttft_p50_ms']:.1f} ms",
-                     f"{c['ttft_p99_ms']:.1f} ms", f"{c['tokens_per_s']:.1f}",
+                     f"{c['ttft_p99_ms']:.1f} ms", f"{c.get('ttft_cpu_p50_ms', 0.0):.1f} ms",
+                     f"{c['tokens_per_s']:.1f}",
                      f"{c['prefix_hit_rate'] * 100:.0f}% (ideal {c['ideal_prefix_hit_rate'] * 100:.0f}%)"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
@@ -593,7 +722,81 @@ def format_table(doc: dict) -> str:
     lines.append(f"{s['workers']} workers x {s['requests_per_worker']} requests, prompt = {s['prefix_tokens']} "
                  f"shared + {s['suffix_tokens']} own tokens, {s['new_tokens']} new tokens each, "
                  f"KV {_size(s['kv_bytes_per_token'])}/token, model {s['model']}")
+    lines += rounds_lines(doc)
+    lines += where_time_went(doc)
+    lines += load_lines(doc)
     return "\n".join(lines)
+
+
+def rounds_lines(doc: dict) -> list[str]:
+    """With several rounds: each round's shared-vs-private TTFT p50, so the spread shows."""
+    c = doc["configs"]
+    if "shared" not in c or "private" not in c or len(c["shared"].get("ttft_p50_ms_rounds", [])) < 2:
+        return []
+    ratios = [100 * (a / b - 1) for a, b in zip(c["shared"]["ttft_p50_ms_rounds"], c["private"]["ttft_p50_ms_rounds"])
+              if b]
+    cpu = [100 * (a / b - 1) for a, b in zip(c["shared"]["ttft_cpu_p50_ms_rounds"],
+                                             c["private"]["ttft_cpu_p50_ms_rounds"]) if b]
+    return [f"{len(ratios)} rounds (the table shows each configuration's median round): shared vs private TTFT p50 "
+            + ", ".join(f"{r:+.0f}%" for r in ratios) + f" (median {float(np.median(ratios)):+.0f}%); "
+            "CPU to 1st token " + ", ".join(f"{r:+.0f}%" for r in cpu) + f" (median {float(np.median(cpu)):+.0f}%)"]
+
+
+def where_time_went(doc: dict) -> list[str]:
+    """Per configuration, a request's mean time up to its first token: CPU per phase, then waiting."""
+    lines = ["where the time to the first token went (mean per request: this worker's CPU per phase, then "
+             "waiting for a core or a lock):"]
+    for name, c in doc["configs"].items():
+        ph = c.get("phases_ms", {})
+        if "cpu" not in ph:
+            continue
+        parts = sorted(((ph[f"{p}_cpu"]["mean"], p) for p in PHASES if f"{p}_cpu" in ph), reverse=True)
+        shown = ", ".join(f"{p} {ms:.1f}" for ms, p in parts if ms >= 0.05)
+        after = sum(ph[f"{p}_cpu"]["mean"] for p in AFTER_FIRST if f"{p}_cpu" in ph)
+        lines.append(f"  {name:<9} {ph['cpu']['mean']:.1f} ms CPU ({shown}) + {ph['wait']['mean']:.1f} ms waiting"
+                     + (f"; then {after:.1f} ms CPU storing the new chunks" if after >= 0.05 else ""))
+    return lines if len(lines) > 1 else []
+
+
+def load_lines(doc: dict) -> list[str]:
+    """Say how busy the machine was; warn when wall-clock figures mostly measure other programs."""
+    rounds, s = doc.get("rounds") or [], doc["settings"]
+    if not rounds:
+        return []
+    busy = max(r["busy_before"] for r in rounds)
+    load = max(r["loadavg_before"][0] for r in rounds)
+    cpus = s.get("cpu_count") or os.cpu_count() or 1
+    line = (f"machine: {cpus} CPUs; before the rounds other programs kept up to {100 * busy:.0f}% of them busy "
+            f"(load average up to {load:.1f})")
+    out = [line]
+    if busy > BUSY_WARNING:
+        out.append("  NOTE: the machine was busy with other work: wall-clock TTFT and tokens/s include waiting for "
+                   "it and vary from run to run; the CPU-to-1st-token column and the JSON's per-phase CPU "
+                   "times barely change with load (compare those, or rerun on a quiet machine)")
+    if s["workers"] > cpus:
+        out.append(f"  {s['workers']} workers share {cpus} CPUs: a request waits for a core most of its time in every "
+                   "configuration")
+    return out
+
+
+#: Printed under the table (and in ``--help``): what the columns mean.
+LEGEND = """\
+what the columns mean:
+  prefix KV held   KV of the shared prefix held after the run: private keeps a copy per worker, shared one
+                   copy in shared memory (the hot tier) that every worker reads.
+  PSS (workers)    proportional set size, summed over the workers: a private page counts fully, a page
+                   that k processes map counts 1/k in each, so memory held once shows once in the total.
+                   Measured with the workers idle, after each returned freed heap to the OS (the JSON
+                   also has the figure before that, pss_untrimmed_bytes).
+  TTFT             time to first token, from a worker taking a request to its first token (wall clock:
+                   waiting for a core counts); "CPU to 1st token" is that request's own CPU time.
+  tokens/s         generated tokens per second over the whole run (all workers together).
+  prefix hit       requests that restored the whole shared prefix (counted in requests, not tokens);
+                   ideal: the best this request mix allows: private misses once per worker, shared once
+                   for the service, restart never.
+  restart          the shared workers are stopped and the hot tier removed, as a reboot would; new workers
+                   find the prefix only on disk (the warm tier)."""
+
 
 
 def plot(doc: dict, path: str) -> None:
@@ -675,6 +878,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="write the numbers as JSON to OUT")
     parser.add_argument("--plot", metavar="OUT.png", help="draw the numbers into OUT.png (needs matplotlib)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--rounds", type=_positive, default=3,
+                        help="run every configuration this many times, each round on fresh workers in a "
+                             "fresh namespace; the table shows each configuration's median round and the "
+                             "spread of shared vs private (default 3)")
+    parser.epilog = LEGEND + (f"\n\n{parser.epilog}" if parser.epilog else "")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def main(args: argparse.Namespace) -> int:
@@ -704,13 +913,14 @@ def main(args: argparse.Namespace) -> int:
                         # A fresh namespace per run: the run starts cold and removes what it made.
                         namespace_tag=uuid.uuid4().hex[:8])
     try:
-        doc = run_demo(settings, progress=not args.no_progress)
+        doc = run_demo(settings, progress=not args.no_progress, rounds=args.rounds)
     finally:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
     if temp_dir is not None:
         doc["settings"]["warm_dir"] = "(temporary)"
     print(format_table(doc))
+    print(LEGEND)
     if "sample" in doc:
         s = doc["sample"]
         print(f"\nrequest 1 (after the shared system prompt): {s['prompt_tail']!r}")

@@ -5,8 +5,16 @@ uint32 and ``H = xxh3_128``. A chunk's K/V depend on every token before it, so i
 prefix; the salt isolates tenants. Keys are pure functions of their inputs: identical across processes,
 restarts and machines.
 
+A chunk whose K/V depend on more than its token ids (an engine's LoRA adapter, an image whose
+placeholder tokens fall in the chunk, prompt embeddings) carries *extra bytes*, which an integration
+computes and passes per chunk: ``k_i = H(k_{i-1} || tokens_i || EXTRA_TAG || extra_i)``. A chunk with
+no extra bytes keeps the plain key, so two prompts that share text before an image still share those
+chunks, and every chunk after a chunk with extra bytes differs through the chain.
+
 Every key travels with its parent key and its chunk's token ids (``ChunkKeys``); tiers store both and a
-hit is confirmed by comparing them, so even a 128-bit collision never hands out wrong KV.
+hit is confirmed by comparing them, so even a 128-bit collision of token ids never hands out wrong KV.
+Extra bytes are confirmed through the 128-bit key alone (as an engine's own prefix cache confirms them
+through its block hash).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from tieredkv.errors import InvalidInput
 from tieredkv.spec import KVSpec
 
 KEY_BYTES = 16
+#: Separates a chunk's token ids from its extra bytes in the hashed input (the token part has a fixed
+#: width, so the tag only makes the form readable; it keeps "no extra" and "empty extra" apart too).
+EXTRA_TAG = b"\x00tieredkv-extra\x00"
 _MAX_TOKEN = 2**32 - 1
 
 
@@ -126,16 +137,21 @@ class ChunkKeys:
         return f"ChunkKeys(n={len(self)}, start={self.start})"
 
 
-def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b"") -> ChunkKeys:
+def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b"",
+               extra: Sequence[bytes | None] | None = None) -> ChunkKeys:
     """Return the chained key of every full chunk of ``tokens`` (a trailing partial chunk has none).
 
     Args:
         spec: the namespace; the first key depends on it.
         tokens: 1-D token ids (list, numpy array or torch tensor), each in ``[0, 2**32)``.
         salt: per-tenant bytes; prefixes stored under one salt are never found under another.
+        extra: per chunk (index ``i`` for chunk ``i``), bytes folded into that chunk's key, or
+            ``None`` for none; at least one entry per full chunk. The caller encodes them
+            injectively (two different identities never give the same bytes).
 
     Raises:
-        InvalidInput: tokens not 1-D integers in range, or salt not bytes.
+        InvalidInput: tokens not 1-D integers in range, salt not bytes, or ``extra`` too short or
+            holding something other than bytes and ``None``.
     """
     ids = as_tokens(tokens)
     chunk = spec.chunk_tokens
@@ -148,8 +164,26 @@ def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b
     prev = root_key(spec, salt)
     digests = [prev]
     append, h = digests.append, xxhash.xxh3_128_digest
-    for piece in [raw[i * width:(i + 1) * width] for i in range(n)]:
+    pieces = [raw[i * width:(i + 1) * width] for i in range(n)]
+    if extra is not None:
+        pieces = _with_extra(pieces, extra)
+    for piece in pieces:
         prev = h(prev + piece)
         append(prev)
     chain = np.frombuffer(b"".join(digests), dtype="<u8").reshape(n + 1, 2)
     return ChunkKeys(chain[1:], chain[:-1], table)
+
+
+def _with_extra(pieces: list[bytes], extra: Sequence[bytes | None]) -> list[bytes]:
+    """Each chunk's hashed input with its extra bytes appended (``chunk_keys``)."""
+    if len(extra) < len(pieces):
+        raise InvalidInput(f"extra has {len(extra)} entries for {len(pieces)} full chunks (one per chunk)")
+    out = []
+    for piece, more in zip(pieces, extra):
+        if more is None:
+            out.append(piece)
+        elif isinstance(more, (bytes, bytearray, memoryview)):
+            out.append(piece + EXTRA_TAG + bytes(more))
+        else:
+            raise InvalidInput(f"extra entries must be bytes or None, got {type(more).__name__}")
+    return out

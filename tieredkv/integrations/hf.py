@@ -51,6 +51,11 @@ class PrefillResult:
         stored_blocks: blocks this call newly stored.
         restore_ms, compute_ms, store_ms: where the time went (lookup + load + cache build; the
             model's forward; extraction + store).
+        phases: wall milliseconds per phase: ``lookup``, ``load``, ``adopt`` (the restored prefix
+            becomes the cache layers'), ``forward``, ``extract`` (new chunks' K/V into the host
+            buffer), ``store``; and for each the same name with ``_cpu``: this thread's CPU milliseconds
+            in it (wall minus CPU is time spent waiting: for a core, a lock or the disk).
+        pending_store: with ``prefill(..., store=False)``, the store left for ``CachedPrefill.store``.
     """
 
     logits: torch.Tensor
@@ -61,6 +66,8 @@ class PrefillResult:
     restore_ms: float = 0.0
     compute_ms: float = 0.0
     store_ms: float = 0.0
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    pending_store: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
 
 def cache_keyword(model: Any) -> str:
@@ -126,6 +133,74 @@ def _restore_layer(cache: Any, layer: int, keys: torch.Tensor, values: torch.Ten
     cache.update(keys, values, layer)
 
 
+def _storage_users(t: torch.Tensor) -> int | None:
+    """How many tensors share ``t``'s storage (``None`` where torch does not say)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(t.untyped_storage()._cdata))
+
+
+if DynamicLayer is not None:
+    class BufferLayer(DynamicLayer):
+        """A full-attention cache layer whose keys and values are views of preallocated host memory.
+
+        ``DynamicLayer`` concatenates on every ``update``: each forward, the tail's and every decode
+        step's, copies the layer's whole KV into a new tensor. This layer writes the new positions in
+        place and views ``[0, length)``: the restored prefix, the tail the model computes and the decoded
+        tokens stay in the one buffer ``CachedPrefill`` loaded the prefix into and stores from. Past the
+        buffer's end it moves to a private buffer twice the size (rare: the buffer has room for a chunk
+        of decoding). Any other change of ``keys`` (``crop``, beam reordering) is followed.
+        """
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+            super().__init__()
+            self._kbuf, self._vbuf = keys, values  # (1, kv_heads, capacity, head_dim) each
+            self._kview: torch.Tensor | None = None  # the keys view this layer last handed out
+            self.length = 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.dtype, self.device = self._kbuf.dtype, self._kbuf.device
+            self.keys, self.values = self._kbuf[..., :0, :], self._vbuf[..., :0, :]
+            self._kview, self.length = self.keys, 0
+            self.is_initialized = True
+
+        def adopt(self, n: int) -> None:
+            """The buffer's first ``n`` positions (just restored) are this layer's cache."""
+            self.lazy_initialization(self._kbuf, self._vbuf)
+            self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
+            self._kview, self.length = self.keys, n
+
+        def _views_buffer(self, keys: torch.Tensor) -> bool:
+            """``keys`` is the view this layer handed out, or a crop of it (a shorter prefix view)."""
+            return keys is self._kview or (keys.numel() > 0 and keys.data_ptr() == self._kbuf.data_ptr()
+                                           and keys.stride() == self._kbuf.stride())
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            keys, values = self.keys, self.values
+            if keys is None or values is None or not self._views_buffer(keys) \
+                    or keys.shape[0] != key_states.shape[0]:
+                # Someone replaced the views (beam search, a batch change): behave like DynamicLayer.
+                return super().update(key_states, value_states, *args, **kwargs)
+            start = keys.shape[-2]  # follows a crop
+            end = start + key_states.shape[-2]
+            if end > self._kbuf.shape[-2]:
+                grow = max(end, 2 * self._kbuf.shape[-2])
+                kbuf = self._kbuf.new_empty((*self._kbuf.shape[:-2], grow, self._kbuf.shape[-1]))
+                vbuf = self._vbuf.new_empty(kbuf.shape)
+                kbuf[..., :start, :].copy_(keys)
+                vbuf[..., :start, :].copy_(values)
+                self._kbuf, self._vbuf = kbuf, vbuf
+            self._kbuf[..., start:end, :].copy_(key_states)
+            self._vbuf[..., start:end, :].copy_(value_states)
+            self.keys, self.values = self._kbuf[..., :end, :], self._vbuf[..., :end, :]
+            self._kview, self.length = self.keys, end
+            return self.keys, self.values
+else:  # pragma: no cover - transformers < 4.56: concatenating caches only
+    BufferLayer = None  # type: ignore[assignment,misc]
+
+
 class CachedPrefill:
     """Prefill a causal LM through a ``TieredCache``: restore the longest cached prefix, compute the rest.
 
@@ -140,11 +215,13 @@ class CachedPrefill:
             ``spec_for_model(model)``.
         reuse_host_buffer: keep one host buffer (the largest prompt's KV) for all calls (default: yes).
             A restore into memory already touched runs at memcpy speed; into a freshly allocated
-            tensor it pays a page fault per 4 KiB first, several times the copy itself. On CUDA the
-            buffer is pinned (pinning is expensive). On CPU the restored prefix is adopted by the cache
-            layers only until the tail's forward concatenates them into new tensors; a buffer a layer
-            still views after the call is handed over to that cache and a new one is made next time.
-            ``False``: a new tensor per call (one less prompt-sized allocation kept per worker).
+            tensor it pays a page fault per 4 KiB first, several times the copy itself. On CPU the
+            prompt's whole KV lives in this buffer (``BufferLayer``): the restored prefix, the tail the
+            model computes and the decoded tokens are written in place, and ``store`` reads from it,
+            so a request holds one copy of its KV, not a restored copy plus concatenated ones. A
+            result's cache uses the buffer until the result is dropped; a call made while it is still
+            in use gets a new buffer (kept instead). On CUDA the buffer is pinned (pinning is
+            expensive) and carries new chunks to ``store``. ``False``: a new buffer per call.
 
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
@@ -188,12 +265,15 @@ class CachedPrefill:
         self._on_cuda = self.device.type == "cuda"
         self.reuse_host_buffer = True if reuse_host_buffer is None else bool(reuse_host_buffer)
         # The reused host buffer (pinned on CUDA, where it only carries new chunks device -> host for
-        # ``store``: restores go straight into device memory).
+        # ``store``: restores go straight into device memory). On CPU, the buffer the cache layers
+        # live in (``BufferLayer``), with the count of its storage's users when nothing else views it.
         self._host_buf: torch.Tensor | None = None
+        self._host_users: int | None = None
 
     # ---- host buffer --------------------------------------------------------------------------
     def _host_buffer(self, n_tokens: int) -> torch.Tensor:
-        """A ``(layers, 2, kv_heads, n_tokens, head_dim)`` host tensor in the model's dtype.
+        """A ``(layers, 2, kv_heads, n_tokens, head_dim)`` host tensor in the model's dtype (the CUDA
+        path and the concatenating fallback).
 
         Not reused: a new tensor per call; its restored part becomes the cache layers' own memory
         (adopted, not copied). Reused (the default): a view of the kept buffer (pinned on CUDA); on CPU
@@ -208,6 +288,40 @@ class CachedPrefill:
             self._host_buf = None
             self._host_buf = torch.empty(numel, dtype=self.dtype, pin_memory=self._on_cuda)
         return self._host_buf[:numel].view(shape)
+
+    def _in_place_buffer(self, n_tokens: int) -> torch.Tensor:
+        """A ``(layers, 2, kv_heads, capacity, head_dim)`` host tensor, ``capacity >= n_tokens`` plus a
+        chunk to decode into, that no live cache views (the CPU path: ``BufferLayer`` caches).
+
+        Reused (the default): the kept buffer when no tensor views it any more (a result still alive
+        keeps its own; the call then makes a new one and keeps that instead). Not reused, or where torch
+        cannot say who views a buffer: a new one per call.
+        """
+        spec = self.spec
+        per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
+        need = (n_tokens + spec.chunk_tokens) * per_token
+        kept = self._host_buf
+        if (self.reuse_host_buffer and kept is not None and kept.numel() >= need
+                and _storage_users(kept) == self._host_users):
+            buf = kept
+        else:
+            buf = torch.empty(need, dtype=self.dtype)
+            if self.reuse_host_buffer:
+                self._host_buf, self._host_users = buf, _storage_users(buf)
+        cap = buf.numel() // per_token
+        return buf[:cap * per_token].view(self._kv_shape(cap))
+
+    def _in_place_cache(self, buf: torch.Tensor) -> Any:
+        """A transformers cache whose layers are ``BufferLayer`` views of ``buf``; ``None`` where the
+        model's cache has another structure (then ``prefill`` concatenates, as before)."""
+        kv_cache = self._new_cache()
+        layers = getattr(kv_cache, "layers", None)
+        if not isinstance(layers, list) or len(layers) != self.spec.num_layers \
+                or any(type(layer) is not DynamicLayer for layer in layers):
+            return None
+        for i in range(len(layers)):
+            layers[i] = BufferLayer(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0))
+        return kv_cache
 
     def _kv_shape(self, n_tokens: int) -> tuple[int, ...]:
         spec = self.spec
@@ -255,13 +369,17 @@ class CachedPrefill:
             return DynamicCache()
 
     # ---- public -------------------------------------------------------------------------------
-    def prefill(self, input_ids: Any, salt: bytes = b"", *, all_logits: bool = False) -> PrefillResult:
+    def prefill(self, input_ids: Any, salt: bytes = b"", *, all_logits: bool = False,
+                store: bool = True) -> PrefillResult:
         """Prefill one prompt, restoring its longest cached prefix and storing its new full chunks.
 
         Args:
             input_ids: token ids of one prompt: a list, a 1-D tensor or a ``(1, n)`` tensor.
             salt: tenant bytes; a prefix stored under one salt is never restored under another.
             all_logits: return the logits of every computed position, not only the last.
+            store: store the new full chunks before returning (default). ``False``: leave them for
+                ``store(result)`` (or ``decode``, which stores first), so that the first token can go
+                out before the store runs.
 
         Returns:
             A ``PrefillResult``; ``res.cache`` continues decoding at position ``n``.
@@ -273,22 +391,39 @@ class CachedPrefill:
         n = ids.shape[1]
         chunk = self.spec.chunk_tokens
         n_full = n // chunk * chunk
-        kv_cache = self._new_cache()
+        cpu0 = time.thread_time()
         t0 = time.perf_counter()
+        # On CPU one buffer holds the whole prompt's KV: the prefix is loaded into it, the tail's
+        # forward and decoding write into it in place (``BufferLayer``) and ``store`` reads from it.
+        in_place = None
+        if not self._on_cuda and BufferLayer is not None:
+            in_place = self._in_place_buffer(n)
+            kv_cache = self._in_place_cache(in_place)
+            if kv_cache is None:
+                in_place = None
+        if in_place is None:
+            kv_cache = self._new_cache()
+        marks = {"lookup": (t0, cpu0), "load": (t0, cpu0), "adopt": (t0, cpu0)}
         cached, host = 0, None
         if self.cache is not None and n_full:
             tokens = ids[0].numpy()
             hit = self.cache.lookup(tokens, salt=salt)
-            host = self._host_buffer(n_full)
+            marks["lookup"] = marks["load"] = marks["adopt"] = (time.perf_counter(), time.thread_time())
+            host = in_place if in_place is not None else self._host_buffer(n_full)
             if hit.tokens:
                 # On CUDA the prefix goes straight into device memory (DMA out of the hot segment);
                 # on CPU into the host buffer, whose restored part the layers then adopt.
                 dest = torch.empty(self._kv_shape(hit.tokens), dtype=self.dtype, device=self.device) \
                     if self._on_cuda else host
                 cached = int(self.cache.load(hit, dest))
-                if cached:
+                marks["load"] = (time.perf_counter(), time.thread_time())
+                if cached and in_place is not None:
+                    for layer in kv_cache.layers:
+                        layer.adopt(cached)
+                elif cached:
                     self._restore(kv_cache, dest, cached)
         t1 = time.perf_counter()
+        marks["adopt"] = (t1, time.thread_time())
         kwargs: dict[str, Any] = {self._cache_kw: kv_cache, "use_cache": True}
         if self._logits_kw and not all_logits:
             kwargs[self._logits_kw] = 1
@@ -297,23 +432,58 @@ class CachedPrefill:
             out = self.model(input_ids=ids[:, cached:].to(self.device), position_ids=positions, **kwargs)
         logits = out.logits if all_logits else out.logits[:, -1:]
         t2 = time.perf_counter()
-        stored = 0
-        if host is not None and n_full > cached:
-            self._extract(kv_cache, host, cached, n_full)
-            # On CUDA the host buffer's prefix part was never filled: store from the restored end on.
-            stored = int(self.cache.store(ids[0, :n_full].numpy(), host, salt=salt,
-                                          from_token=cached if self._on_cuda else 0))
-        if host is not None and self.reuse_host_buffer and not self._on_cuda:
-            self._release_if_viewed(kv_cache)
-        t3 = time.perf_counter()
+        marks["forward"] = marks["extract"] = (t2, time.thread_time())
+        phases: dict[str, float] = {}
+        last = (t0, cpu0)
+        for name, end in marks.items():
+            phases[name], phases[f"{name}_cpu"] = (end[0] - last[0]) * 1e3, (end[1] - last[1]) * 1e3
+            last = end
+
+        def save() -> int:
+            """Store the new full chunks (read from ``host``, after extracting them on the concatenating
+            paths); the decoded positions after ``n`` are never read."""
+            a = b = (time.perf_counter(), time.thread_time())
+            n_stored = 0
+            if host is not None and n_full > cached:
+                if in_place is None:
+                    self._extract(kv_cache, host, cached, n_full)
+                b = (time.perf_counter(), time.thread_time())
+                # On CUDA the host buffer's prefix part was never filled: store from the restored end on.
+                n_stored = int(self.cache.store(ids[0, :n_full].numpy(), host[:, :, :, :n_full], salt=salt,
+                                                from_token=cached if self._on_cuda else 0))
+            if host is not None and self.reuse_host_buffer and not self._on_cuda and in_place is None:
+                self._release_if_viewed(kv_cache)
+            c = (time.perf_counter(), time.thread_time())
+            phases.update(extract=(b[0] - a[0]) * 1e3, extract_cpu=(b[1] - a[1]) * 1e3,
+                          store=(c[0] - b[0]) * 1e3, store_cpu=(c[1] - b[1]) * 1e3)
+            return n_stored
+
+        if not store:
+            phases.update(extract=0.0, extract_cpu=0.0, store=0.0, store_cpu=0.0)
+            return PrefillResult(logits=logits, cache=kv_cache, cached_tokens=cached, computed_tokens=n - cached,
+                                 restore_ms=(t1 - t0) * 1e3, compute_ms=(t2 - t1) * 1e3, phases=phases,
+                                 pending_store=[save])
+        stored = save()
         return PrefillResult(logits=logits, cache=kv_cache, cached_tokens=cached,
                              computed_tokens=n - cached, stored_blocks=stored,
                              restore_ms=(t1 - t0) * 1e3, compute_ms=(t2 - t1) * 1e3,
-                             store_ms=(t3 - t2) * 1e3)
+                             store_ms=(time.perf_counter() - t2) * 1e3, phases=phases)
+
+    def store(self, result: PrefillResult) -> int:
+        """Store the new full chunks a ``prefill(..., store=False)`` left for later; returns the blocks
+        newly stored (0 when there is nothing left to store). ``decode`` calls it first.
+
+        A server sends the first token (``result.logits``) before this: the store is then off the
+        time to first token. Call it while ``result.cache`` is alive (it reads the prompt's KV there).
+        """
+        if not result.pending_store:
+            return 0
+        return result.pending_store.pop()()
 
     def decode(self, result: PrefillResult, max_new_tokens: int, *,
                eos_token_id: int | list[int] | None = None) -> list[int]:
-        """Greedy decoding that continues a ``prefill`` result (its cache grows in place).
+        """Greedy decoding that continues a ``prefill`` result (its cache grows in place). Runs first
+        the store a ``prefill(..., store=False)`` left.
 
         Args:
             result: what ``prefill`` returned for the prompt.
@@ -329,6 +499,7 @@ class CachedPrefill:
             gen = getattr(self.model, "generation_config", None)
             eos_token_id = getattr(gen, "eos_token_id", None)
         stop = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        self.store(result)  # a store prefill(store=False) left: the first token is out by now
         kv_cache, logits = result.cache, result.logits
         pos = result.cached_tokens + result.computed_tokens
         new: list[int] = []

@@ -1,13 +1,13 @@
 """vLLM integration: a KV connector, and a secondary tier behind vLLM's own CPU offloading.
 
-Both are loaded by module path; vLLM is not patched. This is the only module of tieredkv that
-imports vLLM.
+Both are loaded by module path; vLLM is not patched. This module and ``vllm_identity`` (what a
+request's keys hold besides its tokens) are the only ones of tieredkv that import vLLM.
 
 ``TieredKVConnector`` (a ``KVConnectorBase_V1``)::
 
     scheduler process                                  worker process (one per TP rank)
     get_num_new_matched_tokens                         start_load_kv
-      cache.lookup(prompt_token_ids, cache_salt)         cache.load -> host (L, 2, H, T, D)
+      cache.lookup(tokens, salt, per-chunk extras)       cache.load -> host (L, 2, H, T, D)
       -> whole vLLM blocks, never the whole prompt       -> paged cache at the allocated block ids
     update_state_after_alloc -> a load plan            wait_for_save
     build_connector_meta -> loads + saves  ─────────►    paged cache -> host -> cache.store
@@ -25,8 +25,10 @@ once in ``tieredkv.integrations.vllm_groups``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import os
 import queue
 import threading
 from collections.abc import Mapping
@@ -44,13 +46,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tieredkv.cache import PrefixHit, TieredCache
+from tieredkv.cache import HOT, REMOTE, WARM, PrefixHit, TieredCache
 from tieredkv.config import KEYWORDS, CacheConfig
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_view
 from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
-from tieredkv.keys import ChunkKeys, as_tokens
+from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
+from tieredkv.keys import ChunkKeys
 from tieredkv.spec import KVSpec, parse_bytes
 from tieredkv.tier import PutResult
 
@@ -176,21 +180,32 @@ class LoadPlan:
 @dataclasses.dataclass(frozen=True)
 class SavePlan:
     """Store the prompt's full chunks ``[start_token, len(token_ids))`` from ``block_ids`` (per KV cache
-    group, the blocks holding tokens from ``start_token`` on, one vLLM block each)."""
+    group, the blocks holding tokens from ``start_token`` on, one vLLM block each).
+
+    ``prefix_block_ids``: every block of the prompt up to its last full chunk, all groups (the saved
+    chunks were computed over all of them); ``extra``: the chunks' extra key bytes (``vllm_identity``).
+    """
 
     req_id: str
     token_ids: np.ndarray
     salt: bytes
     start_token: int
     block_ids: tuple[tuple[int, ...], ...]
+    prefix_block_ids: tuple[int, ...] = ()
+    extra: tuple[bytes | None, ...] | None = None
 
 
 @dataclasses.dataclass
 class TieredKVMetadata(KVConnectorMetadata):
-    """What the scheduler side hands the workers for one engine step."""
+    """What the scheduler side hands the workers for one engine step.
+
+    ``recomputed``: the sets of blocks reported as failed loads that the scheduler has handled since
+    the last step (vLLM recomputes them from now on), one per step output, in order.
+    """
 
     loads: list[LoadPlan] = dataclasses.field(default_factory=list)
     saves: list[SavePlan] = dataclasses.field(default_factory=list)
+    recomputed: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -201,6 +216,7 @@ class _Tracked:
     salt: bytes
     saved_tokens: int  # leading tokens held by the tiers or already planned for saving (chunk-aligned)
     block_ids: list[list[int]]  # per KV cache group
+    extra: list[bytes | None] | None = None
 
 
 #: The block id vLLM hands for positions a group does not keep (outside a sliding window).
@@ -226,9 +242,21 @@ def _raw(host: torch.Tensor) -> Any:
     return host.numpy() if host.dtype == torch.uint8 else host
 
 
-def _salt(request: Any) -> bytes:
-    salt = getattr(request, "cache_salt", None)
-    return salt.encode() if isinstance(salt, str) else bytes(salt or b"")
+@dataclasses.dataclass(frozen=True)
+class _Identity:
+    """What a request's chunk keys are made of (``None`` in its place: a request that is not cached)."""
+
+    tokens: np.ndarray
+    salt: bytes
+    extra: list[bytes | None] | None
+
+
+#: Prefixes the salt of an engine's requests after ``reset_cache`` (followed by its 16-byte generation).
+_GENERATION_TAG = b"\x00tieredkv-generation\x00"
+
+#: The vLLM hit source of each tier: the hot tier is host memory, the warm tier disk; a remote store is
+#: what vLLM's ``CacheHitSource`` files under "external_unspecified" (its P2P is another engine's KV).
+HIT_SOURCES = {HOT: CacheHitSource.HOST, WARM: CacheHitSource.DISK, REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 def _slice_hit(hit: PrefixHit, first: int, end: int, chunk_tokens: int) -> PrefixHit:
@@ -255,6 +283,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     A lookup, load or save failure never fails a request: a lookup failure is a miss; blocks a load
     could not fill are reported by ``get_block_ids_with_load_errors`` (run vLLM with
     ``kv_load_failure_policy="recompute"`` so it recomputes them); a failed save is logged and skipped.
+    Nothing computed over a failed load is stored: the worker skips the saves of every prompt whose
+    blocks include one that failed, and the scheduler side plans them again once vLLM recomputed.
+
+    A request's keys hold what vLLM's own block hashes hold (``vllm_identity``: LoRA adapter,
+    multimodal items, prompt embeddings, cache salt), per chunk; a request that cannot be keyed
+    exactly is neither looked up nor stored. ``reset_cache`` moves the engine to a new generation.
     """
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
@@ -272,22 +306,60 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_size = self._layout.block_size
         # A replicated cache (MLA) is written by rank 0 alone; every rank loads it.
         self._writer = not self._layout.replicated or tp_rank == 0
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.cache = TieredCache(self.spec, config)
         # scheduler side
         self._lookups: dict[str, tuple[PrefixHit, int]] = {}
         self._loads: dict[str, LoadPlan] = {}
         self._tracked: dict[str, _Tracked] = {}
+        self._identities: dict[str, _Identity | None] = {}
+        self._counted: set[str] = set()  # requests whose lookup is counted (once per request)
+        self._sources: dict[str, dict[CacheHitSource, int]] = {}
+        self._generation = b""  # after reset_cache: 16 random bytes in every request's salt
+        self._recomputed: list[tuple[int, ...]] = []  # invalid-block sets handled, for the next metadata
         # worker side
         self._paged: PagedKV | None = None
         self._load_errors: set[int] = set()
+        # Blocks whose load failed, until the scheduler says vLLM recomputes them (one count per step
+        # that reported the block): no save computed over them.
+        self._poisoned: collections.Counter[int] = collections.Counter()
 
     # ---- scheduler side -------------------------------------------------------------------------
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: saves finish inside the step that computed them, and a lost save is a future miss."""
+        return False
+
+    def _identity(self, request: Any) -> _Identity | None:
+        """The request's tokens, salt (with the engine's generation) and per-chunk extra key bytes;
+        ``None`` for a request that cannot be keyed exactly (it is neither looked up nor stored)."""
+        req_id = request.request_id
+        if req_id in self._identities:
+            return self._identities[req_id]
+        identity: _Identity | None
+        try:
+            tokens = request_tokens(request)
+            extra = chunk_extras(request, len(tokens) // self.spec.chunk_tokens, self.spec.chunk_tokens)
+            salt = getattr(request, "cache_salt", None)
+            salt = salt.encode() if isinstance(salt, str) else bytes(salt or b"")
+            if self._generation:
+                salt = _GENERATION_TAG + self._generation + salt
+            identity = _Identity(tokens, salt, extra)
+        except Unkeyable as e:
+            logger.info("tieredkv: request %s is not cached (%s)", req_id, e)
+            identity = None
+        self._identities[req_id] = identity
+        return identity
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the tiers can supply: whole chunks (so whole vLLM
-        blocks), never the whole prompt. A failing lookup is a miss."""
-        tokens = request.prompt_token_ids or []
+        blocks), never the whole prompt. A failing lookup is a miss. Counts nothing (vLLM may ask
+        again every step for a waiting request): ``update_state_after_alloc`` counts once."""
+        identity = self._identity(request)
+        if identity is None:
+            return 0, False
         try:
-            hit = self.cache.lookup(tokens, _salt(request))
+            hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: lookup failed, serving request %s without it: %s", request.request_id, e)
             self._lookups.pop(request.request_id, None)
@@ -295,12 +367,46 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookups[request.request_id] = (hit, num_computed_tokens)
         return max(hit.tokens - num_computed_tokens, 0), False
 
+    def _count_once(self, req_id: str, prompt_tokens: int, hit: PrefixHit | None, local: int, external: int) -> None:
+        """Count the request's lookup once, crediting the tiers only with the tokens they served:
+        ``[local, local + external)``, beyond what vLLM's own prefix cache held."""
+        where = hit.where if hit is not None else np.zeros(0, np.int8)
+        if external <= 0 or local + external > len(where) * self.spec.chunk_tokens:
+            where = np.zeros(0, np.int8)  # nothing served (a range the connector did not offer is recomputed)
+        served = where[np.arange(local, local + external) // self.spec.chunk_tokens] if len(where) else where
+        codes, counts = np.unique(served, return_counts=True)
+        per_level = {int(c): int(n) for c, n in zip(codes, counts)}
+        sources: dict[CacheHitSource, int] = {}
+        for code, n in per_level.items():
+            source = HIT_SOURCES.get(code, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + n
+        self._sources[req_id] = sources
+        if req_id in self._counted:
+            return
+        self._counted.add(req_id)
+        try:
+            self.cache.count_served(prompt_tokens, per_level, prefill_tokens=max(prompt_tokens - local - external, 0))
+        except (TieredKVError, OSError) as e:  # counters are never worth a failed request
+            logger.warning("tieredkv: counting request %s failed: %s", req_id, e)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The tokens each tier supplied: hot as host memory, warm as disk (``HIT_SOURCES``)."""
+        sources = self._sources.pop(request.request_id, None)
+        if sources is None or sum(sources.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return sources
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` after the local hit, and track the request's save."""
         req_id = request.request_id
         hit, local = self._lookups.pop(req_id, (None, 0))
         block_ids = _group_ids(blocks.get_block_ids()) if blocks is not None else [[] for _ in self._layout.groups]
-        self._tracked[req_id] = _Tracked(token_ids=as_tokens(request.prompt_token_ids or []), salt=_salt(request),
+        identity = self._identity(request)
+        self._count_once(req_id, int(getattr(request, "num_prompt_tokens", 0) or 0), hit, local,
+                         num_external_tokens if hit is not None else 0)
+        if identity is None:
+            return  # not keyed exactly: never stored
+        self._tracked[req_id] = _Tracked(token_ids=identity.tokens, salt=identity.salt, extra=identity.extra,
                                          saved_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
         if num_external_tokens <= 0 or hit is None:
             return
@@ -319,8 +425,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         """This step's loads, and saves for prompts whose last full chunk this step computes."""
-        meta = TieredKVMetadata(loads=list(self._loads.values()))
+        meta = TieredKVMetadata(loads=list(self._loads.values()), recomputed=self._recomputed)
         self._loads.clear()
+        self._recomputed = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -368,14 +475,51 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         skip = -(-nulls * N // C) * C
         if start + skip >= full:
             return
+        extra = None if tracked.extra is None else tuple(tracked.extra[:full // C])
         meta.saves.append(SavePlan(req_id=req_id, token_ids=tracked.token_ids[:full], salt=tracked.salt,
                                    start_token=start + skip,
-                                   block_ids=tuple(tuple(g[skip // N:]) for g in ids)))
+                                   block_ids=tuple(tuple(g[skip // N:]) for g in ids),
+                                   prefix_block_ids=tuple(b for g in tracked.block_ids for b in g[:full // N]
+                                                          if b != NULL_BLOCK),
+                                   extra=extra))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Plan again the saves of requests that hold a block whose load failed.
+
+        vLLM recomputes such a request from its first bad block; the worker skipped its save
+        (``wait_for_save``), so the recomputed chunks are stored once the prompt is computed again.
+        """
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not invalid:
+            return
+        self._recomputed.append(tuple(sorted(invalid)))  # the workers may save over them again
+        N = self._block_size
+        for tracked in self._tracked.values():
+            full = len(tracked.token_ids) // self.spec.chunk_tokens * self.spec.chunk_tokens
+            if any(not invalid.isdisjoint(g[:full // N]) for g in tracked.block_ids):
+                tracked.saved_tokens = 0  # chunks lost from the tiers are stored again
+
+    def reset_cache(self) -> bool:
+        """Serve nothing stored before this call: move this engine to a new generation.
+
+        Every later request's salt holds 16 fresh random bytes, so no block stored before (by this
+        engine or any other) can match, and no other engine of the host ever matches this engine's
+        new blocks (nor the blocks of another engine reset at the same time: each reset draws its own
+        generation). The old blocks stay until eviction reclaims them. Requests already planned keep
+        their old keys: what they store can never be served after the reset.
+        """
+        self._generation = os.urandom(16)
+        self._identities.clear()
+        self._lookups.clear()
+        logger.info("tieredkv: reset_cache: a new generation; blocks stored before are never served")
+        return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous, so the blocks can be freed at once."""
-        self._tracked.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
+        req_id = request.request_id
+        for state in (self._tracked, self._lookups, self._identities, self._sources):
+            state.pop(req_id, None)
+        self._counted.discard(req_id)
         return False, None
 
     def request_finished_all_groups(self, request: Any,
@@ -422,7 +566,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """
         meta = self._get_connector_metadata()
         paged = self._paged
-        if not isinstance(meta, TieredKVMetadata) or not meta.loads or paged is None:
+        if not isinstance(meta, TieredKVMetadata):
+            return
+        for handled in meta.recomputed:
+            self._poisoned.subtract(handled)
+        self._poisoned = +self._poisoned  # drop counts at or below zero
+        if not meta.loads or paged is None:
             return
         N = self._block_size
         for plan in meta.loads:
@@ -439,6 +588,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
                 done = 0
             self._load_errors.update(b for ids in plan.block_ids for b in ids[done:] if b != NULL_BLOCK)
+        self._poisoned.update(self._load_errors)
         if paged.device.type == "cuda":
             torch.cuda.current_stream(paged.device).synchronize()  # the host buffer is reused
 
@@ -449,18 +599,36 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Saves read all layers at once in ``wait_for_save``, after the forward wrote them."""
 
     def wait_for_save(self) -> None:
-        """Store the full prompt chunks this step finished computing (skipping ones already held)."""
+        """Store the full prompt chunks this step finished computing (skipping ones already held).
+
+        A prompt with a block whose load failed is not stored until the scheduler side reports that
+        vLLM took the block back (``TieredKVMetadata.recomputed``): its chunks were computed over pages
+        the load never filled, in this step or in one scheduled before vLLM saw the failure (async
+        scheduling). The scheduler side plans its save again. With tensor parallelism every rank
+        skips what any rank skips.
+        """
         meta = self._get_connector_metadata()
         paged = self._paged
-        if not isinstance(meta, TieredKVMetadata) or not meta.saves or paged is None or not self._writer:
+        if not isinstance(meta, TieredKVMetadata) or not meta.saves or paged is None:
             return
-        for plan in meta.saves:
+        poisoned = set(self._poisoned)
+        # Every rank takes part in the agreement (a collective), also the ranks that do not write a
+        # replicated (MLA) cache, whose spec has no TP rank: the engine's TP size counts here.
+        skip = _agree_across_ranks([not poisoned.isdisjoint(p.prefix_block_ids) for p in meta.saves],
+                                   self._tp_size)
+        if not self._writer:
+            return
+        for plan, skipped in zip(meta.saves, skip):
+            if skipped:
+                logger.warning("tieredkv: request %s: not saving chunks computed over a failed load", plan.req_id)
+                continue
             try:
                 # Positions before start_token (already in the tiers) are left unread: store skips them.
                 host = paged.host_buffer(len(plan.token_ids))
                 for group in self._layout.groups:
                     paged.read(plan.block_ids[group.index], host[:, :, :, plan.start_token:], layers=group.layers)
-                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token)
+                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token,
+                                 extra=None if plan.extra is None else list(plan.extra))
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
 
@@ -471,6 +639,20 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         """Close this process's handle on the tiers (the shared state stays for other engines)."""
         self.cache.close()
+
+
+def _agree_across_ranks(flags: list[bool], tp_size: int) -> list[bool]:
+    """``flags`` OR-ed over the tensor-parallel group (every rank gets the same saves in the same
+    order). A rank computes its KV over the other ranks' activations, so a load that failed on one
+    rank spoils what every rank computed after it."""
+    if tp_size <= 1 or not flags:
+        return flags
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    mine = torch.tensor(flags, dtype=torch.uint8)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return [bool(v) for v in mine.tolist()]
 
 
 # ---- a secondary tier behind vLLM's CPU offloading ------------------------------------------------

@@ -34,6 +34,7 @@ request being served), so these numbers bound it too.
 from __future__ import annotations
 
 import heapq
+import time
 
 import numpy as np
 
@@ -92,8 +93,6 @@ def belady(trace: Trace, capacity_blocks: int, *, bypass: bool = True) -> dict:
     Raises:
         InvalidInput: capacity not positive.
     """
-    import time
-
     if capacity_blocks <= 0:
         raise InvalidInput(f"capacity_blocks must be positive, got {capacity_blocks}")
     t0 = time.perf_counter()

@@ -37,7 +37,6 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +71,13 @@ def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int
     return sums
 
 
-#: A verified read larger than this is split into groups of about this size: one group is hashed
-#: (and handed to the caller's sink) on a helper thread while the next one is read. Smaller reads
-#: stay one read on the caller's thread: on a busy host the hand-off costs more than it saves (see
-#: docs/benchmarks.md, the speed table).
-READ_GROUP_BYTES = 32 << 20
+#: A read is split into groups of about this size (at least one block), each read, checksummed and handed
+#: to the caller's sink before the next one is read, all on the caller's thread: the group is still in
+#: the CPU's L2 cache when it is hashed and copied out, so a verified read touches main memory about as
+#: often as a plain read (one pass) instead of three (read, hash, copy). A helper thread hashing one
+#: 32 MiB group while the next was read gave no overlap on 2 cores and hashed out of DRAM (3.9x the
+#: time of hashing in L2, docs/benchmarks.md).
+READ_GROUP_BYTES = 1 << 20
 
 SYNC_MODES = ("none", "data", "full")
 VERIFY_MODES = ("always", "sampled", "never")
@@ -190,7 +191,6 @@ class WarmTier(Tier):
         self._pending_n = 0
         self._view: policies.SlotState | None = None
         self._view_gen = 0
-        self._hasher: ThreadPoolExecutor | None = None
 
     def _open(self, capacity_bytes: int | None, slab_bytes: int) -> None:
         path = str(self.path)
@@ -411,8 +411,8 @@ class WarmTier(Tier):
             out: a writable array with at least one row per key: ``(m, block_bytes)`` uint8 or the
                 spec's dtype shaped ``(m, *block_shape)``, ``m >= len(keys)``.
             sink: ``sink(i, rows)`` is called with each group of rows (``(k, block_bytes)`` uint8,
-                blocks ``i .. i+k-1``) as soon as it is read, on a helper thread while the next group is
-                read, before the blocks are verified: use it to move bytes on (into a model layout, say)
+                blocks ``i .. i+k-1``) as soon as it is read and hashed, on the caller's thread, before the
+                blocks are verified: use it to move bytes on (into a model layout, say)
                 without a second pass. As with ``out``, only the leading rows this call returns are
                 valid. An exception in ``sink`` is raised by ``get_many``.
 
@@ -471,9 +471,9 @@ class WarmTier(Tier):
 
     def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray,
                       sink=None) -> tuple[np.ndarray, np.ndarray]:
-        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, hashing (and handing to
-        ``sink``) one group of blocks on a helper thread while the next group is read (xxhash, numpy
-        copies and preadv all release the GIL).
+        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, one group of about
+        ``READ_GROUP_BYTES`` at a time: each group is hashed and handed to ``sink`` right after it is
+        read, while it is still in the CPU cache.
 
         Returns:
             ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
@@ -488,28 +488,12 @@ class WarmTier(Tier):
             return complete, sums
         complete = np.zeros(n, dtype=bool)
         self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the groups, as for one read
-        hasher = self._hasher_pool()
-        pending = []
-        try:
-            for b in range(0, n, per_group):
-                e = min(n, b + per_group)
-                complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
-                todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
-                pending.append((todo, hasher.submit(_work, rows, todo, sink, b, e)))
-        finally:
-            # Wait for every task, even after an error: none may touch ``rows`` once we return.
-            outcomes = [(todo, fut, fut.exception()) for todo, fut in pending]
-        for todo, fut, exc in outcomes:
-            if exc is not None:
-                raise exc
-            sums[todo] = fut.result()
+        for b in range(0, n, per_group):
+            e = min(n, b + per_group)
+            complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
+            todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
+            sums[todo] = _work(rows, todo, sink, b, e)
         return complete, sums
-
-    def _hasher_pool(self) -> ThreadPoolExecutor:
-        """This process's hashing thread (threads do not survive fork: made lazily per process)."""
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tieredkv-warm-hash")
-        return self._hasher
 
     def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
         """Count bad blocks and remove their records (if still the same gen) so they are never served."""
@@ -1061,9 +1045,6 @@ class WarmTier(Tier):
                 self.flush()
             finally:
                 self._closed = True
-                if self._hasher is not None:
-                    self._hasher.shutdown(wait=True)
-                    self._hasher = None
                 self._index.close()
                 self._slabs.close()
 

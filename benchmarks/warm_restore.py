@@ -1,0 +1,127 @@
+"""A verified warm-only restore against a page-cache read of the same bytes, wall and CPU time, in one run.
+
+``TieredCache.lookup`` + ``load`` of a prefix held only in the warm tier (``verify="always"``, promotion
+off, page cache warm), into a model-layout array, interleaved with ``os.preadv`` of the same number of
+bytes from a file in the page cache into memory already touched (what a restore can at best reach). The
+ratio is page-cache time over restore time (higher is better; the goal is >= 0.8), in wall time and in
+process CPU time (user + system of every thread: CPU time barely moves with the machine's load, wall
+time does).
+
+    python benchmarks/warm_restore.py                                 # this checkout
+    python benchmarks/warm_restore.py --baseline /tmp/speed-base      # and an older checkout, alternately
+
+With ``--baseline`` each round runs this file once per checkout (a subprocess importing that checkout's
+``tieredkv``), in alternating order, and prints both ratios with the load average beside them.
+Not a test: nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(prefix_tokens: int, repeats: int) -> dict:
+    import numpy as np
+
+    from tieredkv import KVSpec, TieredCache
+
+    spec = KVSpec(model_id=f"bench/warm-restore-{os.getpid()}", num_layers=28, num_kv_heads=2, head_dim=128,
+                  dtype="float16", chunk_tokens=64)  # 1.75 MiB blocks (a 7B-class geometry)
+    n_blocks = prefix_tokens // spec.chunk_tokens
+    tokens = np.random.default_rng(0).integers(0, 50_000, prefix_tokens + 1)
+    kv = np.random.default_rng(1).standard_normal(
+        (spec.num_layers, 2, spec.num_kv_heads, prefix_tokens + 1, spec.head_dim)).astype(np.float16)
+    out = np.zeros_like(kv)
+    nbytes = n_blocks * spec.block_bytes
+    work = tempfile.mkdtemp(prefix="tieredkv-bench-warm-restore-")
+    page_file = os.path.join(work, "prefix.bin")
+    with open(page_file, "wb") as f:
+        f.write(np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8).tobytes())
+    dst = np.ones(nbytes, np.uint8)
+    fd = os.open(page_file, os.O_RDONLY)
+    samples: dict[str, list[tuple[float, float]]] = {"restore": [], "page": []}
+    try:
+        with TieredCache(spec, hot_bytes=(n_blocks + 8) * (spec.block_bytes + 8192) + (4 << 20),
+                         hot_name=f"/tieredkv-bench-wr-{os.getpid()}", warm_dir=os.path.join(work, "warm"),
+                         warm_bytes=(n_blocks + 8) * spec.block_bytes, promotion="never",
+                         demotion="write_through", warm_verify="always") as cache:
+            try:
+                assert cache.store(tokens, kv) == n_blocks
+                cache.hot.remove(cache.lookup(tokens).keys)
+
+                def restore() -> None:
+                    assert cache.load(cache.lookup(tokens), out) == n_blocks * spec.chunk_tokens
+
+                def page() -> None:
+                    os.preadv(fd, [dst], 0)
+
+                restore()
+                page()
+                for _ in range(repeats):
+                    for name, fn in (("page", page), ("restore", restore)):
+                        w0, c0 = time.perf_counter(), time.process_time()
+                        fn()
+                        samples[name].append((time.perf_counter() - w0, time.process_time() - c0))
+                assert out[:, :, :, :n_blocks * spec.chunk_tokens].tobytes() == \
+                    kv[:, :, :, :n_blocks * spec.chunk_tokens].tobytes()
+            finally:
+                cache.unlink_hot()
+    finally:
+        os.close(fd)
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in samples.items()}
+    return {"bytes": nbytes, "restore_ms": med["restore"][0] * 1e3, "restore_cpu_ms": med["restore"][1] * 1e3,
+            "page_ms": med["page"][0] * 1e3, "page_cpu_ms": med["page"][1] * 1e3,
+            "wall_ratio": med["page"][0] / med["restore"][0], "cpu_ratio": med["page"][1] / med["restore"][1]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefix-tokens", type=int, default=4096, help="default 4096 (112 MiB)")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--baseline", type=Path, help="an older checkout to measure alternately")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds (default 3)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a subprocess: print JSON
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.prefix_tokens, args.repeats)))
+        return 0
+    trees = [("this", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
+    got: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    for r in range(args.rounds if args.baseline else 1):
+        for name, tree in (trees if r % 2 == 0 else trees[::-1]):
+            env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            load = os.getloadavg()[0]
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", "--prefix-tokens",
+                                   str(args.prefix_tokens), "--repeats", str(args.repeats)],
+                                  env=env, cwd=str(tree), capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(proc.stderr[-3000:])
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            got[name].append(res)
+            print(f"round {r + 1} {name:<8} load {load:5.1f}: restore {res['restore_ms']:.1f} ms "
+                  f"({res['restore_cpu_ms']:.1f} ms CPU), page-cache read {res['page_ms']:.1f} ms "
+                  f"({res['page_cpu_ms']:.1f} ms CPU); x page cache: wall {res['wall_ratio']:.2f}, "
+                  f"CPU {res['cpu_ratio']:.2f}", flush=True)
+    mib = got["this"][0]["bytes"] / 2**20
+    print(f"median, {mib:.0f} MiB warm-only verified restore, x page-cache read (goal >= 0.8); "
+          f"load average now {os.getloadavg()[0]:.1f}:")
+    for name, rows in got.items():
+        print(f"  {name:<8} wall {statistics.median(r['wall_ratio'] for r in rows):.2f}  "
+              f"CPU {statistics.median(r['cpu_ratio'] for r in rows):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -187,7 +187,6 @@ def held_bytes(seg_name: str, warm_root: str, worker_pids: set[int]) -> dict:
 def check_hot_resident(hot) -> dict:
     """Every READY slot of the hot tier holds exactly the bytes its key implies."""
     from tieredkv.hot.segment import READY
-
     from tieredkv.keys import ChunkKeys
 
     rec = hot._slots
@@ -230,6 +229,103 @@ def check_warm_resident(spec: KVSpec, warm_root: str) -> dict:
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
+class _Fleet:
+    """The workers of a chaos run: spawned, watched (calls past the bound, workers that exited by
+    themselves), killed and respawned; each finished worker's counter row folded into ``totals``.
+
+    Args:
+        ctx: the multiprocessing context.
+        workers: worker processes alive at any time.
+        bound_s: a call running longer than this is a violation.
+        say: progress messages.
+        args_for: ``args_for(i, stop, counters, incarnation)``: the arguments of ``worker_main``.
+    """
+
+    def __init__(self, ctx, workers: int, bound_s: float, say, args_for):
+        self.ctx, self.workers, self.bound_s, self.say, self.args_for = ctx, workers, bound_s, say, args_for
+        self.counters = ctx.Array(ctypes.c_int64, workers * len(FIELDS), lock=True)
+        self.rows = np.frombuffer(self.counters.get_obj(), dtype=np.int64).reshape(workers, len(FIELDS))
+        # A plain shared byte, not an Event: Event.is_set() takes a semaphore that a worker killed inside
+        # it would hold for good, and every other worker would block on it.
+        self.stop_flag = ctx.RawValue(ctypes.c_int8, 0)
+        self.totals = dict.fromkeys(FIELDS, 0)
+        self.totals["max_op_ns"] = 0
+        self.procs: list = [None] * workers
+        self.kills = self.respawns = self.unexpected_exits = self.stuck = 0
+        self._incarnation = 0
+        self._flagged: set[tuple[int, int]] = set()
+
+    def spawn(self, i: int) -> None:
+        self._incarnation += 1
+        p = self.ctx.Process(target=worker_main, name=f"chaos-worker-{i}",
+                             args=self.args_for(i, self.stop_flag, self.counters, self._incarnation))
+        p.start()
+        self.procs[i] = p
+
+    def harvest(self, i: int) -> None:
+        """Fold a finished worker's row into the totals and clear it for its successor."""
+        row, totals = self.rows[i], self.totals
+        for name in FIELDS:
+            if name == "max_op_ns":
+                totals[name] = max(totals[name], int(row[F[name]]))
+            elif name not in ("op_start_ns", "pid"):
+                totals[name] += int(row[F[name]])
+        if row[F["op_start_ns"]] and time.monotonic_ns() - row[F["op_start_ns"]] > self.bound_s * 1e9:
+            totals["over_bound"] += 1  # killed while stuck in a call past the bound
+        row[:] = 0
+
+    def respawn(self, i: int) -> None:
+        self.harvest(i)
+        self.spawn(i)
+        self.respawns += 1
+
+    def watch(self) -> None:
+        """A call running past the bound is a violation (possible deadlock): count it once. A worker
+        that exited by itself crashed (workers only end when stopped or killed): respawn it."""
+        now_ns = time.monotonic_ns()
+        for i in range(self.workers):
+            t0 = int(self.rows[i][F["op_start_ns"]])
+            if t0 and now_ns - t0 > self.bound_s * 1e9 and (i, t0) not in self._flagged:
+                self._flagged.add((i, t0))
+                self.stuck += 1
+        for i, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                self.unexpected_exits += 1
+                self.say(f"worker {i} (pid {p.pid}) exited by itself with {p.exitcode}")
+                self.respawn(i)
+
+    def kill(self, i: int) -> None:
+        p = self.procs[i]
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            self.kills += 1
+        self.respawn(i)
+
+    def pids(self) -> set[int]:
+        return {p.pid for p in self.procs if p.pid}
+
+    def stop(self) -> None:
+        """Each worker finishes its call and closes its cache; one that does not is stuck."""
+        self.stop_flag.value = 1
+        for i, p in enumerate(self.procs):
+            p.join(self.bound_s + 5)
+            if p.exitcode is None:
+                self.stuck += 1
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(10)
+            elif p.exitcode != 0:
+                self.unexpected_exits += 1
+            self.harvest(i)
+
+    def kill_all(self) -> None:
+        self.stop_flag.value = 1
+        for p in self.procs:
+            if p is not None and p.exitcode is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(10)
+
+
 def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 0.4, seed: int = 0,
               bound_s: float = 10.0, hot_slots: int = 48, warm_slots: int = 192, soak: bool | None = None,
               sample_every_s: float = 2.0, workdir: str | None = None, log=None) -> dict:
@@ -247,8 +343,7 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
     Returns:
         The report dict; ``report["violations"]`` lists every failed check (empty: all good).
     """
-    from tieredkv import TieredCache
-    from tieredkv import policies
+    from tieredkv import TieredCache, policies
     from tieredkv.warm import admin
 
     soak = seconds >= 300 if soak is None else soak
@@ -262,105 +357,43 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
     err_dir = os.path.join(base, "errors")
     os.makedirs(err_dir)
     engine = policies.make("lru")
-    hot_bytes = seg.Layout.compute(spec, hot_slots, policies.StateLayout.for_policy(engine, hot_slots).nbytes).total_bytes
+    state_bytes = policies.StateLayout.for_policy(engine, hot_slots).nbytes
+    hot_bytes = seg.Layout.compute(spec, hot_slots, state_bytes).total_bytes
     warm_bytes = warm_slots * 4096
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["numpy", "lmdb", "posix_ipc", "tieredkv.cache", "tieredkv.warm"])
-    counters = ctx.Array(ctypes.c_int64, workers * len(FIELDS), lock=True)
-    rows = np.frombuffer(counters.get_obj(), dtype=np.int64).reshape(workers, len(FIELDS))
-    # A plain shared byte, not an Event: Event.is_set() takes a semaphore that a worker killed inside it
-    # would hold for good, and every other worker would block on it.
-    stop = ctx.RawValue(ctypes.c_int8, 0)
-    totals = dict.fromkeys(FIELDS, 0)
-    totals["max_op_ns"] = 0
     report: dict = {"seconds": seconds, "workers": workers, "kill_every_s": kill_every_s, "seed": seed,
                     "bound_s": bound_s, "hot_slots": hot_slots, "warm_slots": warm_slots, "soak": soak,
                     "segment": seg_name, "warm_dir": warm_root}
-    kills = respawns = unexpected_exits = stuck = 0
     samples: list[dict] = []
-    procs: list = [None] * workers
-    incarnation = 0
-
-    def spawn(i: int):
-        nonlocal incarnation
-        incarnation += 1
-        p = ctx.Process(target=worker_main, name=f"chaos-worker-{i}",
-                        args=(i, counters, stop, seg_name, warm_root, warm_bytes, seed * 1_000_003 + incarnation, bound_s,
-                              err_dir))
-        p.start()
-        procs[i] = p
-
-    def harvest(i: int) -> None:
-        """Fold a finished worker's row into the totals and clear it for its successor."""
-        row = rows[i]
-        for name in FIELDS:
-            if name == "max_op_ns":
-                totals[name] = max(totals[name], int(row[F[name]]))
-            elif name not in ("op_start_ns", "pid"):
-                totals[name] += int(row[F[name]])
-        if row[F["op_start_ns"]] and time.monotonic_ns() - row[F["op_start_ns"]] > bound_s * 1e9:
-            totals["over_bound"] += 1  # killed while stuck in a call past the bound
-        row[:] = 0
+    fleet = _Fleet(ctx, workers, bound_s, say,
+                   lambda i, stop, counters, incarnation: (i, counters, stop, seg_name, warm_root, warm_bytes,
+                                                           seed * 1_000_003 + incarnation, bound_s, err_dir))
+    totals = fleet.totals
 
     parent = TieredCache(spec, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=warm_root, warm_bytes=warm_bytes)
     started = time.monotonic()
     try:
         for i in range(workers):
-            spawn(i)
+            fleet.spawn(i)
         deadline = started + seconds
         next_kill = started + float(rng.exponential(kill_every_s))
         next_sample = started
-        flagged: set[tuple[int, int]] = set()
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            # A call running past the bound is a violation (possible deadlock): count it once.
-            now_ns = time.monotonic_ns()
-            for i in range(workers):
-                t0 = int(rows[i][F["op_start_ns"]])
-                if t0 and now_ns - t0 > bound_s * 1e9 and (i, t0) not in flagged:
-                    flagged.add((i, t0))
-                    stuck += 1
-            # A worker that exited by itself crashed (workers only end when stopped or killed).
-            for i, p in enumerate(procs):
-                if p.exitcode is not None:
-                    unexpected_exits += 1
-                    say(f"worker {i} (pid {p.pid}) exited by itself with {p.exitcode}")
-                    harvest(i)
-                    spawn(i)
-                    respawns += 1
+        while (now := time.monotonic()) < deadline:
+            fleet.watch()
             if now >= next_kill:
-                i = int(rng.integers(workers))
-                p = procs[i]
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
-                    p.join(10)
-                    kills += 1
-                harvest(i)
-                spawn(i)
-                respawns += 1
+                fleet.kill(int(rng.integers(workers)))
                 next_kill = now + float(rng.exponential(kill_every_s))
             if now >= next_sample:
-                pids = {p.pid for p in procs if p.pid}
+                pids = fleet.pids()
                 rss = [r for r in (rss_bytes(pid) for pid in pids) if r]
                 samples.append({"t": round(now - started, 2), "rss_max": max(rss, default=0),
                                 "rss_median": int(np.median(rss)) if rss else 0,
                                 **held_bytes(seg_name, warm_root, pids)})
                 next_sample = now + sample_every_s
             time.sleep(0.005)
-        # Stop: each worker finishes its call and closes its cache; one that does not is stuck.
-        stop.value = 1
-        for i, p in enumerate(procs):
-            p.join(bound_s + 5)
-            if p.exitcode is None:
-                stuck += 1
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(10)
-            elif p.exitcode != 0:
-                unexpected_exits += 1
-            harvest(i)
+        fleet.stop()
         elapsed = time.monotonic() - started
 
         # ---- checks ----
@@ -377,18 +410,14 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
         pids_end: set[int] = set()
         final_held = held_bytes(seg_name, warm_root, pids_end)
     finally:
-        stop.value = 1
-        for p in procs:
-            if p is not None and p.exitcode is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(10)
+        fleet.kill_all()
         parent.close()
 
     errors_text = []
     for fn in sorted(os.listdir(err_dir)):
         with open(os.path.join(err_dir, fn)) as f:
             errors_text.append(f.read())
-    totals["over_bound"] += stuck
+    totals["over_bound"] += fleet.stuck
     recoveries = {"hot_scrubs": int(hot_stats.extra["scrubs"]) + 0,
                   "hot_reclaimed_slots": int(hot_stats.extra["reclaimed"]) + recovered["reclaimed_slots"],
                   "warm_claims_reaped": totals["warm_recoveries"] + warm_check["warm_claims_reaped_at_end"]}
@@ -397,7 +426,7 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
         "operations": totals["ops"], "lookups": totals["lookups"], "loads": totals["loads"],
         "stores": totals["stores"], "loaded_tokens": totals["loaded_tokens"],
         "stored_blocks": totals["stored_blocks"],
-        "kills": kills, "respawns": respawns, "unexpected_exits": unexpected_exits,
+        "kills": fleet.kills, "respawns": fleet.respawns, "unexpected_exits": fleet.unexpected_exits,
         "recoveries": sum(recoveries.values()), "recovery_detail": recoveries,
         "wrong_bytes": totals["wrong_bytes"] + resident["hot_resident_wrong_bytes"]
         + warm_check["warm_resident_wrong_bytes"],
@@ -426,8 +455,8 @@ def run_chaos(seconds: float = 30.0, workers: int = 8, *, kill_every_s: float = 
         violations.append(f"{report['over_bound']} calls over the {bound_s} s bound")
     if report["errors"]:
         violations.append(f"{report['errors']} calls raised")
-    if unexpected_exits:
-        violations.append(f"{unexpected_exits} workers exited by themselves")
+    if fleet.unexpected_exits:
+        violations.append(f"{fleet.unexpected_exits} workers exited by themselves")
     if not report["hot_accounting_ok"]:
         violations.append(f"hot slot accounting broken: {census_before} -> {census}")
     if not report["warm_verify_ok"] or warm_check["warm_unreadable"]:

@@ -19,7 +19,6 @@ import sys
 import time
 
 import numpy as np
-import posix_ipc
 
 from tieredkv import HotTier, KVSpec, chunk_keys
 
@@ -145,8 +144,8 @@ def match_latency(repeats: int) -> list[dict]:
         for tokens in (4096, 131072):
             ids = np.random.default_rng(tokens).integers(0, 50_000, tokens)
             keys = chunk_keys(spec, ids)
-            t_hash = _median_time(lambda: chunk_keys(spec, ids), repeats)
-            t_total = _median_time(lambda: tier.match(chunk_keys(spec, ids)), repeats)
+            t_hash = _median_time(lambda ids=ids: chunk_keys(spec, ids), repeats)
+            t_total = _median_time(lambda ids=ids: tier.match(chunk_keys(spec, ids)), repeats)
             rows.append({"prompt_tokens": tokens, "blocks": len(keys), "hash_ms": t_hash * 1e3,
                          "match_ms": t_total * 1e3})
     finally:
@@ -211,11 +210,12 @@ def scaling(slot_counts, repeats: int) -> list[dict]:
                 filled += batch
             probe = [chunk_keys(spec, rng.integers(0, 2**31, batch * spec.chunk_tokens)) for _ in range(repeats + 1)]
             it = iter(probe * 4)
-            t_put = _median_time(lambda: tier.put_many(next(it), payload), repeats)  # full: every put evicts
+            t_put = _median_time(lambda tier=tier, it=it, payload=payload: tier.put_many(next(it), payload),
+                                 repeats)  # full: every put evicts
             stored = probe[-1]
             out = np.empty_like(payload)
-            t_get = _median_time(lambda: tier.get_many(stored, out), repeats)
-            t_match = _median_time(lambda: tier.match(stored), repeats)
+            t_get = _median_time(lambda tier=tier, stored=stored, out=out: tier.get_many(stored, out), repeats)
+            t_match = _median_time(lambda tier=tier, stored=stored: tier.match(stored), repeats)
             rows.append({"slots": n_slots, "put_evict_us_per_block": t_put / batch * 1e6,
                          "get_us_per_block": t_get / batch * 1e6, "match_us_per_block": t_match / batch * 1e6,
                          "segment_mib": tier._map.size / 2**20})

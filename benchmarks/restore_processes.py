@@ -35,8 +35,8 @@ import tempfile
 import time
 
 import numpy as np
-
 from hot_tier import segment_dir  # benchmarks/ is on sys.path when run as a script
+
 from tieredkv import HotTier, KVSpec, chunk_keys
 
 SPEC = KVSpec(model_id="bench/seed-7b", num_layers=28, num_kv_heads=2, head_dim=128, dtype="float16")

@@ -152,7 +152,8 @@ def format_restore(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['prefix_tokens']:>7} {_mib(r['kv_bytes']):>10} {r['full_prefill_ms']:>10.1f} ms "
                      f"{r['cached_ttft_ms']:>9.1f} ms {100 * r['ttft_ratio']:>9.1f}% | "
-                     f"{r['restore_ms']:>6.2f} ms {r['memcpy_fresh_ms']:>6.2f} ms {r['restore_vs_memcpy_fresh']:>5.2f}x | "
+                     f"{r['restore_ms']:>6.2f} ms {r['memcpy_fresh_ms']:>6.2f} ms "
+                     f"{r['restore_vs_memcpy_fresh']:>5.2f}x | "
                      f"{r['restore_reused_ms']:>6.2f} ms {r['memcpy_ms']:>6.2f} ms {r['restore_vs_memcpy']:>5.2f}x")
     lines.append("restore/memcpy: into fresh memory (reuse_host_buffer=False); restore*/memcpy*: into the kept "
                  "buffer (the default, memory already touched)")

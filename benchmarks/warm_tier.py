@@ -12,6 +12,7 @@ Cold start: a fresh process opens a tier holding N small blocks and serves the f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -68,6 +69,25 @@ def tier_files(tier):
 
 
 # ---- bandwidth ------------------------------------------------------------------------------------
+def _put_all(tier, keys, pay, batch):
+    for b in range(0, len(keys), batch):
+        tier.put_many(keys[b:b + batch], pay[b:b + batch])
+
+
+def _base_put(fd, pay, slot, batch, sync):
+    """The same durability as the tier's mode: sync="data"/"full" fdatasync per batch."""
+    for b in range(0, len(pay), batch):
+        for i in range(b, min(len(pay), b + batch)):
+            os.pwritev(fd, [pay[i]], i * slot)
+        if sync:
+            os.fdatasync(fd)
+
+
+def _get_all(tier, keys, out, batch):
+    for b in range(0, len(keys), batch):
+        assert tier.get_many(keys[b:b + batch], out[b:b + batch]) == min(batch, len(keys) - b)
+
+
 def bandwidth(workdir, n_blocks, batch, repeats, show):
     spec = BIG
     bb = spec.block_bytes
@@ -123,36 +143,21 @@ def bandwidth(workdir, n_blocks, batch, repeats, show):
     for sync in progress(["none", "data", "full"], "put_many by sync mode", show):
         root = os.path.join(workdir, f"bw-{sync}")
         tier = WarmTier(spec, root, capacity_bytes=n_blocks * slot, sync=sync, verify="always")
-
-        def put():
-            for b in range(0, n_blocks, batch):
-                tier.put_many(keys[b:b + batch], pay[b:b + batch])
-
-        def base_put():
-            # The same durability as the tier's mode: sync="data"/"full" fdatasync per batch.
-            for b in range(0, n_blocks, batch):
-                for i in range(b, min(n_blocks, b + batch)):
-                    os.pwritev(fd, [pay[i]], i * slot)
-                if sync != "none":
-                    os.fdatasync(fd)
-
+        put = functools.partial(_put_all, tier, keys, pay, batch)
         put()  # first touch of the slab extents
-        base_s, tier_s = paired(base_put, put, None, lambda: tier.remove(keys))
+        base_put = functools.partial(_base_put, fd, pay, slot, batch, sync != "none")
+        base_s, tier_s = paired(base_put, put, None, functools.partial(tier.remove, keys))
         row("put_many", f"sync={sync}", "warm", base_s, tier_s)
         tier.close()
         if sync == "none":
             for verify in ["always", "sampled", "never"]:
                 tier = WarmTier(spec, root, verify=verify)
-
-                def get():
-                    for b in range(0, n_blocks, batch):
-                        assert tier.get_many(keys[b:b + batch], out[b:b + batch]) == min(batch, n_blocks - b)
-
+                get = functools.partial(_get_all, tier, keys, out, batch)
                 for cache in ["warm", "cold"]:
                     cold = cache == "cold"
                     base_s, tier_s = paired(base_read, get,
-                                            (lambda: drop_cache([base_path])) if cold else None,
-                                            (lambda: drop_cache(tier_files(tier))) if cold else None)
+                                            functools.partial(drop_cache, [base_path]) if cold else None,
+                                            functools.partial(drop_cache, tier_files(tier)) if cold else None)
                     row("get_many", f"verify={verify}", cache, base_s, tier_s)
                 assert np.array_equal(out, pay)
                 tier.close()

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
+
 from . import _jit
 from .state import SlotState
 
@@ -41,8 +43,8 @@ _MODULE_CLASS = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za
 _entry_points_loaded = False
 
 
-class UnknownPolicy(KeyError):
-    """An unknown policy name. The message lists the valid ones."""
+class UnknownPolicy(InvalidInput, KeyError):
+    """An unknown policy name. The message lists the valid ones (a ``KeyError`` too, as it was)."""
 
     def __str__(self) -> str:  # KeyError's str() would repr() the message
         return str(self.args[0])
@@ -65,7 +67,7 @@ class EvictionPolicy(abc.ABC):
 
     def __init__(self, **params):
         if params:
-            raise TypeError(f"policy {self.name!r} takes no parameters, got {sorted(params)}")
+            raise InvalidInput(f"policy {self.name!r} takes no parameters, got {sorted(params)}")
 
     def ghost_capacity(self, n_slots: int) -> int:
         """Live keys each ghost list holds for a cache of ``n_slots`` (0: the policy keeps no ghosts)."""
@@ -109,7 +111,7 @@ def register(cls: type[EvictionPolicy] | None = None, *, name: str | None = None
     def wrap(c: type[EvictionPolicy]) -> type[EvictionPolicy]:
         key = name or c.name
         if not key:
-            raise ValueError(f"{c.__name__} has no name")
+            raise InvalidInput(f"{c.__name__} has no name")
         _REGISTRY[key] = c
         return c
 
@@ -140,7 +142,7 @@ def make(spec: str | EvictionPolicy, **params) -> EvictionPolicy:
     if isinstance(spec, EvictionPolicy):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"a policy is a name or an EvictionPolicy, got {type(spec).__name__}")
+        raise InvalidInput(f"a policy is a name or an EvictionPolicy, got {type(spec).__name__}")
     base_name, _, inner = spec.partition(":")
     if base_name not in _REGISTRY:
         _load_entry_points()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
+
 from . import _jit
 from .base import EvictionPolicy, register
 from .order import OrderCursor
@@ -32,10 +34,10 @@ class Clock(EvictionPolicy):
 
     def __init__(self, bits: int = 1, init_ref: int = 0):
         if bits < 1:
-            raise ValueError(f"clock bits must be >= 1, got {bits}")
+            raise InvalidInput(f"clock bits must be >= 1, got {bits}")
         self.max_ref = (1 << int(bits)) - 1
         if not 0 <= init_ref <= self.max_ref:
-            raise ValueError(f"clock init_ref must be in [0, {self.max_ref}], got {init_ref}")
+            raise InvalidInput(f"clock init_ref must be in [0, {self.max_ref}], got {init_ref}")
         self.init_ref = int(init_ref)
 
     def on_insert(self, st, slots):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
+
 from .base import EvictionPolicy, register
 from .order import smallest_lex
 
@@ -39,7 +41,7 @@ class CostAware(EvictionPolicy):
 
     def __init__(self, position_weight: float = 1 / 64):
         if position_weight < 0:
-            raise ValueError(f"position_weight must be >= 0, got {position_weight}")
+            raise InvalidInput(f"position_weight must be >= 0, got {position_weight}")
         self.position_weight = float(position_weight)
 
     def cost(self, positions: np.ndarray) -> np.ndarray:

@@ -15,6 +15,8 @@ import abc
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
+
 from .rules import RuleRegistry
 
 _RULES = RuleRegistry("demotion")
@@ -85,7 +87,7 @@ class OnNthHit(DemotionRule):
 
     def __init__(self, n: int = 1):
         if n < 0:
-            raise ValueError(f"on_nth_hit needs N >= 0, got {n}")
+            raise InvalidInput(f"on_nth_hit needs N >= 0, got {n}")
         self.n = int(n)
 
     def should_demote(self, hot_hits):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
+
 from .base import EvictionPolicy, register
 from .order import smallest_lex
 from .state import GHOST_TAG_SHIFT
@@ -71,14 +73,14 @@ class KVAware(EvictionPolicy):
     def __init__(self, horizon_factor: float = 0.25, ghost_ratio: float = 2.0, decay: float = 0.9,
                  refresh: int = 1024):
         if ghost_ratio < 0:
-            raise ValueError(f"ghost_ratio must be >= 0, got {ghost_ratio}")
+            raise InvalidInput(f"ghost_ratio must be >= 0, got {ghost_ratio}")
         self.ghost_ratio = float(ghost_ratio)
         if horizon_factor < 0:
-            raise ValueError(f"horizon_factor must be >= 0, got {horizon_factor}")
+            raise InvalidInput(f"horizon_factor must be >= 0, got {horizon_factor}")
         if not 0 < decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {decay}")
+            raise InvalidInput(f"decay must be in (0, 1], got {decay}")
         if refresh < 1:
-            raise ValueError(f"refresh must be >= 1, got {refresh}")
+            raise InvalidInput(f"refresh must be >= 1, got {refresh}")
         self.horizon_factor = float(horizon_factor)
         self.decay = float(decay)
         self.refresh = int(refresh)

@@ -13,6 +13,8 @@ import abc
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
+
 from .rules import RuleRegistry
 
 _RULES = RuleRegistry("promotion")
@@ -66,7 +68,7 @@ class OnNthHit(PromotionRule):
 
     def __init__(self, n: int = 2):
         if n < 1:
-            raise ValueError(f"on_nth_hit needs N >= 1, got {n}")
+            raise InvalidInput(f"on_nth_hit needs N >= 1, got {n}")
         self.n = int(n)
 
     def should_promote(self, warm_hits):

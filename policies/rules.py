@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tieredkv.errors import InvalidInput
+
 from .base import UnknownPolicy
 
 
@@ -28,7 +30,7 @@ class RuleRegistry:
         def wrap(c: type) -> type:
             key = name or getattr(c, "name", "")
             if not key:
-                raise ValueError(f"{c.__name__} has no name")
+                raise InvalidInput(f"{c.__name__} has no name")
             self._rules[key] = c
             return c
 
@@ -48,7 +50,7 @@ class RuleRegistry:
         if not isinstance(spec, str):
             if any(isinstance(spec, c) for c in self._rules.values()):
                 return spec
-            raise TypeError(f"a {self.kind} rule is a name or a rule object, got {type(spec).__name__}")
+            raise InvalidInput(f"a {self.kind} rule is a name or a rule object, got {type(spec).__name__}")
         base, sep, arg = spec.partition(":")
         cls = self._rules.get(base)
         if cls is None:
@@ -58,5 +60,5 @@ class RuleRegistry:
         try:
             n = int(arg)
         except ValueError:
-            raise ValueError(f"{self.kind} rule {spec!r}: the part after ':' must be an integer") from None
+            raise InvalidInput(f"{self.kind} rule {spec!r}: the part after ':' must be an integer") from None
         return cls(n, **params)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
+
 from .base import EvictionPolicy, register
 from .order import OrderCursor
 
@@ -43,9 +45,9 @@ class S3FIFO(EvictionPolicy):
     def __init__(self, small_ratio: float = 0.1, ghost_ratio: float = 0.9, move_threshold: int = 2,
                  max_freq: int = 3):
         if not 0 < small_ratio < 1:
-            raise ValueError(f"small_ratio must be in (0, 1), got {small_ratio}")
+            raise InvalidInput(f"small_ratio must be in (0, 1), got {small_ratio}")
         if ghost_ratio < 0:
-            raise ValueError(f"ghost_ratio must be >= 0, got {ghost_ratio}")
+            raise InvalidInput(f"ghost_ratio must be >= 0, got {ghost_ratio}")
         self.small_ratio = float(small_ratio)
         self.ghost_ratio = float(ghost_ratio)
         self.move_threshold = int(move_threshold)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tieredkv.errors import InvalidInput
 from tieredkv.hashtable import ProbeTable
 
 from . import _jit
@@ -73,7 +74,7 @@ class StateLayout:
     def __init__(self, n_slots: int, slot_fields: tuple[str, ...], global_fields: tuple[str, ...],
                  ghost_slots: int, ghost_lists: int = 1):
         if n_slots <= 0:
-            raise ValueError(f"n_slots must be positive, got {n_slots}")
+            raise InvalidInput(f"n_slots must be positive, got {n_slots}")
         self.n_slots = int(n_slots)
         self.slot_fields = COMMON_SLOT_FIELDS + tuple(f for f in slot_fields if f not in COMMON_SLOT_FIELDS)
         self.global_fields = COMMON_GLOBAL_FIELDS + tuple(
@@ -121,7 +122,7 @@ class SlotState:
 
     def __init__(self, layout: StateLayout, buffer, offset: int = 0):
         if offset % WORD:
-            raise ValueError(f"state offset must be a multiple of {WORD}, got {offset}")
+            raise InvalidInput(f"state offset must be a multiple of {WORD}, got {offset}")
         self.layout = layout
         base = np.frombuffer(buffer, dtype=np.uint8, count=layout.nbytes, offset=offset)
         self._globals = base[: len(layout.global_fields) * WORD].view(np.int64)

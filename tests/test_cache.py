@@ -31,8 +31,8 @@ def make(spec, seg_name, tmp_path):
     def factory(hot_slots=None, warm=True, **kw):
         hot_bytes = kw.pop("hot_bytes", None)
         if hot_bytes is None:
-            from tieredkv.hot import segment as seg
             from tieredkv import policies
+            from tieredkv.hot import segment as seg
             n = hot_slots or 64
             engine = policies.make(kw.get("eviction", "lru"))
             hot_bytes = seg.Layout.compute(spec, n, policies.StateLayout.for_policy(engine, n).nbytes).total_bytes

@@ -16,8 +16,7 @@ import posix_ipc
 import pytest
 
 from helpers import kv_for
-from tieredkv import KVSpec, TieredCache
-from tieredkv import cli
+from tieredkv import KVSpec, TieredCache, cli
 from tieredkv.hot import admin
 from tieredkv.hot import segment as seg
 

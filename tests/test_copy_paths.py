@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import kv_for, payload_for, same_bytes
 
+from helpers import kv_for, payload_for, same_bytes
 from tieredkv import HotTier, KVSpec, PutResult, chunk_keys
 from tieredkv.layout import blocks_to_model, model_to_blocks, run_rows, slot_runs
 
@@ -121,7 +121,8 @@ def test_reads_coalesce_runs_in_both_directions(tiny_spec, seg_name, order):
 
 def test_misaligned_destination_rows(seg_name):
     # Rows whose stride is not a multiple of 64 and a base 16 bytes off: the per-run skew path.
-    spec = KVSpec(model_id="test/odd", num_layers=1, num_kv_heads=1, head_dim=9, dtype="float32", chunk_tokens=4)  # 288-byte rows
+    spec = KVSpec(model_id="test/odd", num_layers=1, num_kv_heads=1, head_dim=9, dtype="float32",
+                  chunk_tokens=4)  # 288-byte rows
     with HotTier(spec, n_slots=32, name=seg_name) as tier:
         keys = prompt(spec, 5, 9)
         data = payload_for(spec, keys)

@@ -54,12 +54,17 @@ def test_code_block_runs(name, code, tmp_path):
     source = re.sub(r'model_id="([^"]+)"', rf'model_id="\1-{token}"', source)
     script = tmp_path / "example.py"
     script.write_text(source)
+    temp = tmp_path / "tmp"  # the block's temporary files: a copied example must clean up after itself
+    temp.mkdir()
     try:
         proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=300, env={**os.environ, "TMPDIR": str(temp)})
     finally:
         unlink_segments_matching(token)
     assert proc.returncode == 0, f"{name} example failed:\n{proc.stderr[-3000:]}"
+    # torch keeps its compile cache there (torchinductor_USER, shared by every run): not the example's.
+    left = sorted(p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert not left, f"{name} example left {left} in its TMPDIR"
 
 
 def test_every_page_with_code_is_covered():

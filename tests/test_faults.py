@@ -84,8 +84,8 @@ def test_warm_write_error_degrades_to_hot_only(cache, tmp_path, monkeypatch, cod
 
 def test_demotion_failing_does_not_stop_eviction(seg_name, tmp_path, monkeypatch):
     """The hot tier is full and every demotion fails: stores still succeed (evicting), loads stay right."""
-    from tieredkv.hot import segment as seg
     from tieredkv import policies
+    from tieredkv.hot import segment as seg
 
     hot_bytes = seg.Layout.compute(SPEC, 8, policies.StateLayout.for_policy(policies.make("lru"), 8).nbytes).total_bytes
     with TieredCache(SPEC, hot_bytes=hot_bytes, hot_name=seg_name, warm_dir=tmp_path / "warm", warm_bytes=MiB,

@@ -364,5 +364,6 @@ def test_probe_table_matches_a_dict_model(sequence):
             table.rebuild(np.array(list(model), dtype=np.int64), np.array(list(model.values()), dtype=np.int64))
         probe = np.arange(-40, 41, dtype=np.int64)
         assert table.lookup(probe).tolist() == [model.get(k, -1) for k in probe.tolist()]
-        assert [table.values_of(k) for k in probe.tolist()] == [[model[k]] if k in model else [] for k in probe.tolist()]
+        expected = [[model[k]] if k in model else [] for k in probe.tolist()]
+        assert [table.values_of(k) for k in probe.tolist()] == expected
         assert int(np.count_nonzero(table.refs)) == len(model)

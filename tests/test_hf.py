@@ -379,7 +379,8 @@ def test_cuda_path_pinned_staging(namespace, tmp_path, dtype):
         res = runner.prefill(ids, all_logits=True)
         assert res.cached_tokens == 96 and res.logits.device.type == "cuda"
         assert runner._host_buf is not None and runner._host_buf.is_pinned()  # carries new chunks to store
-        assert cache._placement.host_registry is not None and cache._placement.host_registry._ptrs  # the restore was DMA
+        registry = cache._placement.host_registry
+        assert registry is not None and registry._ptrs  # the restore was DMA
         ref = full_logits(model, ids.to("cuda"))[:, 96:]
         tol = 1e-4 if dtype == torch.float32 else 2e-2   # GPU kernels differ by query length
         assert (res.logits.float() - ref.float()).abs().max().item() <= tol

@@ -13,8 +13,17 @@ import posix_ipc
 import pytest
 
 from helpers import payload_for
-from tieredkv import (CapacityError, FormatError, HotTier, InvalidInput, InvalidName, KVSpec,
-                      PutResult, SpecMismatch, chunk_keys)
+from tieredkv import (
+    CapacityError,
+    FormatError,
+    HotTier,
+    InvalidInput,
+    InvalidName,
+    KVSpec,
+    PutResult,
+    SpecMismatch,
+    chunk_keys,
+)
 from tieredkv.hot import segment as seg
 from tieredkv.hot import tier as hot_tier_module
 

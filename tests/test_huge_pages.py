@@ -7,8 +7,8 @@ import subprocess
 
 import numpy as np
 import pytest
-from helpers import payload_for
 
+from helpers import payload_for
 from tieredkv import HotTier, KVSpec, TieredCache, chunk_keys
 from tieredkv.hot import admin
 from tieredkv.hot import segment as seg

@@ -10,13 +10,12 @@ import urllib.request
 import numpy as np
 import pytest
 
-from helpers import kv_for
-from tieredkv import KVSpec, TieredCache
-from tieredkv import counters, metrics
-from tieredkv.hot import segment as seg
-
 # The `metrics` extra is part of the test setup (.ci/setup): a missing prometheus_client fails here.
 from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import kv_for
+from tieredkv import KVSpec, TieredCache, counters, metrics
+from tieredkv.hot import segment as seg
 
 MiB = 1 << 20
 

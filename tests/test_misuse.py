@@ -9,7 +9,7 @@ import pytest
 
 from helpers import kv_for, same_bytes
 from helpers import payload_for as kv_payload
-from tieredkv import (HotTier, InvalidInput, InvalidPayload, KVSpec, TieredCache, TieredKVError, chunk_keys)
+from tieredkv import HotTier, InvalidInput, InvalidPayload, KVSpec, TieredCache, TieredKVError, chunk_keys
 
 SPEC = KVSpec(model_id="test/misuse", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", chunk_tokens=4)
 MiB = 1 << 20

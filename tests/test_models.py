@@ -28,6 +28,13 @@ def test_smollm2_is_converted_once_and_loads_the_same_weights(tmp_path):
     gguf = models.smollm2_gguf_path()
     converted = models.converted_gguf_dir(gguf)
     assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
+    import json
+
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    from safetensors import safe_open
+
+    with safe_open(str(converted / "model.safetensors"), "pt") as f:  # the name vLLM loads a tied pair from
+        assert "model.embed_tokens.weight" in f.keys()
     stamp = os.stat(converted / "model.safetensors").st_mtime_ns
     model, tokenizer = models.load_model("smollm2")
     assert tokenizer is not None and tokenizer.chat_template
@@ -44,3 +51,42 @@ def test_smollm2_is_converted_once_and_loads_the_same_weights(tmp_path):
     other = tmp_path / gguf.name                                # same name, other bytes: another key
     other.write_bytes(gguf.read_bytes()[:-1] + b"\0")
     assert models._file_digest(other) != models._file_digest(gguf)
+
+
+def test_a_converted_directory_is_repaired_for_vllm(tmp_path):
+    """vLLM picks the model class from config.json's ``architectures`` (without it: the bare
+    ``LlamaModel``, no LM head) and loads tied embeddings from the embedding's name (``save_model`` kept
+    only ``lm_head.weight``: vLLM left the embedding uninitialised and generated ``<|endoftext|>`` only).
+    A directory converted by an older tieredkv is repaired on its next use; the weights load to the
+    same model in transformers; a repaired directory is not rewritten again."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF-bytes")
+    target = tmp_path / "cache" / "converted" / f"model-{models._file_digest(gguf)[:32]}"
+    model = models.random_model(models.tiny_llama_config(tie_word_embeddings=True))
+    model.config.save_pretrained(target)
+    doc = json.loads((target / "config.json").read_text())
+    doc.pop("architectures", None)
+    (target / "config.json").write_text(json.dumps(doc))
+    save_model(model, str(target / "model.safetensors"), metadata={"format": "pt"})   # what 0.x wrote
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        assert "model.embed_tokens.weight" not in f.keys()
+
+    assert models.converted_gguf_dir(gguf, tmp_path / "cache") == target
+    assert json.loads((target / "config.json").read_text()) == {**doc, "architectures": ["LlamaForCausalLM"]}
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]  # no temp files
+    again = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    ids = torch.arange(20).unsqueeze(0)
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, model.eval()(ids).logits)
+    stamps = [os.stat(p).st_mtime_ns for p in sorted(target.iterdir())]
+    models.converted_gguf_dir(gguf, tmp_path / "cache")
+    assert [os.stat(p).st_mtime_ns for p in sorted(target.iterdir())] == stamps

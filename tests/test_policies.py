@@ -7,11 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from tieredkv import policies
+from policy_home import Home
+from tieredkv import InvalidInput, policies
 from tieredkv.policies import demotion, promotion
 from tieredkv.policies.state import SlotState
-
-from policy_home import Home
 
 A, B, C, D, E, F = 1, 2, 3, 4, 5, 6
 
@@ -108,7 +107,7 @@ def test_registry_has_every_policy():
     assert policies.make("prefix_aware").base.name == "lru"
     assert policies.make("prefix_aware:arc").base.name == "arc"
     assert policies.make("s3fifo", small_ratio=0.2).small_ratio == 0.2
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidInput, match="takes no parameters"):
         policies.make("lru", bogus=1)
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 
-import pytest
-
 from tieredkv import policies
 from tieredkv.policies import base
 

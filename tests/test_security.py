@@ -40,7 +40,7 @@ def test_default_modes_segment_0600_directories_0700_files_0600(seg_name, tmp_pa
             c.store(tokens, kv_for(SPEC, tokens))
             assert mode_of("/dev/shm" + seg_name) == 0o600
             tier = tmp_path / "w" / SPEC.namespace
-            for dirpath, dirs, files in os.walk(tmp_path / "w"):
+            for dirpath, _, files in os.walk(tmp_path / "w"):
                 assert mode_of(dirpath) == 0o700, dirpath
                 for f in files:
                     assert mode_of(os.path.join(dirpath, f)) == 0o600, f

@@ -12,8 +12,19 @@ import pytest
 
 from tieredkv import policies
 from tieredkv.errors import FormatError, InvalidInput
-from tieredkv.sim import (Trace, add_arguments, main, plot_mrc, read_trace, resolve_capacity,
-                          run_simulation, simulate, simulate_tiered, synthetic_trace, write_trace)
+from tieredkv.sim import (
+    Trace,
+    add_arguments,
+    main,
+    plot_mrc,
+    read_trace,
+    resolve_capacity,
+    run_simulation,
+    simulate,
+    simulate_tiered,
+    synthetic_trace,
+    write_trace,
+)
 
 MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "traces", "mooncake_synthetic_trace.jsonl")
 

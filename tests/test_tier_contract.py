@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import pathlib
 import secrets
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import posix_ipc
@@ -299,6 +299,7 @@ def test_keys_of_another_chunk_size_are_invalid_input_everywhere(make):
     for name, call in calls.items():
         with pytest.raises(InvalidInput, match="chunk_tokens=8.*has 4"):
             call()
+            pytest.fail(f"{name} accepted keys of another chunk size")
     assert tier.match(mine) == 2 and tier.stats().used_blocks == 2
 
 

@@ -169,7 +169,7 @@ def test_each_tp_rank_has_its_own_heads_and_namespace(model_dir, cfg):
     ranks = [tv.spec_from_vllm(cfg, kv_cache_config(per_rank), chunk_tokens=64, tp_rank=r)[0] for r in (0, 1)]
     for rank, spec in enumerate(ranks):
         assert (spec.num_kv_heads, spec.tp_rank, spec.tp_size) == (HEADS // 2, rank, 2)
-        assert spec == KVSpec.from_hf_config(model_dir, chunk_tokens=64, dtype="float32", model_id=model_dir,
+        assert spec == KVSpec.from_hf_config(model_dir, chunk_tokens=64, dtype="float32",
                                              tp_rank=rank, tp_size=2)
     assert ranks[0].namespace != ranks[1].namespace  # a rank never reads another rank's heads
 

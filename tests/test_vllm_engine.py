@@ -79,7 +79,7 @@ def world(tmp_path_factory):
     warm_dir = str(tmp / "warm")
     extra = {"hot_bytes": "64M", "hot_name": hot_name, "warm_dir": warm_dir, "warm_bytes": "64M",
              "demotion": "write_through", "chunk_tokens": CHUNK}
-    spec = KVSpec.from_hf_config(model, chunk_tokens=CHUNK, dtype="float32", model_id=model)
+    spec = KVSpec.from_hf_config(model, chunk_tokens=CHUNK, dtype="float32")  # what the engines derive
     rng = np.random.default_rng(7)
     p1, p2, p3 = (rng.integers(1, 512, PROMPT_TOKENS).tolist() for _ in range(3))
     doc = {"model": model, "spec": spec, "hot_name": hot_name, "warm_dir": warm_dir, "p3": p3}
@@ -110,8 +110,10 @@ def world(tmp_path_factory):
 
 
 def test_connector_spec_is_the_hf_spec(world):
-    # The engines used the model path as the model id: the spec every HF worker derives too.
-    assert world["spec"].model_id == world["model"] and world["spec"].num_layers == 2
+    # The engines named the model by its directory's files: the spec every HF worker derives too.
+    from tieredkv.model_identity import local_model_id
+
+    assert world["spec"].model_id == local_model_id(world["model"]) and world["spec"].num_layers == 2
 
 
 def test_first_engine_computes_everything(world):

@@ -70,7 +70,7 @@ def test_hits_are_flushed_lazily_and_survive_reopen(tmp_path):
     with WarmTier(SPEC, tmp_path) as t:
         ev = t.evict(1)  # builds the policy view from the records: the block never hit goes first
         assert ev.keys.keys.tolist() == k.keys[2:].tolist()
-        st = t._view
+        st = t._view.state
         assert sorted(st.hits[st.resident_slots].tolist()) == [5, 5]
 
 
@@ -139,7 +139,7 @@ def test_open_serves_hits_without_scanning(tmp_path):
     with WarmTier(SPEC, tmp_path) as t:
         out = np.zeros((8, SPEC.block_bytes), np.uint8)
         assert t.get_many(k, out) == 8
-        assert t._view is None  # no policy rebuild (no index scan) was needed to serve hits
+        assert t._view.state is None  # no policy rebuild (no index scan) was needed to serve hits
         np.testing.assert_array_equal(out, payload_for(k, SPEC.block_bytes))
 
 

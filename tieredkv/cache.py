@@ -22,7 +22,9 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import errno
 import functools
+import os
 import threading
 import time
 import warnings
@@ -34,7 +36,8 @@ import numpy as np
 
 from tieredkv import counters, tensors
 from tieredkv.config import CacheConfig
-from tieredkv.errors import InvalidInput
+from tieredkv.errors import InvalidInput, TieredKVError
+from tieredkv.journal import EVICTED, STORED, HostJournal, journal_path
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import as_block_bytes, model_to_blocks, page_aligned_empty
 from tieredkv.levels import BufferLease, Counting, Level, Observer, close_level, open_levels
@@ -50,6 +53,27 @@ _SPARE_BUFFERS = 2
 _POSITIONAL = ("hot_bytes", "warm_dir", "warm_bytes", "eviction", "promotion", "demotion")
 #: Per-process memory of hits below the top level (for ``on_nth_hit`` promotion), in keys.
 _HIT_MEMORY = 65536
+
+
+def _open_failure_hint(name: str, warm_dir: str | os.PathLike | None, error: BaseException) -> str:
+    """What to do about a tier that could not open. For the warm tier, a permission problem (a directory
+    another user made, e.g. a Kubernetes hostPath created root-owned) is fixed by its owner, not by a
+    repair."""
+    if name != "warm" or warm_dir is None:
+        return "`tieredkv verify --repair` checks and rebuilds a warm tier"
+    cause = error if isinstance(error, OSError) else error.__cause__
+    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM):
+        try:
+            st = os.stat(warm_dir)
+            owner = f"owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}"
+        except OSError as exc:
+            owner = f"not readable: {exc.strerror}"
+        return (f"this process runs as uid {os.geteuid()} and may not write to {warm_dir} ({owner}): give the "
+                f"directory to the workers' user, mode 0700 (chown; systemd: CacheDirectory=; a Kubernetes hostPath: "
+                f"an init container that chowns it, see docs/deploy.md)")
+    if isinstance(cause, OSError) and cause.errno == errno.EROFS:
+        return f"{warm_dir} is on a read-only filesystem: mount it read-write"
+    return "`tieredkv verify --repair` checks and rebuilds it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +174,7 @@ class TieredCache:
         self.promotion = promotion_rules.make(self.config.hot.promotion)
         #: Called after blocks are stored in or evicted from a level (see ``tieredkv.levels``).
         self.observers: list[Observer] = []
+        self.journal: HostJournal | None = None  # see attach_journal
         self._counting = Counting()
         self._levels: list[Level] = []
         self._closed = True   # until the levels are open: close() copes with a constructor that failed
@@ -168,9 +193,18 @@ class TieredCache:
             # with it the hot tier every worker shares) from starting: serve without it and say so.
             left = "+".join(level.name for level in levels)
             warnings.warn(f"tieredkv: the {name} tier cannot open ({error}); running {left}-only until restart "
-                          f"(`tieredkv verify --repair` checks and rebuilds a warm tier)", RuntimeWarning,
-                          stacklevel=2)
+                          f"({_open_failure_hint(name, self.config.warm.dir if self.config.warm else None, error)})",
+                          RuntimeWarning, stacklevel=2)
             self._counting.add(**{f"{name}_errors": 1})
+        if self.config.journal:
+            try:
+                journal = HostJournal(journal_path(getattr(levels[0].tier, "name", "/tieredkv-" + spec.namespace)))
+                if getattr(levels[0].tier, "created", False):  # a new, empty segment: older records are stale
+                    journal.restart(levels[0].code)
+            except BaseException:
+                self.close()
+                raise
+            self.attach_journal(journal)
         if any(level.writer is not None for level in levels):
             # A process that exits normally without close() still gets its queues written.
             atexit.register(_flush_at_exit, weakref.ref(self))
@@ -204,6 +238,29 @@ class TieredCache:
         """The levels, top first."""
         return tuple(self._levels)
 
+    # ---- host journal ------------------------------------------------------------------------------
+    def attach_journal(self, journal: HostJournal) -> None:
+        """Record this handle's tier changes in ``journal`` (a ``tieredkv.journal.HostJournal``; the
+        cache closes it): blocks stored into a level (by a store, a promotion, a demotion) as
+        ``STORED``, blocks a level evicts while this handle makes room as ``EVICTED``, each with the
+        level's ``PrefixHit.where`` code. Every process of the host that journals the same segment
+        adds its own; a journal that fails to append is warned about once and never fails a call.
+        """
+        self.journal = journal
+        codes = {level.name: level.code for level in self._levels}
+        warned = threading.Event()
+
+        def observe(event: str, level_name: str, keys: ChunkKeys) -> None:
+            try:
+                journal.append(STORED if event == "stored" else EVICTED, codes[level_name], keys)
+            except (OSError, TieredKVError) as e:
+                if not warned.is_set():
+                    warned.set()
+                    warnings.warn(f"tieredkv: the host journal failed ({e}); tier changes are not announced",
+                                  RuntimeWarning, stacklevel=2)
+
+        self.observers.append(observe)
+
     # ---- lookup ---------------------------------------------------------------------------------
     def lookup(self, tokens: Any, salt: bytes = b"", *, extra: Sequence[bytes | None] | None = None,
                count: bool = True) -> PrefixHit:
@@ -218,8 +275,21 @@ class TieredCache:
         ids = as_tokens(tokens)
         C = self.spec.chunk_tokens
         keys = chunk_keys(self.spec, ids[: (max(len(ids) - 1, 0) // C) * C], salt, extra)
-        where = np.full(len(keys), -1, dtype=np.int8)
         levels = self._open_levels()
+        where = self.resident_run(keys)
+        run = len(where)
+        hit = PrefixHit(tokens=run * C, prompt_tokens=len(ids), keys=keys[:run], where=where)
+        if count:
+            self.count_served(len(ids), {level.code: hit.blocks_in(level.code) * C for level in levels},
+                              prefill_tokens=hit.prefill_tokens)
+        self._counting.observe("lookup", time.perf_counter() - started)
+        return hit
+
+    def resident_run(self, keys: ChunkKeys) -> np.ndarray:
+        """The leading run of ``keys`` some level holds: per block, the code of the first level that
+        holds it (``PrefixHit.where``); its length is the run."""
+        levels = self._open_levels()
+        where = np.full(len(keys), -1, dtype=np.int8)
         if len(keys):
             where[levels[0].contains(keys)] = levels[0].code
         for level in levels[1:]:
@@ -233,12 +303,7 @@ class TieredCache:
             if n < len(missing):
                 level.count(misses=1)
         run = int(np.argmin(where >= 0)) if (where < 0).any() else len(where)
-        hit = PrefixHit(tokens=run * C, prompt_tokens=len(ids), keys=keys[:run], where=where[:run].copy())
-        if count:
-            self.count_served(len(ids), {level.code: hit.blocks_in(level.code) * C for level in levels},
-                              prefill_tokens=hit.prefill_tokens)
-        self._counting.observe("lookup", time.perf_counter() - started)
-        return hit
+        return where[:run].copy()
 
     def count_served(self, prompt_tokens: int, served: Mapping[int, int], *, prefill_tokens: int) -> None:
         """Count one prompt's lookup: its length, the tokens each level served (by level code, as in
@@ -586,6 +651,9 @@ class TieredCache:
             placement.close()  # before the segment it registered is unmapped
         for level in levels:
             close_level(level)
+        journal, self.journal = getattr(self, "journal", None), None
+        if journal is not None:
+            journal.close()
         self._staging = None
 
     def __enter__(self) -> TieredCache:

@@ -19,12 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import TieredKVError, UsageError
 from tieredkv.spec import KVSpec
 
-
-class UsageError(TieredKVError):
-    """A command was given arguments that cannot work together (exit status 2)."""
 
 def human(n: float) -> str:
     """Bytes as a short binary-unit string: 1,835,008 -> '1.75 MiB'."""
@@ -169,14 +166,14 @@ _LS_LEGEND = ("  hits / misses: blocks the hot tier delivered / could not delive
 
 def _remote_namespaces(url: str) -> dict:
     """The store's namespaces and numbers; a store that cannot list names still shows its numbers."""
-    from tieredkv.errors import InvalidInput
+    from tieredkv.errors import InvalidInput, Unsupported
     from tieredkv.remote import admin
 
     try:
         return admin.namespaces(url)
-    except InvalidInput as e:  # cannot enumerate (Mooncake), or a bad URL
-        if "cannot list" not in str(e):
-            raise UsageError(str(e)) from None
+    except InvalidInput as e:  # a bad URL
+        raise UsageError(str(e)) from None
+    except Unsupported as e:  # the store cannot enumerate its names (Mooncake)
         store = admin.connect(url)
         try:
             return {"url": store.url, "server": store.info(), "namespaces": None, "note": str(e)}
@@ -201,8 +198,11 @@ def _pick_segment(name: str | None) -> str:
 
     names = seg.list_segment_names(published_only=True)
     if not name:
+        if not names:  # nothing to show yet, not a mistake in the command: exit 1, like a missing NAME
+            raise TieredKVError("no tieredkv segment on this host yet (a worker creates one when it opens a "
+                                "TieredCache; `tieredkv ls` lists them, --watch waits for one)")
         if len(names) != 1:
-            raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names) or '(none)'}")
+            raise UsageError(f"{len(names)} segments exist; name one of: {', '.join(names)}")
         return names[0]
     bare = name.lstrip("/")
     if "/" + bare in names or os.path.exists(seg.shm_dir() / bare):
@@ -295,6 +295,24 @@ def _stats_text(name: str, doc: dict, delta: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _wait_for_segment(args: argparse.Namespace) -> str:
+    """``_pick_segment``; with --watch, a segment that does not exist yet is waited for (a watcher
+    started before the workers), saying so once on stderr."""
+    waiting = False
+    while True:
+        try:
+            return _pick_segment(args.name)
+        except UsageError:
+            raise
+        except TieredKVError as e:
+            if not args.watch:
+                raise
+            if not waiting:
+                print(f"tieredkv stats: {e}; waiting for it (Ctrl-C stops)", file=sys.stderr, flush=True)
+                waiting = True
+            time.sleep(args.watch)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from tieredkv.hot import admin
 
@@ -332,7 +350,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             finally:
                 server.shutdown()
                 server.server_close()
-    name = _pick_segment(args.name)
+    name = _wait_for_segment(args)
     prev, prev_t, shown = None, None, 0
     watching_json = bool(args.watch) and args.json == "-"
     while True:
@@ -418,10 +436,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError("give a warm tier DIRECTORY or --remote URL (one of them)")
     if args.remote:
         return _verify_remote(args)
+    if args.repair and not os.path.exists(args.directory):
+        return _nothing_to_verify(args, "does not exist yet")
     if not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory} is not a directory")
     report = verify(args.directory, repair=args.repair)
     tiers = report.get("tiers", [report])
+    if args.repair and not tiers:
+        return _nothing_to_verify(args, "holds no warm tier yet")
 
     def text() -> str:
         lines = []
@@ -453,13 +475,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.get("ok", True) else 2
 
 
+def _nothing_to_verify(args: argparse.Namespace, why: str) -> int:
+    """``verify --repair`` of a new host's warm directory: a success, so that the pre-start check
+    (``verify --repair DIR && start-workers``, systemd's ``Requires=``) lets the first workers start;
+    they create the tier. A plain ``verify`` of such a path stays an error (a typo is no clean scrub)."""
+    note = f"{args.directory} {why}: nothing to check (the workers create the warm tier there)"
+    _emit(args, {"ok": True, "tiers": [], "note": note}, lambda: note)
+    return 0
+
+
 def _verify_remote(args: argparse.Namespace) -> int:
-    from tieredkv.errors import InvalidInput
+    from tieredkv.errors import InvalidInput, Unsupported
     from tieredkv.remote import admin
 
     try:
         report = admin.verify(args.remote, repair=args.repair)
-    except InvalidInput as e:
+    except (InvalidInput, Unsupported) as e:  # a bad URL; a store that cannot list what to verify
         raise UsageError(str(e)) from None
 
     def text() -> str:
@@ -510,7 +541,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from tieredkv import demo
 
-    return _delegate(args, demo.main)
+    return demo.main(args)  # `--json -`: the demo prints the JSON alone (progress goes to stderr)
 
 
 _BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -627,7 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("stats", cmd_stats, "counters of a segment, prefix hit rate first (live with --watch, or for "
                                 "Prometheus with --prometheus)",
             "Counters are per host: every process's handle keeps its row in the segment and the rows are summed.\n"
-            "With --watch, each refresh also shows the last interval (hit rate, lookups, evictions...).")
+            "With --watch, each refresh also shows the last interval (hit rate, lookups, evictions...).\n"
+            "No segment yet (no worker has opened a TieredCache): exit 1; with --watch it waits for one.")
     p.add_argument("name", nargs="?", metavar="NAME",
                    help="segment name (default: the only one; with --prometheus: every segment)")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")

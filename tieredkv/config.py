@@ -49,6 +49,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "remote_queue_blocks": ("remote", "queue_blocks"), "remote_queue_bytes": ("remote", "queue_bytes"),
     "remote_flush_s": ("remote", "flush_s"),
     "eviction": ("cache", "eviction"), "lock_timeout_s": ("cache", "lock_timeout_s"),
+    "journal": ("cache", "journal"),
 }
 _SECTION_CLASS = {"hot": "HotConfig", "warm": "WarmConfig", "remote": "RemoteConfig", "cache": "CacheConfig",
                   "level": "LevelConfig"}
@@ -97,8 +98,8 @@ def _rule(section: str, field: str, value: Any, registry: Any) -> str:
     name = _name(section, field)
     try:
         registry.make(value)
-    except (KeyError, ValueError, TypeError) as e:
-        raise InvalidInput(f"{name}: {e.args[0] if e.args else e}") from None
+    except InvalidInput as e:  # the rule's own message (an unknown name lists the valid ones)
+        raise InvalidInput(f"{name}: {e}") from None
     return value
 
 
@@ -263,8 +264,13 @@ class CacheConfig:
     eviction: str = "lru"
     #: Longest wait for a lock held by another live process before ``LockTimeout``.
     lock_timeout_s: float = 10.0
+    #: Record the tier changes this handle makes (stored, evicted) in the host journal next to the hot
+    #: segment (``tieredkv.journal``): what KV-aware routers are told (docs/vllm.md).
+    journal: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.journal, bool):
+            raise InvalidInput(f"{_name('cache', 'journal')} must be True or False, got {self.journal!r}")
         for section, cls in (("hot", HotConfig), ("warm", WarmConfig), ("remote", RemoteConfig)):
             value = getattr(self, section)
             if not isinstance(value, cls) and not (value is None and section != "hot"):
@@ -283,8 +289,8 @@ class CacheConfig:
         name = _name("cache", "eviction")
         try:
             policies.make(self.eviction)
-        except (KeyError, ValueError, TypeError) as e:
-            raise InvalidInput(f"{name}: {e.args[0] if e.args else e}") from None
+        except InvalidInput as e:
+            raise InvalidInput(f"{name}: {e}") from None
         _set(self, "lock_timeout_s", _seconds("cache", "lock_timeout_s", self.lock_timeout_s, zero_ok=False))
 
     @classmethod

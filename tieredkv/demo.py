@@ -27,6 +27,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -471,8 +472,27 @@ class _Pool:
         self.procs = [ctx.Process(target=worker_main, args=(w, config, settings, self.tasks[w], self.results),
                                   name=f"tieredkv-demo-{config}-{w}", daemon=True)
                       for w in range(settings.workers)]
-        for proc in self.procs:
-            proc.start()
+        # Ctrl-C reaches the whole process group. Children start with SIGINT ignored (Python keeps an
+        # inherited SIG_IGN across exec), so only this process sees it and kills them: no traceback from
+        # a worker or from the forkserver importing torch. The forkserver is exec'd with SIGINT ignored
+        # and forks the workers with that disposition; spawned workers are exec'd with it each. While
+        # the forkserver hands out workers (after its preload: seconds), a Ctrl-C here is held until
+        # every start returned: a worker whose parent left mid-handover prints a traceback.
+        held: list[int] = []
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if ctx.get_start_method() == "forkserver":
+                from multiprocessing import forkserver
+
+                forkserver.ensure_running()
+                signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+            for proc in self.procs:
+                proc.start()
+        finally:
+            signal.signal(signal.SIGINT, old)
+        if held:
+            self.kill()
+            raise KeyboardInterrupt
         self.pids: dict[int, int] = {}
 
     def receive(self, kind: str, timeout_s: float) -> tuple[int, Any]:
@@ -492,6 +512,14 @@ class _Pool:
             if got != kind:
                 raise RuntimeError(f"expected {kind!r} from the workers, got {got!r}")
             return worker, payload
+
+    def kill(self) -> None:
+        """Stop at once (after an error or Ctrl-C: what the workers were doing is not wanted)."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
 
     def stop(self) -> None:
         for q in self.tasks:
@@ -542,8 +570,10 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
         for q in pool.tasks:
             q.put(("stats", prefix))
         stats = [pool.receive("stats", _READY_TIMEOUT_S)[1] for _ in range(settings.workers)]
-    finally:
-        pool.stop()
+    except BaseException:
+        pool.kill()
+        raise
+    pool.stop()
     result = summarize(config, settings, spec, done, stats, wall, pss, rss)
     result["pss_untrimmed_bytes"] = untrimmed
     result["first_answer_ids"] = [int(t) for t in next(d["new_ids"] for d in done if d["request"] == 0)]
@@ -875,7 +905,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="warm tier directory (default: a temporary directory, removed afterwards)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated subset of {','.join(CONFIGS)} (default: all)")
-    parser.add_argument("--json", metavar="OUT", help="write the numbers as JSON to OUT")
+    parser.add_argument("--json", metavar="OUT", help="write the numbers as JSON to OUT (-: standard output, "
+                                                        "instead of the table)")
     parser.add_argument("--plot", metavar="OUT.png", help="draw the numbers into OUT.png (needs matplotlib)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--rounds", type=_positive, default=3,
@@ -919,14 +950,17 @@ def main(args: argparse.Namespace) -> int:
             shutil.rmtree(temp_dir, ignore_errors=True)
     if temp_dir is not None:
         doc["settings"]["warm_dir"] = "(temporary)"
-    print(format_table(doc))
-    print(LEGEND)
-    if "sample" in doc:
-        s = doc["sample"]
-        print(f"\nrequest 1 (after the shared system prompt): {s['prompt_tail']!r}")
-        for name, answer in s["answers"].items():
-            print(f"  {name:<9} {answer!r}")
-    if args.json:
+    if args.json == "-":  # standard output is the JSON document alone (for `| jq`), as in every command
+        print(json.dumps(doc, indent=2, sort_keys=False))
+    else:
+        print(format_table(doc))
+        print(LEGEND)
+        if "sample" in doc:
+            s = doc["sample"]
+            print(f"\nrequest 1 (after the shared system prompt): {s['prompt_tail']!r}")
+            for name, answer in s["answers"].items():
+                print(f"  {name:<9} {answer!r}")
+    if args.json and args.json != "-":
         Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     if args.plot:
         plot(doc, args.plot)

@@ -49,7 +49,30 @@ class PermissionDenied(TieredKVError, PermissionError):
 
 
 class WarmTierUnavailable(TieredKVError):
-    """The warm tier cannot be written (read-only directory, disk full, I/O error)."""
+    """The warm tier cannot be written (read-only directory, disk full, I/O error).
+
+    Attributes:
+        errno: the operating system's error number when one caused it (``errno.ENOSPC``: the disk is
+            full), else ``None``.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
+class Unsupported(TieredKVError):
+    """The store or tier cannot do this at all (a ``mooncake://`` store cannot list its names): not a
+    mistake in the call, and not a failure to retry."""
+
+
+class UsageError(InvalidInput):
+    """A command or its configuration asks for something that cannot work (a command-line tool reports
+    it in one line and exits with status 2)."""
+
+
+class MissingDependency(TieredKVError, ImportError):
+    """An optional dependency is not installed; the message says which extra to install."""
 
 
 class RemoteUnavailable(TieredKVError):

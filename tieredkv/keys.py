@@ -68,6 +68,11 @@ def _check_salt(salt: object) -> bytes:
     return bytes(salt)
 
 
+def key_at(raw: bytes, i: int) -> bytes:
+    """The ``i``-th 16-byte key of ``raw``, keys laid end to end (``ChunkKeys.keys.tobytes()``)."""
+    return raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+
+
 def root_key(spec: KVSpec, salt: bytes = b"") -> bytes:
     """``k_0``: the parent of a prompt's first chunk, one per (namespace, salt)."""
     return xxhash.xxh3_128_digest(spec.namespace_bytes() + _check_salt(salt))
@@ -187,3 +192,17 @@ def _with_extra(pieces: list[bytes], extra: Sequence[bytes | None]) -> list[byte
         else:
             raise InvalidInput(f"extra entries must be bytes or None, got {type(more).__name__}")
     return out
+
+
+def opaque_keys(spec: KVSpec, names: Sequence[bytes]) -> ChunkKeys:
+    """``ChunkKeys`` for blocks an engine names itself (vLLM's offload keys, SGLang's page hashes).
+
+    Each key is xxh3-128 of ``spec.namespace_bytes() + name``: the same name under another namespace
+    (model, layout, TP shard, ...) is another key. The engine's names already chain the whole prefix
+    and its request identity, so a block is confirmed by its key alone: parents and tokens are zero.
+    """
+    seed = spec.namespace_bytes()
+    raw = b"".join(xxhash.xxh3_128_digest(seed + bytes(name)) for name in names)
+    n = len(raw) // 16
+    return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2), np.zeros((n, 2), dtype="<u8"),
+                     np.zeros((n, spec.chunk_tokens), dtype="<u4"))

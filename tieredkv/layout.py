@@ -47,7 +47,7 @@ def block_view(spec: KVSpec, raw: np.ndarray) -> np.ndarray:
 
 def page_aligned_empty(nbytes: int, page: int = 4096) -> np.ndarray:
     """An uninitialised uint8 buffer starting on a page boundary (malloc returns large blocks 16
-    bytes past one, which makes ``rep movsb`` copies into it slow on some CPUs, see ``copy_into``)."""
+    bytes past one, which makes ``rep movsb`` copies into it slow on some CPUs, see ``copy_rows``)."""
     raw = np.empty(nbytes + page, dtype=np.uint8)
     start = (-address(raw)) % page
     return raw[start:start + nbytes]
@@ -59,7 +59,7 @@ def address(a: np.ndarray) -> int:
 
 
 def misaligned(dst: np.ndarray, src: np.ndarray) -> bool:
-    """True when a copy from ``src`` to ``dst`` would start 64-byte misaligned (see ``copy_into``)."""
+    """True when a copy from ``src`` to ``dst`` would start 64-byte misaligned (see ``copy_rows``)."""
     return (address(dst) - address(src)) % 64 != 0
 
 
@@ -109,7 +109,14 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, skewed: bool) -> None:
     """Copy same-shape arrays; ``skewed`` (decided once per batch by the caller, see ``misaligned``)
     picks the SIMD ufunc pass over memcpy where this CPU copies misaligned data faster that way
     (``skewed_copy_uses_ufunc``). Rows may be strided (a slot matrix); the last axis must be
-    contiguous in both for the ufunc pass, else it falls back to ``np.copyto``."""
+    contiguous in both for the ufunc pass, else it falls back to ``np.copyto``.
+
+    Why: for large copies glibc's memcpy uses ``rep movsb``, which on some x86 CPUs runs several times
+    slower when the destination is 16 bytes off the source's 64-byte alignment (docs/benchmarks.md;
+    ``GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold`` in docs/tuning.md). Slots are page-aligned and
+    numpy's large buffers usually are not. A uint64 ufunc pass (numpy's SIMD loop, no memcpy) runs at
+    the same speed whatever the alignment; it is used only when the two are misaligned and the probe
+    found it faster, since memcpy is faster when they are aligned."""
     if skewed and _ufunc_ok(dst, src) and skewed_copy_uses_ufunc():
         np.bitwise_or(src.view(np.uint8).view(np.uint64), 0, out=dst.view(np.uint8).view(np.uint64))
     else:
@@ -119,21 +126,6 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, skewed: bool) -> None:
 def _ufunc_ok(dst: np.ndarray, src: np.ndarray) -> bool:
     return bool(dst.shape) and dst.dtype == src.dtype and (dst.shape[-1] * dst.itemsize) % 8 == 0 \
         and dst.strides[-1] == dst.itemsize and src.strides[-1] == src.itemsize
-
-
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``np.copyto(dst, src)`` for same-shape arrays, without glibc's slow misaligned ``rep movsb``.
-
-    For large copies glibc's memcpy uses ``rep movsb``, which on some x86 CPUs runs several times
-    slower when the destination is 16 bytes off the source's 64-byte alignment (see
-    docs/benchmarks.md for what we measured, and ``GLIBC_TUNABLES=glibc.cpu.x86_rep_movsb_threshold``
-    in docs/tuning.md). Slots are page-aligned and numpy's large buffers usually are not. A uint64
-    ufunc pass (numpy's SIMD loop, no memcpy) runs at the same speed whatever the alignment; we use it
-    only when the two are misaligned and a probe of this CPU found it faster than a misaligned memcpy
-    (``skewed_copy_uses_ufunc``). Batch copies decide this once (``misaligned`` + ``copy_rows``)
-    instead of per block.
-    """
-    copy_rows(dst, src, misaligned(dst, src))
 
 
 def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int, int]]:

@@ -259,16 +259,23 @@ class Level:
             self.put(keys, payloads, why=why)
             return
         step = writer.max_blocks
+        whole = len(keys) <= step
         for i in range(0, len(keys), step):
             k, p = keys[i:i + step], payloads[i:i + step]
-            if lease is not None:
-                lease.hold()
-            if writer.submit(_Job(self, k, p, lease, why), blocks=len(k)):
+            held = lease if whole else None
+            if not whole and p.base is not None:
+                # A job keeps what it refers to: a view (or the lease) would keep the whole store's
+                # buffer alive while the queue counts only the job's rows, and the queue bound must
+                # bound the memory really kept.
+                p = p.copy()
+            if held is not None:
+                held.hold()
+            if writer.submit(_Job(self, k, p, held, why), blocks=len(k)):
                 self.count(queued=len(k))
             else:  # backpressure: the tier is behind; never an unbounded queue
                 self.count(dropped=len(k))
-                if lease is not None:
-                    lease.release()
+                if held is not None:
+                    held.release()
 
     def admit_evicted(self, evicted: Evicted) -> None:
         """The ``on_evict`` hook of the level above: take the blocks this level's rule admits."""
@@ -394,11 +401,14 @@ def open_levels(spec: KVSpec, config: Any, counting: Counting,
 def _open_level(spec: KVSpec, entry: _Entry, below: Level | None, counting: Counting, observers: list[Observer],
                 failures: list[tuple[str, BaseException]]) -> Level | None:
     rule = demotion_rules.make(entry.rule) if entry.rule is not None else None
-    on_evict = None
-    if below is not None and not below.at_store:
-        def on_evict(evicted: Evicted, below: Level = below) -> None:
-            for observer in observers:
-                observer("evicted", entry.name, evicted.keys)
+    # Every tier gets an eviction hook, so observers (added at any time) see evictions; only a level
+    # below that admits evicted blocks needs their bytes: the others' hooks take keys only.
+    admits = below is not None and not below.at_store
+
+    def on_evict(evicted: Evicted, below: Level | None = below if admits else None) -> None:
+        for observer in observers:
+            observer("evicted", entry.name, evicted.keys)
+        if below is not None:
             below.admit_evicted(evicted)
     try:
         tier = entry.open(spec, on_evict)
@@ -410,6 +420,8 @@ def _open_level(spec: KVSpec, entry: _Entry, below: Level | None, counting: Coun
     if getattr(tier, "spec", spec) != spec:
         tier.close()
         raise InvalidInput(f"the {entry.name} tier was opened for another spec; open it with this cache's spec")
+    if not admits and hasattr(tier, "evict_payloads"):
+        tier.evict_payloads = False  # nobody below takes the bytes: no copy of what is evicted
     level = Level(entry.name, entry.code, tier, rule=rule, names=entry.names, counting=counting,
                   fatal=rule is None, exclusive=entry.local and rule is not None and not rule.at_store,
                   flush_s=entry.flush_s, observers=observers)

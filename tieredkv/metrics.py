@@ -27,15 +27,11 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from tieredkv.errors import InvalidInput, TieredKVError
+from tieredkv.errors import InvalidInput, MissingDependency
 
 __all__ = ["SegmentCollector", "serve_metrics", "render", "MissingDependency"]
 
 _INSTALL_HINT = "the Prometheus exporter needs prometheus_client: pip install 'tieredkv[metrics]'"
-
-
-class MissingDependency(TieredKVError, ImportError):
-    """An optional dependency of the exporter is not installed (the message says what to install)."""
 
 
 def _prometheus():

@@ -18,6 +18,7 @@ import numpy as np
 import xxhash
 
 from tieredkv.errors import InvalidInput
+from tieredkv.model_identity import canonical_model_id, local_model_id
 
 #: dtype name -> (bytes per element, numpy dtype used to hold the raw elements).
 #: bfloat16 and the fp8 formats have no numpy dtype: their bytes travel as uint16 / uint8.
@@ -209,20 +210,23 @@ class KVSpec:
                 folder holding it.
             chunk_tokens: tokens per block.
             dtype: KV dtype; defaults to the config's ``torch_dtype``/``dtype``, else float16.
-            model_id: defaults to ``_name_or_path`` / ``name_or_path`` or the folder's name.
+            model_id: defaults to the model's identity: for a local model directory (``config`` is
+                its path, or ``_name_or_path`` names one) ``local_model_id`` of it, the same
+                however the path is spelled and on vLLM's side too; else ``_name_or_path`` /
+                ``name_or_path`` (a hub name), else the ``model_type``.
             tp_rank, tp_size: the shard this spec describes (kv heads are divided by tp_size).
 
         Raises:
             InvalidInput: the config lacks the geometry or is not a config at all.
         """
-        source = None
+        source: Path | None = None
         if isinstance(config, (str, os.PathLike)):
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
             if not path.is_file():
                 raise InvalidInput(f"no config.json at {path}; pass a config object, a dict or a path")
-            source = path.parent.name
+            source = path.parent
             config = json.loads(path.read_text())
         if not isinstance(config, Mapping):
             to_dict = getattr(config, "to_dict", None)
@@ -259,7 +263,13 @@ class KVSpec:
             raise InvalidInput(f"{kv_heads} KV heads do not split over tp_size={tp_size}")
         if dtype is None:
             dtype = pick("torch_dtype", "dtype") or "float16"
-        name = model_id or pick("_name_or_path", "name_or_path") or source or cfg.get("model_type") or "model"
+        if not model_id:
+            named = pick("_name_or_path", "name_or_path")
+            if source is not None:  # the directory's own files decide, whatever name they carry
+                model_id = local_model_id(source)
+            elif named:
+                model_id = canonical_model_id(str(named))
+        name = model_id or cfg.get("model_type") or "model"
         if cfg.get("kv_lora_rank"):
             raise InvalidInput("an MLA model (kv_lora_rank in its config): transformers caches decompressed K and "
                                "V per head with different head sizes, which a KVSpec cannot describe; serve it "

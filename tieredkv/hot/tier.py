@@ -33,6 +33,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import posix_ipc
@@ -56,6 +57,8 @@ _STAT = {name: i for i, name in enumerate(STAT_FIELDS)}
 # its copies at once; a handle it does use reattaches with a descriptor of its own (see _check).
 _HANDLES: weakref.WeakSet[HotTier] = weakref.WeakSet()
 
+
+_T = TypeVar("_T")
 
 def _drop_inherited_descriptors() -> None:
     for handle in list(_HANDLES):
@@ -161,6 +164,8 @@ class HotTier(Tier):
             numa.check_node(numa_node)
         self.name = seg.check_name(name) if name is not None else seg.default_name(spec, numa_node)
         self.on_evict = on_evict
+        #: whether ``on_evict`` gets the evicted bytes (a copy); False: keys and hits only
+        self.evict_payloads = True
         self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
         if capacity_bytes is not None:
             capacity_bytes = require_positive_int("capacity_bytes", capacity_bytes, "64 << 20")
@@ -279,32 +284,28 @@ class HotTier(Tier):
 
     def _register(self) -> None:
         """Take a free owner registry byte for this handle's lifetime and record who we are."""
-        with self._tlock:
-            try:
-                self._enter()
-                for i in range(seg.MAX_OWNERS):
-                    if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
-                        if not self._still_published():
-                            # `rm --stale` judged the segment unused and unlinked it between our attach
-                            # and this registration (it judges under this same lock): attach afresh.
-                            locks.unlock(self._fd, locks.REGISTRY_BASE + i)
-                            break
-                        if self._owners[i]["token"]:
-                            self._reclaim_owner(i)  # its previous holder died without closing
-                        self._owner = i
-                        self._token = secrets.randbits(63) | 1
-                        rec = self._owners[i]
-                        rec["token"] = self._token
-                        rec["pid"] = self._pid
-                        rec["n_pins"] = 0
-                        self._stats = rec["stats"]
-                        self.counters = counters.CacheCounters(rec, self._owners)
-                        break
-                else:
-                    i = -1
-                self._h["dirty"] = 0
-            finally:
-                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        def take_a_row() -> int:
+            for i in range(seg.MAX_OWNERS):
+                if locks.try_lock(self._fd, locks.REGISTRY_BASE + i):
+                    if not self._still_published():
+                        # `rm --stale` judged the segment unused and unlinked it between our attach
+                        # and this registration (it judges under this same lock): attach afresh.
+                        locks.unlock(self._fd, locks.REGISTRY_BASE + i)
+                        return i
+                    if self._owners[i]["token"]:
+                        self._reclaim_owner(i)  # its previous holder died without closing
+                    self._owner = i
+                    self._token = secrets.randbits(63) | 1
+                    rec = self._owners[i]
+                    rec["token"] = self._token
+                    rec["pid"] = self._pid
+                    rec["n_pins"] = 0
+                    self._stats = rec["stats"]
+                    self.counters = counters.CacheCounters(rec, self._owners)
+                    return i
+            return -1
+
+        i = self._locked(take_a_row)
         if self._owner >= 0:
             return
         self._drop_mapping()  # never registered: close() must not touch anybody's row
@@ -319,15 +320,12 @@ class HotTier(Tier):
         try:
             if os.getpid() == self._pid:
                 try:
-                    with self._tlock:
-                        try:
-                            self._enter()
-                            self._release_pins()
-                            # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
-                            self._reclaim_owner(self._owner)
-                            self._h["dirty"] = 0
-                        finally:
-                            fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                    def let_go() -> None:
+                        self._release_pins()
+                        # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
+                        self._reclaim_owner(self._owner)
+
+                    self._locked(let_go)
                     locks.unlock(self._fd, locks.REGISTRY_BASE + self._owner)
                 except Exception as e:  # closing must not raise on a broken segment
                     warnings.warn(f"tieredkv: closing {self.name}: {e}", RuntimeWarning, stacklevel=2)
@@ -384,20 +382,33 @@ class HotTier(Tier):
             return False
 
     # ---- the critical section --------------------------------------------------------------------
-    # Every critical section is written out as
+    # Every critical section is ``self._locked(body)``, which runs
     #
     #     with self._tlock:                     # threads sharing this handle take turns
     #         try:
     #             self._enter()                 # the lock; repairs first if needed; marks dirty
-    #             ...                           # the metadata changes
+    #             result = body()               # the metadata changes
     #             self._h["dirty"] = 0          # reached only if the body finished
+    #             return result
     #         finally:
     #             fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
     #
     # and not as a context manager: an exception from a signal handler can be raised on entry to any
     # Python function, a context manager's __exit__ included, which would leave the lock held by a
     # live (and maybe idle) process. Here the unlock is the finally's first call, and no Python-level
-    # code runs before it; releasing a lock this description does not hold is a no-op.
+    # code runs before it (an exception on entry to ``body`` is inside the try); releasing a lock this
+    # description does not hold is a no-op. tests/test_hot_hardening.py interrupts it at random points.
+    def _locked(self, body: Callable[[], _T]) -> _T:
+        """Run ``body()`` as a critical section (see above) and return what it returns."""
+        with self._tlock:
+            try:
+                self._enter()
+                result = body()
+                self._h["dirty"] = 0
+                return result
+            finally:
+                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+
     def _enter(self) -> None:
         """Take the metadata lock; repair first if the previous holder died inside (or if a reader
         dropped its pins without the lock); mark the header dirty. Call as shown above."""
@@ -480,27 +491,20 @@ class HotTier(Tier):
     def recover(self) -> dict:
         """Reclaim what dead processes left (WRITING slots, pins) and scrub; returns what was done."""
         self._check()
-        with self._tlock:
-            try:
-                self._enter()
-                freed = self._reclaim_dead()
-                self._scrub()
-                self._h["dirty"] = 0
-            finally:
-                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+
+        def reclaim_and_scrub() -> int:
+            freed = self._reclaim_dead()
+            self._scrub()
+            return freed
+
+        freed = self._locked(reclaim_and_scrub)
         return {"reclaimed_slots": freed, "scrubs": int(self._h["scrubs"])}
 
     def _repair(self, why) -> None:
         """Scrub after damage was found in a derived structure, rebuilding the policy state too."""
         warnings.warn(f"tieredkv: segment {self.name}: damaged metadata ({why}); rebuilding it from the slot "
                       "table", RuntimeWarning, stacklevel=3)
-        with self._tlock:
-            try:
-                self._enter()
-                self._scrub(policy_too=True)
-                self._h["dirty"] = 0
-            finally:
-                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+        self._locked(functools.partial(self._scrub, policy_too=True))
 
     def _scrub(self, policy_too: bool = False) -> None:
         """Rebuild derived metadata from the slot table. Under the lock.
@@ -767,24 +771,22 @@ class HotTier(Tier):
             return 0
         slots = found[:n]
         rec = self._slots
+        def pin() -> tuple[int, np.ndarray, np.ndarray]:
+            # Re-check under the lock and pin in the same critical section (invariant 3). The pin
+            # list goes into our owner row before the counts: whatever interrupts this, the row says
+            # at least what the counts hold (a scrub recounts from rows).
+            ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
+            m = int(np.argmin(ok)) if not ok.all() else n
+            pinned = slots[:m]
+            gens = rec["gen"][pinned].copy()
+            me = self._owners[self._owner]
+            me["pins"][:m] = pinned
+            me["n_pins"] = m
+            np.add.at(rec["pins"], pinned, 1)  # not pins[slots] += 1: a key twice in a batch pins twice
+            return m, pinned, gens
+
         try:
-            with self._tlock:
-                try:
-                    self._enter()
-                    # Re-check under the lock and pin in the same critical section (invariant 3).
-                    # The pin list goes into our owner row before the counts: whatever interrupts
-                    # this, the row says at least what the counts hold (a scrub recounts from rows).
-                    ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
-                    n = int(np.argmin(ok)) if not ok.all() else n
-                    slots = slots[:n]
-                    gens = rec["gen"][slots].copy()
-                    me = self._owners[self._owner]
-                    me["pins"][:n] = slots
-                    me["n_pins"] = n
-                    np.add.at(rec["pins"], slots, 1)  # not pins[slots] += 1: a key twice in a batch pins twice
-                    self._h["dirty"] = 0
-                finally:
-                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            n, slots, gens = self._locked(pin)
             copy(first, slots)
             # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
             # on a broken invariant (checked after unpinning, a legitimate eviction would trip it).
@@ -795,24 +797,12 @@ class HotTier(Tier):
             # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
             try:
                 if self._policy.hit_needs_lock:
-                    with self._tlock:
-                        try:
-                            self._enter()
-                            policies.hit(self._policy, self._state, slots[:n])
-                            self._h["dirty"] = 0
-                        finally:
-                            fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                    self._locked(functools.partial(policies.hit, self._policy, self._state, slots[:n]))
                 else:
                     policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
             except _POLICY_FAULTS as e:
                 raise _Damage(f"policy state: {e}") from e
-            with self._tlock:
-                try:
-                    self._enter()
-                    self._release_pins()
-                    self._h["dirty"] = 0
-                finally:
-                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            self._locked(self._release_pins)
         except BaseException:
             # Interrupted anywhere above (a signal handler's exception, MemoryError, a sink that
             # raised): drop our pins without waiting for the lock, which could itself be interrupted
@@ -863,82 +853,60 @@ class HotTier(Tier):
             return codes
         rec = self._slots
         claim = next(self._claim_ids)
+
+        def claim_slots() -> tuple[np.ndarray, Any, np.ndarray, np.ndarray, np.ndarray]:
+            found = self._find(keys.keys[todo])
+            if self._reclaim_abandoned(found):
+                found = self._find(keys.keys[todo])
+            new = todo[found < 0]
+            slots, victims, old = self._take_slots(len(new), keys.keys[new, 0], claim)
+            # A batch gets adjacent, ascending slots where it can: free slots come off the stack in
+            # ascending runs (see _push_free), the lowest victims are used and the surplus (spare)
+            # goes back; so a prefix stored in one call is one run, and reads copy it in one piece.
+            by_slot = np.sort(victims)
+            need = max(len(new) - len(slots), 0)
+            spare = by_slot[need:]
+            use = np.sort(np.concatenate([slots, by_slot[:need]]))
+            stored = new[: len(use)]
+            codes[new[len(use):]] = _NO_SPACE
+            rec["key"][use] = keys.keys[stored]
+            rec["parent"][use] = keys.parents[stored]
+            rec["position"][use] = keys.positions[stored]
+            rec["length"][use] = self.spec.block_bytes
+            self._index.insert(use, keys.keys[stored])
+            return victims, old, spare, use, stored
+
+        def publish() -> None:
+            rec["gen"][use] += 1  # even again: published
+            rec["state"][use] = READY
+            parents = self._find(keys.parents[stored])
+            try:
+                policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
+                                keys.positions[stored])
+            except _POLICY_FAULTS as e:
+                raise _Damage(f"policy state: {e}") from e
+            self._release_spare(spare)
+
+        def give_back() -> None:
+            self._free_slots(use)
+            self._release_spare(spare)
+
         try:
-            with self._tlock:
-                try:
-                    self._enter()
-                    found = self._find(keys.keys[todo])
-                    if self._reclaim_abandoned(found):
-                        found = self._find(keys.keys[todo])
-                    todo = todo[found < 0]
-                    slots = self._take_free(len(todo))
-                    if len(slots) < len(todo) and self._reclaim_dead():
-                        slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
-                    n_free = len(slots)
-                    victims, old = np.zeros(0, dtype=np.int64), None
-                    if n_free < len(todo):
-                        want = max(len(todo) - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
-                        incoming = keys.keys[todo[n_free:], 0]
-                        victims, old = self._choose_victims(want, incoming, claim)
-                        if not len(victims) and self._reclaim_dead():
-                            slots = np.concatenate([slots, self._take_free(len(todo) - len(slots))])
-                            n_free = len(slots)
-                            if n_free < len(todo):
-                                victims, old = self._choose_victims(want, incoming, claim)
-                    self._claim(slots, claim)  # victims are claimed already
-                    # A batch gets adjacent, ascending slots where it can: free slots come off the
-                    # stack in ascending runs (see _push_free), the lowest victims are used and the
-                    # surplus (spare) goes back; so a prefix stored in one call is one run, and reads
-                    # copy it in one piece.
-                    by_slot = np.sort(victims)
-                    need = max(len(todo) - n_free, 0)
-                    spare = by_slot[need:]
-                    use = np.sort(np.concatenate([slots, by_slot[:need]]))
-                    stored = todo[: len(use)]
-                    codes[todo[len(use):]] = _NO_SPACE
-                    rec["key"][use] = keys.keys[stored]
-                    rec["parent"][use] = keys.parents[stored]
-                    rec["position"][use] = keys.positions[stored]
-                    rec["length"][use] = self.spec.block_bytes
-                    self._index.insert(use, keys.keys[stored])
-                    self._h["dirty"] = 0
-                finally:
-                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            victims, old, spare, use, stored = self._locked(claim_slots)
             evicted = None
             try:
                 if len(victims) and old is not None:
                     # The victims are WRITING by us: nobody else touches their bytes until we publish.
-                    payload = self._data[victims].copy() if self.on_evict is not None else None
+                    payload = self._data[victims].copy() if self.on_evict is not None and self.evict_payloads else None
                     evicted = Evicted(old.keys, payload, old.hits)
                 self._tokens[use] = keys.tokens[stored]
                 self._write_rows(use, src, stored)
             except BaseException:
                 # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
                 # rather than leave them WRITING until this handle closes.
-                with self._tlock:
-                    try:
-                        self._enter()
-                        self._free_slots(use)
-                        self._release_spare(spare)
-                        self._h["dirty"] = 0
-                    finally:
-                        fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                self._locked(give_back)
                 raise
-            with self._tlock:
-                try:
-                    self._enter()
-                    rec["gen"][use] += 1  # even again: published
-                    rec["state"][use] = READY
-                    parents = self._find(keys.parents[stored])
-                    try:
-                        policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
-                                        keys.positions[stored])
-                    except _POLICY_FAULTS as e:
-                        raise _Damage(f"policy state: {e}") from e
-                    self._release_spare(spare)
-                    self._h["dirty"] = 0
-                finally:
-                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            self._locked(publish)
         except BaseException:
             # Interrupted anywhere above, even inside the giving back: abandon what this call still
             # holds WRITING (its claim id tells which) without the lock, with plain stores only. A
@@ -955,6 +923,32 @@ class HotTier(Tier):
         if evicted is not None and self.on_evict is not None:
             self.on_evict(evicted)
         return codes
+
+    def _take_slots(self, need: int, incoming: np.ndarray, claim: int) -> tuple[np.ndarray, np.ndarray, Any]:
+        """The allocation ladder of ``put_many``, under the lock: free slots first; then the slots of
+        dead writers; then victims the policy evicts, in a batch of at least ``EVICT_BATCH_FRACTION``
+        of the segment (the surplus is the caller's spare); if the policy finds none, dead writers'
+        slots once more. ``incoming``: the low key words of the ``need`` blocks to place.
+
+        Returns:
+            ``(free, victims, old)``: free slots claimed by ``claim``, victim slots (claimed by
+            ``_choose_victims``), and the victims' ``Evicted``-to-be (keys, hits) or None.
+        """
+        slots = self._take_free(need)
+        if len(slots) < need and self._reclaim_dead():
+            slots = np.concatenate([slots, self._take_free(need - len(slots))])
+        n_free = len(slots)
+        victims, old = np.zeros(0, dtype=np.int64), None
+        if n_free < need:
+            want = max(need - n_free, int(self.n_slots * self.EVICT_BATCH_FRACTION))
+            rest = incoming[n_free:]
+            victims, old = self._choose_victims(want, rest, claim)
+            if not len(victims) and self._reclaim_dead():
+                slots = np.concatenate([slots, self._take_free(need - len(slots))])
+                if len(slots) < need:
+                    victims, old = self._choose_victims(want, rest, claim)
+        self._claim(slots, claim)  # victims are claimed already
+        return slots, victims, old
 
     def _write_rows(self, slots: np.ndarray, src: np.ndarray, rows: np.ndarray) -> None:
         """Copy ``src[rows[j]]`` into slot ``slots[j]``: one copy per run where both are adjacent
@@ -1001,16 +995,15 @@ class HotTier(Tier):
         """Remove resident, unpinned blocks; returns how many were removed."""
         self._check()
         self._check_keys(keys)
-        with self._tlock:
-            try:
-                self._enter()
-                found = self._find(keys.keys)
-                ok = self._confirmed(keys, found) & (self._slots["pins"][np.maximum(found, 0)] == 0)
-                slots = np.unique(found[ok])
-                self._free_slots(slots)
-                self._h["dirty"] = 0
-            finally:
-                fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+
+        def free_unpinned() -> np.ndarray:
+            found = self._find(keys.keys)
+            ok = self._confirmed(keys, found) & (self._slots["pins"][np.maximum(found, 0)] == 0)
+            slots = np.unique(found[ok])
+            self._free_slots(slots)
+            return slots
+
+        slots = self._locked(free_unpinned)
         self._stats[_STAT["removed"]] += len(slots)
         return len(slots)
 
@@ -1022,21 +1015,9 @@ class HotTier(Tier):
         rec = self._slots
         claim = next(self._claim_ids)
         try:
-            with self._tlock:
-                try:
-                    self._enter()
-                    victims, old = self._choose_victims(n, None, claim)
-                    self._h["dirty"] = 0
-                finally:
-                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            victims, old = self._locked(functools.partial(self._choose_victims, n, None, claim))
             payloads = self._data[victims].copy()
-            with self._tlock:
-                try:
-                    self._enter()
-                    self._release_spare(victims)
-                    self._h["dirty"] = 0
-                finally:
-                    fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+            self._locked(functools.partial(self._release_spare, victims))
         except BaseException:  # as in put_many: abandon the victims without the lock
             rec["owner_token"][(rec["state"] == WRITING) & (rec["owner"] == self._owner) & (rec["claim"] == claim)] = 0
             raise
@@ -1068,11 +1049,6 @@ class HotTier(Tier):
     def corrupt_seen(self) -> int:
         """Blocks this handle saw change under a pinned read (a broken invariant; never returned)."""
         return int(self._stats[_STAT["torn_reads"]]) if self._stats is not None else 0
-
-    def host_counters(self) -> dict:
-        """TieredCache counters and latency histograms summed over every handle: per host."""
-        self._check()
-        return counters.totals(self._owners)
 
     def live_handles(self) -> int:
         """Open handles (processes, or several handles in one process) attached right now."""

@@ -18,11 +18,13 @@ torch and transformers are imported inside the functions that need them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,15 +114,16 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
     Raises:
         InvalidInput: ``gguf`` is not a ``.gguf`` file.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = Path(gguf)
     if not (path.is_file() and path.suffix == ".gguf"):
         raise InvalidInput(f"gguf must be a .gguf file, got {str(path)!r}")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / "converted" / f"{path.stem}-{_file_digest(path)[:32]}"
     if (target / "config.json").is_file():
+        _repair_converted(target)
         return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
     shutil.rmtree(partial, ignore_errors=True)
@@ -135,10 +138,13 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        # The GGUF reader leaves `architectures` empty; vLLM needs it to pick the class with the LM head.
+        config.architectures = [type(model).__name__]
         config.save_pretrained(partial)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(partial)
         save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        _repair_converted(partial)  # tied tensors under the names other loaders (vLLM) read
         try:
             AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(partial)
         except (OSError, ValueError):
@@ -151,6 +157,52 @@ def converted_gguf_dir(gguf: str | os.PathLike, cache_dir: str | os.PathLike | N
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target
+
+
+def _repair_converted(directory: Path) -> None:
+    """Make a converted directory loadable by vLLM as well as by transformers (idempotent, atomic).
+
+    Two things transformers does not need but vLLM does, missing from directories an older tieredkv
+    converted: ``config.json``'s ``architectures`` (without it vLLM builds the bare decoder,
+    ``LlamaModel``, with no LM head) and, for tied embeddings, the tensor under the name of the
+    embedding (``save_model`` keeps one name of a tied pair, here ``lm_head.weight``; vLLM then loads
+    the head and leaves the embedding uninitialised: the output is ``<|endoftext|>`` only). Each file
+    is rewritten under a temporary name and renamed over the old one.
+    """
+    from safetensors import safe_open
+
+    config_json = directory / "config.json"
+    doc = json.loads(config_json.read_text())
+    if not doc.get("architectures"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(doc.get("model_type", ""))
+        if name is not None:
+            doc["architectures"] = [name]
+            _replace_file(config_json, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n"))
+    weights = directory / "model.safetensors"
+    if not (doc.get("tie_word_embeddings", True) and weights.is_file()):
+        return
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    with safe_open(str(weights), "pt") as f:
+        names = set(f.keys())
+        if embed in names or head not in names:
+            return
+        tensors = {(embed if k == head else k): f.get_tensor(k) for k in names}
+        metadata = f.metadata()
+
+    from safetensors.torch import save_file
+
+    _replace_file(weights, lambda p: save_file(tensors, str(p), metadata=metadata))
+
+
+def _replace_file(path: Path, write: Callable[[Path], object]) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def tiny_llama_config(**overrides: Any):

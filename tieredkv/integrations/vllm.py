@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -49,13 +48,17 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tieredkv.cache import HOT, REMOTE, WARM, PrefixHit, TieredCache
-from tieredkv.config import KEYWORDS, CacheConfig
+from tieredkv.config import CacheConfig
 from tieredkv.errors import InvalidInput, TieredKVError
+from tieredkv.integrations import extra as extra_config
+from tieredkv.integrations.extra import DEFAULT_HOT_BYTES  # noqa: F401 (re-exported)
+from tieredkv.integrations.kv_events import ConnectorEvents, TierEvents
 from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_view
 from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
-from tieredkv.keys import ChunkKeys
-from tieredkv.spec import KVSpec, parse_bytes
+from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
+from tieredkv.model_identity import canonical_model_id
+from tieredkv.spec import KVSpec
 from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
@@ -64,32 +67,15 @@ logger = logging.getLogger(__name__)
 #: ``TieredCache``'s keywords (``tieredkv.config.KEYWORDS``; sizes may be "8G").
 CONNECTOR_KEYS = ("chunk_tokens", "model_id")
 
-#: Hot-tier size when the config gives neither ``hot_bytes`` nor ``hot_blocks``.
-DEFAULT_HOT_BYTES = 1 << 30
-
-
 # ---- configuration -----------------------------------------------------------------------------
 def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> dict[str, Any]:
-    """``TieredCache`` keyword arguments from a vLLM ``extra_config`` mapping.
-
-    The keys are ``tieredkv.config.KEYWORDS`` (the one list of the cache's options) and ``own_keys``;
-    ``*_bytes`` values are parsed as sizes ("8G").
+    """``TieredCache`` keyword arguments from a vLLM ``extra_config`` mapping (see
+    ``tieredkv.integrations.extra.cache_kwargs``).
 
     Raises:
         InvalidInput: an unknown key (the message lists the valid ones) or a malformed size.
     """
-    extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(KEYWORDS) - set(own_keys))
-    if unknown:
-        raise InvalidInput(f"unknown kv_connector_extra_config keys {unknown}; valid keys: "
-                           f"{sorted([*KEYWORDS, *own_keys])}")
-    kwargs = {name: extra[name] for name in KEYWORDS if name in extra}
-    for name, value in kwargs.items():
-        if name.endswith("_bytes") and value is not None:
-            kwargs[name] = parse_bytes(value, what=name)
-    if kwargs.get("hot_bytes") is None and kwargs.get("hot_blocks") is None:
-        kwargs["hot_bytes"] = DEFAULT_HOT_BYTES
-    return kwargs
+    return extra_config.cache_kwargs(extra, own_keys=own_keys, what="kv_connector_extra_config")
 
 
 def cache_config(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> CacheConfig:
@@ -134,8 +120,8 @@ def spec_from_vllm(vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int 
                            f"{max(layout.window // block, 1) * block}")
     model = vllm_config.model_config
     if model_id is None:
-        model_id = str(model.model)
-        if getattr(model, "revision", None):
+        model_id = canonical_model_id(str(model.model))  # a local directory: its files, not its spelling
+        if getattr(model, "revision", None) and model_id == str(model.model):
             model_id += f"@{model.revision}"
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     if layout.replicated:
@@ -270,9 +256,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Serve vLLM prompts' prefixes from tieredkv's host tiers and store what vLLM computes.
 
     Configured by ``kv_connector_extra_config``: ``chunk_tokens`` (a multiple of the engine's block
-    size; default the smallest multiple >= 64), ``model_id`` (default: the model path vLLM was given,
-    which is what ``KVSpec.from_hf_config`` uses), and any ``TieredCache`` argument (``hot_bytes``,
-    ``warm_dir``, ``warm_bytes``, ``eviction``, ``hot_name``, ...). Loads are synchronous
+    size; default the smallest multiple >= 64), ``model_id`` (default: the model vLLM was given; a
+    local directory is named by its files, ``local_model_id``, as ``KVSpec.from_hf_config`` does),
+    and any ``TieredCache`` argument (``hot_bytes``, ``warm_dir``, ``warm_bytes``, ``eviction``,
+    ``hot_name``, ...). Loads are synchronous
     (``start_load_kv`` finishes before the forward); saves happen in ``wait_for_save`` after it.
 
     Cache families (``tieredkv.integrations.vllm_groups``): full attention, MLA (one latent copy per
@@ -295,6 +282,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         config = cache_config(extra)
+        # With KV events on, the tiers are announced to routers too: the host journal carries them.
+        events_on = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
+        if events_on and not config.journal:
+            config = dataclasses.replace(config, journal=True)
         tp_rank = 0
         if role == KVConnectorRole.WORKER and vllm_config.parallel_config.tensor_parallel_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -308,6 +299,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._writer = not self._layout.replicated or tp_rank == 0
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.cache = TieredCache(self.spec, config)
+        self._events = (ConnectorEvents(self.cache, self._block_size)
+                        if role == KVConnectorRole.SCHEDULER and events_on and self.cache.journal is not None else None)
         # scheduler side
         self._lookups: dict[str, tuple[PrefixHit, int]] = {}
         self._loads: dict[str, LoadPlan] = {}
@@ -408,6 +401,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return  # not keyed exactly: never stored
         self._tracked[req_id] = _Tracked(token_ids=identity.tokens, salt=identity.salt, extra=identity.extra,
                                          saved_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
+        self._note_events(request, hit)
         if num_external_tokens <= 0 or hit is None:
             return
         C, N = self.spec.chunk_tokens, self._block_size
@@ -422,6 +416,34 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
                                        skip_tokens=local - first * C,
                                        block_ids=tuple(tuple(ids[local // N:-(-end // N)]) for ids in block_ids))
+
+    def _note_events(self, request: Any, hit: PrefixHit | None) -> None:
+        """Describe the prompt's full chunks in the host journal (vLLM's hashes for whichever process
+        stores them) and announce the ones this lookup found in the tiers."""
+        events = self._events
+        if events is None:
+            return
+        events.sync_generation(self._generation)
+        identity = self._identity(request)
+        if identity is None:
+            return  # not keyed exactly: never stored, never announced
+        # The keys the worker's store and this side's lookup make: the same tokens, salt and extras.
+        C = self.spec.chunk_tokens
+        n = len(identity.tokens) // C
+        extra = identity.extra[:n] if identity.extra is not None else None
+        keys = chunk_keys(self.spec, identity.tokens[:n * C], identity.salt, extra)
+        events.note_request(request, keys, hit.where.tolist() if hit is not None else [])
+
+    def take_events(self) -> list:
+        """KV events for routers since the last call (vLLM's scheduler publishes them with its own):
+        ``BlockStored`` for chunks stored into or found in tieredkv's tiers by any engine of the host,
+        ``BlockRemoved`` when a tier evicts one announced here (``tieredkv.integrations.kv_events``)."""
+        events = self._events
+        if events is None:
+            return []
+        # A reset_cache gives this engine new keys (a generation in every salt): follow it.
+        events.sync_generation(self._generation)
+        return events.take()
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         """This step's loads, and saves for prompts whose last full chunk this step computes."""
@@ -511,6 +533,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._generation = os.urandom(16)
         self._identities.clear()
         self._lookups.clear()
+        if self._events is not None:  # routers hear AllBlocksCleared from this engine (only)
+            self._events.sync_generation(self._generation)
         logger.info("tieredkv: reset_cache: a new generation; blocks stored before are never served")
         return True
 
@@ -638,6 +662,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         """Close this process's handle on the tiers (the shared state stays for other engines)."""
+        if self._events is not None:
+            self._events.close()
         self.cache.close()
 
 
@@ -657,16 +683,12 @@ def _agree_across_ranks(flags: list[bool], tp_size: int) -> list[bool]:
 
 # ---- a secondary tier behind vLLM's CPU offloading ------------------------------------------------
 def offload_keys(spec: KVSpec, keys: Any) -> ChunkKeys:
-    """``ChunkKeys`` for vLLM ``OffloadKey`` bytes: xxh3-128 of each key under the spec's namespace.
+    """``ChunkKeys`` for vLLM ``OffloadKey`` bytes (``tieredkv.keys.opaque_keys``).
 
     vLLM's block hashes already chain the whole prefix and the request's cache salt, so a block is
-    confirmed by its key alone: parents and chunk tokens are zero.
+    confirmed by its key alone.
     """
-    seed = spec.namespace_bytes()
-    raw = b"".join(xxhash.xxh3_128_digest(seed + bytes(k)) for k in keys)
-    n = len(raw) // 16
-    return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2), np.zeros((n, 2), dtype="<u8"),
-                     np.zeros((n, spec.chunk_tokens), dtype="<u4"))
+    return opaque_keys(spec, list(keys))
 
 
 class TieredKVTier(SecondaryTierManager):
@@ -693,13 +715,15 @@ class TieredKVTier(SecondaryTierManager):
             raise InvalidInput(f"the primary tier's rows must be {chunk_bytes} contiguous bytes (an even count), "
                                f"got shape {rows.shape} strides {primary_kv_view.strides}")
         cfg = getattr(offloading_spec, "config", None)
-        model = config.get("model_id") or (cfg.model.name if cfg is not None else "vllm-model")
+        model = config.get("model_id") or (canonical_model_id(cfg.model.name) if cfg is not None else "vllm-model")
         dtype = cfg.model.dtype if cfg is not None else "?"
         world = cfg.parallel.world_size if cfg is not None else 1
         # One opaque block per chunk: 1 layer x (K,V) x 1 head x 1 token x chunk_bytes/2 int8 values.
         self.spec = KVSpec(model_id=str(model), num_layers=1, num_kv_heads=1, head_dim=chunk_bytes // 2, dtype="int8",
                            chunk_tokens=1, extra=f"vllm-offload;dtype={dtype};world={world}")
         self.cache = TieredCache(self.spec, cache_cfg)
+        # With the config's journal on, chunks stored and evicted on the host become OffloadingEvents.
+        self._events = TierEvents(self.cache) if self.cache.journal is not None else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
@@ -712,7 +736,10 @@ class TieredKVTier(SecondaryTierManager):
         """HIT when some level holds the chunk (a failing lower level is a miss; the remote tier, if
         configured, is asked within its deadline)."""
         try:
-            where = self.cache.locate(offload_keys(self.spec, [key]))
+            keys = offload_keys(self.spec, [key])
+            where = self.cache.locate(keys)
+            if where[0] >= 0 and self._events is not None:
+                self._events.found(keys[0], bytes(key), int(where[0]))
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv tier: lookup failed (a miss): %s", e)
             return LookupResult.MISS
@@ -751,12 +778,19 @@ class TieredKVTier(SecondaryTierManager):
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
 
+    def take_events(self) -> list:
+        """``OffloadingEvent`` for chunks stored into or found in the tiers on this host, and for the ones
+        announced here that a tier evicted since (with the config's ``journal`` on; else none)."""
+        return self._events.take() if self._events is not None else []
+
     def shutdown(self) -> None:
         """Finish submitted jobs, stop the thread, close the tiers (idempotent)."""
         if self._thread.is_alive():
             self.drain_jobs()
             self._jobs.put(None)
             self._thread.join()
+        if self._events is not None:
+            self._events.close()
         self.cache.close()
 
     # ---- the transfer thread ------------------------------------------------------------------
@@ -777,6 +811,8 @@ class TieredKVTier(SecondaryTierManager):
         keys = offload_keys(self.spec, list(job.keys))
         rows = np.asarray(job.chunk_ids, dtype=np.int64)
         payloads = self._primary[rows]  # a gather copy: the primary slots are released after the job
+        if self._events is not None:
+            self._events.note_store(keys, list(job.keys))
         # The cache's store path: every level by its admission rule (write-behind and the remote tier
         # included), counted. A chunk the top level had no room for went below it if there is a level.
         codes = self.cache.put_blocks(keys, payloads, owned=True)

@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from tieredkv.errors import InvalidInput, RemoteUnavailable
+from tieredkv.errors import InvalidInput, MissingDependency, RemoteUnavailable
 from tieredkv.remote.store import Encoder, Sink, Store, int_option
 from tieredkv.tier import PutResult
 
@@ -46,7 +46,7 @@ class MooncakeStore(Store):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise InvalidInput(f"mooncake:// needs mooncake-transfer-engine-non-cuda (pip install "
+            raise MissingDependency(f"mooncake:// needs mooncake-transfer-engine-non-cuda (pip install "
                                f"'tieredkv[remote]') and Debian's libibverbs1 ({e})") from None
         self._cls = MooncakeDistributedStore
         self.local = options.get("local", "127.0.0.1")

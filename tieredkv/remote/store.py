@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from tieredkv.errors import InvalidInput
+from tieredkv.errors import InvalidInput, Unsupported
 
 #: ``encode(i, into)``: value ``i``'s bytes, built in ``into`` (a uint8 array) when given.
 Encoder = Callable[[int, "np.ndarray | None"], memoryview]
@@ -83,7 +83,7 @@ class Store(abc.ABC):
 
     def scan(self, prefix: str) -> Iterator[str]:
         """Names that start with ``prefix`` (administration: ``tieredkv ls/verify --remote``)."""
-        raise InvalidInput(f"a {self.scheme}:// store cannot list its names; use a valkey:// store for "
+        raise Unsupported(f"a {self.scheme}:// store cannot list its names; use a valkey:// store for "
                            f"ls and verify")
 
     @abc.abstractmethod

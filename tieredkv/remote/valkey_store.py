@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from tieredkv.errors import InvalidInput, RemoteUnavailable
+from tieredkv.errors import MissingDependency, RemoteUnavailable
 from tieredkv.remote.store import Encoder, Sink, Store, float_option, int_option
 from tieredkv.tier import PutResult
 
@@ -38,7 +38,7 @@ class ValkeyStore(Store):
         try:
             import valkey
         except ImportError:
-            raise InvalidInput("valkey:// needs the valkey client: pip install 'tieredkv[remote]'") from None
+            raise MissingDependency("valkey:// needs the valkey client: pip install 'tieredkv[remote]'") from None
         self._errors = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError,
                         valkey.exceptions.ResponseError, OSError)
         self.ttl_s = int_option(options, "ttl_s", 0)

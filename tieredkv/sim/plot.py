@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tieredkv.errors import InvalidInput
+from tieredkv.errors import InvalidInput, MissingDependency
 
 __all__ = ["plot_mrc"]
 
@@ -25,7 +25,7 @@ def plot_mrc(result: dict, path: str | os.PathLike, *, title: str | None = None)
         The path written.
 
     Raises:
-        ImportError: matplotlib is missing (``pip install 'tieredkv[plot]'``).
+        MissingDependency: matplotlib is missing (``pip install 'tieredkv[plot]'``; an ``ImportError``).
         InvalidInput: the result has no rows.
     """
     try:
@@ -33,7 +33,7 @@ def plot_mrc(result: dict, path: str | os.PathLike, *, title: str | None = None)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("plotting miss-ratio curves needs matplotlib: pip install 'tieredkv[plot]'") from e
+        raise MissingDependency("plotting miss-ratio curves needs matplotlib: pip install 'tieredkv[plot]'") from e
     rows = result.get("results") or []
     if not rows:
         raise InvalidInput("nothing to plot: the simulation result has no rows")

@@ -261,13 +261,12 @@ def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
 def _disk_error(path: str, exc: BaseException) -> BaseException:
     """A creation failure as a tieredkv error: a full disk is a ``CapacityError``, other OS errors a
     ``WarmTierUnavailable``; anything else (tieredkv errors, KeyboardInterrupt) as it is."""
-    full = os.strerror(errno.ENOSPC)
     if isinstance(exc, OSError) and not isinstance(exc, TieredKVError):
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return CapacityError(f"cannot create the warm tier in {path}: the disk is full ({exc}); free "
                                  f"space or pass a smaller capacity_bytes")
         return WarmTierUnavailable(f"cannot create the warm tier in {path}: {exc}")
-    if isinstance(exc, WarmTierUnavailable) and ("disk is full" in str(exc) or full in str(exc)):
+    if isinstance(exc, WarmTierUnavailable) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return CapacityError(f"cannot create the warm tier in {path}: {exc}; free space or pass a smaller "
                              f"capacity_bytes")
     return exc

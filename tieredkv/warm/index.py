@@ -572,7 +572,8 @@ def _unavailable(path: str, exc: Exception) -> WarmTierUnavailable:
         why = "the disk is full"
     else:
         why = "LMDB error"
-    return WarmTierUnavailable(f"cannot write the warm tier index {path}: {why} ({exc})")
+    return WarmTierUnavailable(f"cannot write the warm tier index {path}: {why} ({exc})",
+                               errno=errno.ENOSPC if why == "the disk is full" else None)
 
 
 # ---- small helpers over a transaction ------------------------------------------------------------

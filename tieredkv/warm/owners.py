@@ -147,10 +147,6 @@ class Owners:
         raise WarmTierUnavailable(f"{self.path}: {MAX_OWNERS} processes have the warm tier open; no "
                                   f"registry slot is free")
 
-    def update_identity(self, identity: tuple[int, int, int]) -> None:
-        if self.owner >= 0:
-            self._write_entry(self.owner, (self.token, *identity))
-
     def _write_entry(self, i: int, entry: tuple[int, int, int, int]) -> None:
         os.pwrite(self.fd, ENTRY.pack(*entry), i * ENTRY.size)
 

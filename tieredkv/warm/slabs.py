@@ -247,7 +247,7 @@ class Slabs:
                     done += n
             except OSError as exc:
                 raise WarmTierUnavailable(f"cannot write to {self.path(slab)}: "
-                                          f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
+                                          f"{os.strerror(exc.errno) if exc.errno else exc}", errno=exc.errno) from exc
             touched.add(slab)
         return touched
 
@@ -257,4 +257,5 @@ class Slabs:
             try:
                 os.fdatasync(self.fds[i])
             except OSError as exc:
-                raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {exc.strerror or exc}") from exc
+                raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {exc.strerror or exc}",
+                                          errno=exc.errno) from exc

@@ -47,13 +47,14 @@ from numpy.random import default_rng  # at import: imported lazily, numpy.random
 
 from tieredkv import policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError, WarmTierUnavailable
-from tieredkv.keys import KEY_BYTES, ChunkKeys
+from tieredkv.keys import KEY_BYTES, ChunkKeys, key_at
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
 from tieredkv.warm import files
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
+from tieredkv.warm.view import PolicyView
 
 #: Claims this process holds right now, as (slot, claim time): a claim in the index that names this
 #: process is live only if it is here. Several WarmTier handles in one process share the LMDB
@@ -172,6 +173,8 @@ class WarmTier(Tier):
         self.path = self.root / spec.namespace
         self.readonly = bool(readonly)
         self.on_evict = on_evict
+        #: whether ``on_evict`` gets the evicted bytes (read and verified); False: keys and hits only
+        self.evict_payloads = True
         self._closed = True
         self._lock = threading.RLock()
         self._rng = default_rng()
@@ -187,10 +190,9 @@ class WarmTier(Tier):
         self._pid = os.getpid()
         self._counts = dict(hits=0, misses=0, bytes_in=0, bytes_out=0, puts=0, evictions=0, corrupt=0,
                             recoveries=0)
-        self._pending: list[tuple[bytes, np.ndarray, np.ndarray, np.ndarray]] = []  # raw keys, gens, slots, ticks
-        self._pending_n = 0
-        self._view: policies.SlotState | None = None
-        self._view_gen = 0
+        # The policy state of this process and the hits it has not written yet (warm/view.py).
+        self._view = PolicyView(self.policy, getattr(self, "n_slots", 0), getattr(self, "_rec", None),
+                                self.flush_every)
 
     def _open(self, capacity_bytes: int | None, slab_bytes: int) -> None:
         path = str(self.path)
@@ -221,6 +223,7 @@ class WarmTier(Tier):
         self.slot_bytes = int(meta["slot_bytes"])
         self.block_bytes = self.spec.block_bytes
         self._rec = ix.record_dtype(self.spec.chunk_tokens)
+        self._view.n_slots, self._view.rec = self.n_slots, self._rec
         self._slabs = files.slabs_of(path, meta, readonly=self.readonly)
         if not self.readonly:
             os.makedirs(os.path.join(path, mt.INDEX_NAME), mode=0o700, exist_ok=True)
@@ -315,7 +318,7 @@ class WarmTier(Tier):
         # One LMDB call per key is the floor here (LMDB has no batch get); values are joined and
         # parsed in one numpy pass below, so no per-block Python object outlives this loop.
         for i in range(n):
-            v = get(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], db=db)
+            v = get(key_at(raw, i), db=db)
             if v is None or len(v) != size:
                 if prefix:
                     break
@@ -352,7 +355,7 @@ class WarmTier(Tier):
             return bad
         get, db = txn.get, self._index.slots
         for i in np.flatnonzero(~bad).tolist():
-            if get(ix.slot_key(int(recs["slot"][i])), db=db) != raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]:
+            if get(ix.slot_key(int(recs["slot"][i])), db=db) != key_at(raw, i):
                 bad[i] = True
         return bad
 
@@ -364,7 +367,7 @@ class WarmTier(Tier):
         self._counts["corrupt"] += len(which)
         if self.readonly or not len(which):
             return
-        entries = [(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], int(recs["gen"][i])) for i in which.tolist()]
+        entries = [(key_at(raw, i), int(recs["gen"][i])) for i in which.tolist()]
 
         def drop(txn):
             dropped = 0
@@ -500,7 +503,7 @@ class WarmTier(Tier):
         self._counts["corrupt"] += len(which)
         if self.readonly:
             return  # cannot remove; every later read detects them again (short or checksum)
-        entries = [(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], int(recs["slot"][i]), int(recs["gen"][i]))
+        entries = [(key_at(raw, i), int(recs["slot"][i]), int(recs["gen"][i]))
                    for i in which.tolist()]
 
         def drop(txn):
@@ -520,7 +523,7 @@ class WarmTier(Tier):
             removed = self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
         except TieredKVError:
             return  # index not writable now: the block stays bad and is detected again on every read
-        self._view_forget(np.asarray(removed, dtype=np.int64))
+        self._view.forget(np.asarray(removed, dtype=np.int64))
 
     def _delete_record(self, txn, key: bytes, *,
                        expect_gen: int | None = None) -> tuple[np.ndarray | None, bool]:
@@ -575,7 +578,7 @@ class WarmTier(Tier):
             def claim(txn):
                 todo = []
                 for i in first.tolist():
-                    k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                    k = key_at(raw, i)
                     if txn.get(k, db=self._index.blocks) is not None:
                         continue
                     c = txn.get(k, db=self._index.inflight)
@@ -591,14 +594,14 @@ class WarmTier(Tier):
                 with _OWN_CLAIMS_LOCK:  # before the commit makes the claims visible
                     _OWN_CLAIMS.update((int(s), claim_time) for s in slots)
                 for i, s in zip(todo, slots):
-                    txn.put(raw[i * KEY_BYTES:(i + 1) * KEY_BYTES], ix.CLAIM.pack(s, owner, token, claim_time),
+                    txn.put(key_at(raw, i), ix.CLAIM.pack(s, owner, token, claim_time),
                             db=self._index.inflight)
                 return todo, slots, victims
 
             todo, slots, victims = self._index.write(claim)
             evicted = np.asarray([v[0] for v in victims], dtype=np.int64)
             self._counts["evictions"] += len(evicted)
-            self._view_forget(evicted)
+            self._view.forget(evicted)
             codes[todo[len(slots):]] = PutResult.NO_SPACE
             if not slots:
                 return codes
@@ -607,8 +610,11 @@ class WarmTier(Tier):
             try:
                 if len(victims) and self.on_evict is not None:
                     # The victims' slots are claimed by this call and not rewritten yet: read them now.
-                    gone = np.empty((len(victims), self.block_bytes), dtype=np.uint8)
-                    self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
+                    if self.evict_payloads:
+                        gone = np.empty((len(victims), self.block_bytes), dtype=np.uint8)
+                        self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
+                    else:
+                        self.on_evict(self._evicted(victims, None, np.ones(len(victims), dtype=bool)))
                 sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in idx.tolist()]
                 touched = self._slabs.write(slot_arr, rows, idx)
                 if self.sync != "none":
@@ -642,7 +648,7 @@ class WarmTier(Tier):
             if self._reap_claims_in(txn):
                 slots += self._pop_free(txn, need - len(slots))
         if len(slots) < need:
-            victims = self._choose_victims(txn, need - len(slots))
+            victims = self._view.choose_victims(txn, self._index, need - len(slots), self._delete_record)
             slots += [int(s) for s, _, _ in victims]
         return slots, victims
 
@@ -685,7 +691,7 @@ class WarmTier(Tier):
             recs["gen"] = np.arange(gen + 1, gen + 1 + m, dtype=np.uint64)
             ok = np.zeros(m, dtype=bool)
             for j, i in enumerate(idx.tolist()):
-                k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                k = key_at(raw, i)
                 c = txn.get(k, db=self._index.inflight)
                 if c is None or c[:16] != want[j]:
                     continue  # our claim was taken (we were judged dead): the slot is not ours
@@ -695,15 +701,13 @@ class WarmTier(Tier):
                 ok[j] = True
             ix.put_u64(txn, self._index.info, ix.INFO_GEN, gen + m)
             parent_slots = None
-            if self._view is not None:
+            if self._view.state is not None:
                 parent_slots = self._slots_of(txn, keys.parents[idx])
             return ok, parent_slots
 
         ok, parent_slots = self._index.write(commit)
-        if self._view is not None and ok.any():
-            self._view_tick()
-            policies.insert(self.policy, self._view, slots[ok], keys.key64[idx][ok],
-                            parent_slots[ok], keys.positions[idx][ok])
+        if parent_slots is not None:
+            self._view.inserted(slots[ok], keys.key64[idx][ok], parent_slots[ok], keys.positions[idx][ok])
         return ok
 
     def _slots_of(self, txn, keys2: np.ndarray) -> np.ndarray:
@@ -711,7 +715,7 @@ class WarmTier(Tier):
         raw = np.ascontiguousarray(keys2, dtype="<u8").tobytes()
         out = np.full(len(keys2), -1, dtype=np.int64)
         for j in range(len(keys2)):
-            v = txn.get(raw[j * KEY_BYTES:(j + 1) * KEY_BYTES], db=self._index.blocks)
+            v = txn.get(key_at(raw, j), db=self._index.blocks)
             if v is not None and len(v) == self._rec.itemsize:
                 out[j] = int(np.frombuffer(v, dtype=self._rec)["slot"][0])
         return out
@@ -721,7 +725,7 @@ class WarmTier(Tier):
 
         def release(txn):
             for i, s in zip(idx.tolist(), slots.tolist()):
-                k = raw[i * KEY_BYTES:(i + 1) * KEY_BYTES]
+                k = key_at(raw, i)
                 c = txn.get(k, db=self._index.inflight)
                 if c is not None and ix.CLAIM.unpack(c)[:3] == (s, owner, token):
                     txn.delete(k, db=self._index.inflight)
@@ -765,108 +769,9 @@ class WarmTier(Tier):
         return reaped
 
     # ================================================================================== policy view
-    def _view_tick(self) -> None:
-        # Ticks are wall-clock microseconds (never going back), so last_access values written by
-        # different processes into the records compare meaningfully.
-        st = self._view
-        if st is not None:
-            st.set_g("tick", max(st.g("tick"), ix.now_us()))
-
-    def _view_forget(self, slots: np.ndarray) -> None:
-        if self._view is not None and len(slots):
-            policies.remove(self.policy, self._view, slots)
-
-    def _build_view(self, txn) -> policies.SlotState:
-        """Rebuild the policy state from the records (index only, no data): insert order, fields.
-        Returns it (it is also ``self._view``)."""
-        keys, vals = [], []
-        for k, v in txn.cursor(db=self._index.blocks):
-            if len(v) == self._rec.itemsize \
-                    and np.frombuffer(v, dtype=self._rec, count=1)["slot"][0] < self.n_slots:
-                keys.append(k)
-                vals.append(v)
-        st = policies.SlotState.private(self.policy, self.n_slots)
-        self._view = st
-        self._view_gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
-        if not keys:
-            return st
-        recs = np.frombuffer(b"".join(vals), dtype=self._rec)
-        karr = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
-        order = np.argsort(recs["insert_us"], kind="stable")
-        recs, karr = recs[order], karr[order]
-        slots = recs["slot"].astype(np.int64)
-        # Parent slot: look the parent key up among the stored keys (one sorted search).
-        kv = np.ascontiguousarray(karr).view("V16").ravel()
-        pv = np.ascontiguousarray(recs["parent"]).view("V16").ravel()
-        sorter = np.argsort(kv)
-        pos = np.searchsorted(kv, pv, sorter=sorter)
-        pos = np.minimum(pos, len(kv) - 1)
-        hit = kv[sorter[pos]] == pv
-        parents = np.where(hit, slots[sorter[pos]], -1)
-        policies.insert(self.policy, st, slots, karr[:, 0], parents, recs["position"])
-        st.last_access[slots] = recs["last_access_us"]
-        st.insert_tick[slots] = recs["insert_us"]
-        st.hits[slots] = recs["hits"]
-        st.set_g("tick", max(int(recs["last_access_us"].max()), ix.now_us()))
-        # Hits of this process not yet flushed to the records still count.
-        for raw, _, pslots, ticks in self._pending:
-            key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
-            live = (st.resident[pslots] == 1) & (st.key64[pslots] == key64)
-            np.maximum.at(st.last_access, pslots[live], ticks[live])
-            np.add.at(st.hits, pslots[live], 1)
-        return st
-
-    def _choose_victims(self, txn, need: int) -> list[tuple[int, bytes, np.ndarray]]:
-        """Evict up to ``need`` blocks chosen by the policy; return ``(slot, key, record)`` of each.
-
-        Victims come from this process's view and are re-checked here, inside the write transaction:
-        only a slot whose reverse entry and record still name the block the view thinks it holds is
-        evicted. A view that runs dry or is far behind (others stored many blocks) is rebuilt once.
-        """
-        out: list[tuple[int, bytes, np.ndarray]] = []
-        rebuilt = False
-        if self._view is not None:
-            gen = ix.get_u64(txn, self._index.info, ix.INFO_GEN)
-            if gen - self._view_gen > max(16, self.n_slots // 4):
-                self._view = None
-        st = self._view
-        if st is None:
-            st = self._build_view(txn)
-            rebuilt = True
-        while len(out) < need:
-            victims = policies.evict(self.policy, st, need - len(out))
-            if not len(victims):
-                if rebuilt:
-                    break
-                st = self._build_view(txn)
-                rebuilt = True
-                continue
-            for s in victims.tolist():
-                key = txn.get(ix.slot_key(s), db=self._index.slots)
-                if key is None or np.frombuffer(key, dtype="<u8")[0].view(np.int64) != st.key64[s]:
-                    continue  # stale view: that slot no longer holds the block we chose
-                rec, owned = self._delete_record(txn, key)
-                if rec is None or not owned or int(rec["slot"]) != s:
-                    continue  # a damaged record: dropped, its slot left to `verify --repair`
-                out.append((s, key, rec))
-        return out
-
     def _note_hits(self, raw: bytes, gens: np.ndarray, slots: np.ndarray) -> None:
         """Record hits: in the view now (memory only), in the index in batches (no fsync per hit)."""
-        n = len(gens)
-        t = ix.now_us()
-        slots_all = slots.astype(np.int64)
-        if self._view is not None:
-            st = self._view
-            key64 = np.frombuffer(raw, dtype="<u8")[0::2].view(np.int64)
-            slots = slots.astype(np.int64)
-            slots = slots[(st.resident[slots] == 1) & (st.key64[slots] == key64)]
-            if len(slots):
-                self._view_tick()
-                policies.hit(self.policy, self._view, slots)
-        self._pending.append((raw, gens.copy(), slots_all, np.full(n, t, dtype=np.int64)))
-        self._pending_n += n
-        if self._pending_n >= self.flush_every:
+        if self._view.note_hits(raw, gens, slots):
             self._flush(wait_s=0)  # on the read path: never wait behind a writer
 
     def flush(self) -> None:
@@ -875,9 +780,9 @@ class WarmTier(Tier):
 
     def _flush(self, *, wait_s: float | None) -> None:
         with self._lock:
-            if self._closed or not self._pending or os.getpid() != self._pid:
+            if self._closed or not self._view.pending or os.getpid() != self._pid:
                 return
-            pending, self._pending, self._pending_n = self._pending, [], 0
+            pending = self._view.take_pending()
             if self.readonly:
                 return
             raw = b"".join(p[0] for p in pending)
@@ -894,7 +799,7 @@ class WarmTier(Tier):
 
             def write(txn):
                 for j in range(len(uniq)):
-                    k = ubytes[j * KEY_BYTES:(j + 1) * KEY_BYTES]
+                    k = key_at(ubytes, j)
                     v = txn.get(k, db=self._index.blocks)
                     if v is None or len(v) != self._rec.itemsize:
                         continue
@@ -908,10 +813,9 @@ class WarmTier(Tier):
             try:
                 self._index.write(write, wait_s=wait_s)
             except LockTimeout:
-                if wait_s is not None and self._pending_n < 16 * self.flush_every:
+                if wait_s is not None:
                     # A writer holds the lock now: keep the hits for the next try (bounded memory).
-                    self._pending[:0] = pending
-                    self._pending_n += len(gens)
+                    self._view.put_back(pending)
             except TieredKVError:
                 pass  # bookkeeping only: losing it skews the policy a little, never the data
 
@@ -928,7 +832,7 @@ class WarmTier(Tier):
             def rm(txn):
                 freed, gone = [], 0  # gone: damaged records dropped without a slot to free
                 for i in range(len(keys)):
-                    rec, owned = self._delete_record(txn, raw[i * KEY_BYTES:(i + 1) * KEY_BYTES])
+                    rec, owned = self._delete_record(txn, key_at(raw, i))
                     if owned:
                         txn.put(ix.slot_key(int(rec["slot"])), b"", db=self._index.free)
                         freed.append(int(rec["slot"]))
@@ -937,7 +841,7 @@ class WarmTier(Tier):
                 return freed, gone
 
             freed, gone = self._index.write(rm)
-            self._view_forget(np.asarray(freed, dtype=np.int64))
+            self._view.forget(np.asarray(freed, dtype=np.int64))
             return len(freed) + gone
 
     def evict(self, n: int, *, with_payloads: bool = True) -> Evicted:
@@ -960,7 +864,7 @@ class WarmTier(Tier):
             self._require_writable()
 
             def ev(txn):
-                victims = self._choose_victims(txn, n) if n > 0 else []
+                victims = self._view.choose_victims(txn, self._index, n, self._delete_record) if n > 0 else []
                 m = len(victims)
                 rows = np.empty((m, self.block_bytes), dtype=np.uint8) if with_payloads else None
                 # The slots cannot be claimed by anyone before this transaction commits.
@@ -994,21 +898,9 @@ class WarmTier(Tier):
         keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
                          recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
                          recs["position"].astype(np.int64))
-        hits = recs["hits"].astype(np.int64) + self._pending_hits(raw, recs["gen"])
+        hits = recs["hits"].astype(np.int64) + self._view.pending_hits(raw, recs["gen"])
         payloads = rows[keep] if rows is not None else None
         return Evicted(keys, payloads, hits)
-
-    def _pending_hits(self, raw: bytes, gens: np.ndarray) -> np.ndarray:
-        """Hits this process noted for each (key, gen) but has not flushed into the records yet."""
-        out = np.zeros(len(gens), dtype=np.int64)
-        if not self._pending or not len(gens):
-            return out
-        want = np.frombuffer(raw, dtype="V16")
-        seen = np.frombuffer(b"".join(p[0] for p in self._pending), dtype="V16")
-        seen_gens = np.concatenate([p[1] for p in self._pending])
-        for i in range(len(want)):
-            out[i] = int(np.count_nonzero((seen == want[i]) & (seen_gens == gens[i])))
-        return out
 
     # ================================================================================== stats, close
     def stats(self) -> TierStats:
@@ -1026,7 +918,7 @@ class WarmTier(Tier):
                              extra={"path": str(self.path), "sync": self.sync, "verify": self.verify,
                                     "policy": self.policy.name, "readonly": self.readonly,
                                     "inflight": int(inflight), "corrupt_total": int(corrupt_total),
-                                    "pending_hits": self._pending_n, "slot_bytes": self.slot_bytes,
+                                    "pending_hits": self._view.pending_n, "slot_bytes": self.slot_bytes,
                                     "map_size": self._index.map_size()})
 
     def close(self) -> None:

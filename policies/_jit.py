@@ -14,16 +14,27 @@ segment.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # the numpy path in base.py runs instead
-    numba = None
+_OFF = os.environ.get("TIEREDKV_NO_NUMBA", "") in ("1", "true", "yes")
+# With the kernels off numba is not even imported: vLLM 0.32's CPU platform scans every loaded module
+# when an in-process engine starts and fails on an llvmlite object numba leaves there.
+def _numba() -> Any:
+    if _OFF:
+        return None
+    try:
+        import numba as module
+    except ImportError:  # the numpy path in base.py runs instead
+        return None
+    return module
+
+
+numba = _numba()
 
 #: True when the compiled kernels are in use.
-ENABLED = numba is not None and os.environ.get("TIEREDKV_NO_NUMBA", "") not in ("1", "true", "yes")
+ENABLED = numba is not None and not _OFF
 
 
 def _insert_common(resident, key64, last_access, insert_tick, hits, n_children, position, parent,

@@ -2,28 +2,38 @@
 
 ``insert`` and ``remove`` in ``base.py`` keep the common per-slot fields; done with numpy that is a
 dozen small array operations per call, which dominates a replay (one call per request) and the hot
-tier's store path. With numba installed (``pip install 'tieredkv[fast]'``) they run as one compiled
-loop each; without it the numpy code in ``base.py`` runs, slower, to the same result: the kernels
+tier's store path. With numba installed (``pip install 'tieredkv[fast]'``) and the kernels enabled
+(``enable``: the simulator does; a serving process with ``TIEREDKV_NUMBA=1``) they run as one compiled
+loop each; otherwise the numpy code in ``base.py`` runs, slower, to the same result: the kernels
 write exactly what the numpy code writes (``tests/test_policies_jit.py`` replays workloads both
 ways and compares every word of the state), so processes with and without numba can share one
 segment.
 
-``TIEREDKV_NO_NUMBA=1`` turns the kernels off (to compare, or to rule them out).
+``TIEREDKV_NO_NUMBA=1`` keeps the kernels off (to compare, or to rule them out).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # the numpy path in base.py runs instead
-    numba = None
+_OFF = os.environ.get("TIEREDKV_NO_NUMBA", "") in ("1", "true", "yes")
 
-#: True when the compiled kernels are in use.
-ENABLED = numba is not None and os.environ.get("TIEREDKV_NO_NUMBA", "") not in ("1", "true", "yes")
+#: The numba module once ``enable`` imported it (None before, or when it is missing or turned off).
+numba: Any = None
+#: True once ``enable`` bound the compiled kernels; the callers test it on every call.
+ENABLED = False
+insert_common: Any = None
+remove_common: Any = None
+oldest: Any = None
+clock_choose: Any = None
+table_find: Any = None
+ghost_remove: Any = None
+ghost_pop: Any = None
+ghost_push: Any = None
+ghost_lookup: Any = None
 
 
 def _insert_common(resident, key64, last_access, insert_tick, hits, n_children, position, parent,
@@ -328,22 +338,43 @@ def _clock_choose(ref, order, candidates, n, seq):
     return victims[:got], seq
 
 
-if ENABLED:
-    insert_common = numba.njit(cache=True, nogil=True)(_insert_common)
-    remove_common = numba.njit(cache=True, nogil=True)(_remove_common)
-    oldest = numba.njit(cache=True, nogil=True)(_oldest)
-    _compile = numba.njit(cache=True, nogil=True)
+def enable() -> bool:
+    """Import numba and bind the compiled kernels; return whether they are in use (idempotent).
+
+    Off by default: the simulator turns them on (a replay is thousands of policy calls), a serving
+    process only with ``TIEREDKV_NUMBA=1``. Serving processes keep the numpy path unless asked, because
+    importing numba there costs its start-up and a compilation per process where the package directory
+    is read-only, and because vLLM 0.32's CPU platform scans every loaded module when an in-process
+    engine starts and fails on an llvmlite object numba leaves there. ``TIEREDKV_NO_NUMBA=1`` keeps
+    them off whatever asks.
+    """
+    global numba, ENABLED, insert_common, remove_common, oldest, clock_choose
+    global table_find, ghost_remove, ghost_pop, ghost_push, ghost_lookup
+    global _home, _tinsert, _tdelete_at, _tfind, _ghost_remove, _ghost_pop, _ghost_compact, _ascending_chunk
+    if numba is not None or _OFF:  # bound once already (a caller may have set ENABLED off since)
+        return ENABLED
+    try:
+        import numba as module
+    except ImportError:  # the numpy path in base.py runs instead
+        return False
+    numba = module
+    compile_ = module.njit(cache=True, nogil=True)
+    insert_common = compile_(_insert_common)
+    remove_common = compile_(_remove_common)
+    oldest = compile_(_oldest)
     # Rebind the helpers first: a kernel calls the compiled versions it finds under these names.
-    _home, _tinsert, _tdelete_at = _compile(_home), _compile(_tinsert), _compile(_tdelete_at)
-    table_find = _tfind = _compile(_tfind)
-    ghost_remove = _ghost_remove = _compile(_ghost_remove)
-    ghost_pop = _ghost_pop = _compile(_ghost_pop)
-    _ghost_compact = _compile(_ghost_compact)
-    ghost_push = _compile(_ghost_push)
-    ghost_lookup = _compile(_ghost_lookup)
-    _ascending_chunk = _compile(_ascending_chunk)
-    clock_choose = _compile(_clock_choose)
-else:
-    clock_choose = None
-    insert_common = remove_common = oldest = None
-    table_find = ghost_remove = ghost_pop = ghost_push = ghost_lookup = None
+    _home, _tinsert, _tdelete_at = compile_(_home), compile_(_tinsert), compile_(_tdelete_at)
+    table_find = _tfind = compile_(_tfind)
+    ghost_remove = _ghost_remove = compile_(_ghost_remove)
+    ghost_pop = _ghost_pop = compile_(_ghost_pop)
+    _ghost_compact = compile_(_ghost_compact)
+    ghost_push = compile_(_ghost_push)
+    ghost_lookup = compile_(_ghost_lookup)
+    _ascending_chunk = compile_(_ascending_chunk)
+    clock_choose = compile_(_clock_choose)
+    ENABLED = True
+    return True
+
+
+if os.environ.get("TIEREDKV_NUMBA", "") in ("1", "true", "yes"):
+    enable()

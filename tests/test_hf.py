@@ -280,15 +280,6 @@ def test_spec_mismatch_and_bad_input(models):
         (4, 2, 16, "float32", 32)
 
 
-def test_sliding_window_models_are_refused():
-    cfg = hf_models.tiny_qwen2_config(use_sliding_window=True, sliding_window=32, max_window_layers=1)
-    model = hf_models.random_model(cfg, seed=0)
-    if all(t == "full_attention" for t in (getattr(model.config, "layer_types", None) or [])):
-        pytest.skip("this transformers release builds no sliding layers for the config")
-    with pytest.raises(InvalidInput, match="sliding"):
-        hf.CachedPrefill(model, None)
-
-
 # ---- tiers and processes ---------------------------------------------------------------------------
 @pytest.mark.parametrize("promotion", ["never", "always"])
 def test_hit_spanning_hot_and_warm(models, namespace, tmp_path, promotion):

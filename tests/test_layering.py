@@ -25,8 +25,6 @@ LAYERS = {
     "tieredkv.cache": 7,
     "tieredkv.integrations": 8, "tieredkv.blocks": 8, "tieredkv.estimate": 8, "tieredkv.metrics": 8, "tieredkv.sim": 8,
     "tieredkv.demo": 9, "tieredkv.cli": 10, "tieredkv.__main__": 11,
-    # modules of branches not merged yet, placed where their imports put them
-    "tieredkv.forksafe": 0,
 }
 #: Never imported by the core (only tieredkv.integrations may).
 SERVING_ENGINES = ("vllm", "sglang")

@@ -16,7 +16,7 @@ from test_policies_conformance import NAMES, _workload
 from tieredkv.policies import _jit
 from tieredkv.sim import Trace, read_trace, simulate
 
-needs_numba = pytest.mark.skipif(not _jit.ENABLED, reason="numba is not installed (pip install 'tieredkv[fast]')")
+needs_numba = pytest.mark.skipif(not _jit.enable(), reason="numba is not installed (pip install 'tieredkv[fast]')")
 
 MOONCAKE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "traces", "mooncake_synthetic_trace.jsonl")
 
@@ -82,3 +82,33 @@ def test_policies_still_import_without_numba():
     assert out.returncode == 0, out.stderr
     from tieredkv.sim import synthetic_trace
     assert int(out.stdout.strip()) == simulate(synthetic_trace(50, seed=1), "lru", 40)["hits"]
+
+
+@pytest.mark.procs
+def test_a_serving_process_never_imports_numba_unless_asked():
+    """The hot tier's live policies run the numpy path by default: numba is not even imported (an
+    in-process vLLM engine fails on a loaded llvmlite, and every worker would compile the kernels).
+    ``TIEREDKV_NUMBA=1`` turns the kernels on; the simulator turns them on by itself."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, numpy as np\n"
+            "from tieredkv import KVSpec, TieredCache\n"
+            "from tieredkv.policies import _jit\n"
+            "spec = KVSpec(model_id='jit', num_layers=1, num_kv_heads=1, head_dim=8, dtype='float32', chunk_tokens=4)\n"
+            "name = f'/tieredkv-jit-{os.getpid()}'\n"
+            "with TieredCache(spec, hot_bytes=1 << 20, hot_name=name) as cache:\n"
+            "    cache.store(np.arange(64), np.ones((1, 2, 1, 64, 8), np.float32))\n"
+            "    assert cache.lookup(np.arange(65)).tokens == 64\n"
+            "    cache.hot.unlink()\n"
+            "print(_jit.ENABLED, 'numba' in sys.modules)\n"
+            "from tieredkv.sim import synthetic_trace, simulate\n"
+            "simulate(synthetic_trace(20, seed=1), 'lru', 10)\n"
+            "print(_jit.ENABLED, 'numba' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("TIEREDKV_NUMBA", "TIEREDKV_NO_NUMBA")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["False False", "True True"]
+    asked = subprocess.run([sys.executable, "-c", "from tieredkv.policies import _jit; print(_jit.ENABLED)"],
+                           capture_output=True, text=True, timeout=300, env={**env, "TIEREDKV_NUMBA": "1"})
+    assert asked.stdout.strip() == "True", asked.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -43,8 +44,10 @@ def test_from_hf_config_dict_path_folder_and_object(tmp_path):
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype) == (28, 2, 128, "bfloat16")
     assert spec.model_id == "Qwen/Qwen2-1.5B"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert KVSpec.from_hf_config(tmp_path / "config.json") == spec
-    assert KVSpec.from_hf_config(str(tmp_path)) == spec
+    # A local directory is identified by its own files (model_identity), whatever name its config carries.
+    from_file, from_dir = KVSpec.from_hf_config(tmp_path / "config.json"), KVSpec.from_hf_config(str(tmp_path))
+    assert from_file == from_dir and from_dir.model_id.startswith(f"{tmp_path.name}@local-")
+    assert dataclasses.replace(from_dir, model_id=spec.model_id) == spec
     transformers = pytest.importorskip("transformers")
     llama = transformers.LlamaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                      hidden_size=64)

@@ -157,8 +157,8 @@ def test_spec_matches_the_hf_integration_and_checks_chunk_tokens(model_dir, cfg)
         tv.spec_from_vllm(cfg, kv_cache_config(), chunk_tokens=48)
     sliding = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32,
                                 sliding_window=128)
-    with pytest.raises(InvalidInput, match="full attention"):
-        tv.spec_from_vllm(cfg, kv_cache_config(sliding))
+    with pytest.raises(InvalidInput, match="exceeds the sliding window of 128"):
+        tv.spec_from_vllm(cfg, kv_cache_config(sliding), chunk_tokens=160)
 
 
 def test_each_tp_rank_has_its_own_heads_and_namespace(model_dir, cfg):
@@ -262,13 +262,13 @@ def test_scheduler_plans_whole_blocks_and_the_worker_restores_them(cfg):
     assert out.num_scheduled_tokens["a"] == 200 - 128  # vLLM computes only what the tiers did not supply
     (load,) = meta.loads
     block_ids = out.scheduled_new_reqs[0].block_ids[0]
-    assert load.block_ids == tuple(block_ids[:4]) and load.skip_tokens == 0 and load.hit.tokens == 128
+    assert load.block_ids == (tuple(block_ids[:4]),) and load.skip_tokens == 0 and load.hit.tokens == 128
     k, v = backend_kv(caches[1], "halves")
     for i, b in enumerate(block_ids[:4]):
         assert same(k[b], kv[1, 0, :, i * BLOCK:(i + 1) * BLOCK])
         assert same(v[b], kv[1, 1, :, i * BLOCK:(i + 1) * BLOCK])
     (save,) = meta.saves  # the third chunk (tokens 128..191); the 8-token tail is no full chunk
-    assert save.start_token == 128 and len(save.token_ids) == 192 and save.block_ids == tuple(block_ids[4:6])
+    assert save.start_token == 128 and len(save.token_ids) == 192 and save.block_ids == (tuple(block_ids[4:6]),)
     hit = worker.cache.lookup(np.append(tokens[:192], 0))
     assert hit.tokens == 192
     back = np.zeros((LAYERS, 2, HEADS, 192, HEAD_DIM), np.float32)
@@ -410,7 +410,7 @@ def test_a_load_range_the_connector_did_not_offer_is_recomputed(cfg):
 
     meta = conn.build_connector_meta(SchedulerOutput.make_empty())
     (plan,) = meta.loads
-    assert plan.hit.tokens == 0 and plan.block_ids == (20, 21, 22, 23, 24)
+    assert plan.hit.tokens == 0 and plan.block_ids == ((20, 21, 22, 23, 24),)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     assert worker.get_block_ids_with_load_errors() == {20, 21, 22, 23, 24}

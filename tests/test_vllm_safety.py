@@ -278,10 +278,10 @@ def test_a_save_over_a_block_whose_load_failed_waits_until_vllm_took_it_back(pai
     reports the block handled; then the save goes through."""
     conn, worker = pair
     tokens = as_tokens(np.arange(3, 195))
-    plan = tv.SavePlan(req_id="x", token_ids=tokens, salt=b"", start_token=0, block_ids=(1, 2, 3, 4, 5, 6),
+    plan = tv.SavePlan(req_id="x", token_ids=tokens, salt=b"", start_token=0, block_ids=((1, 2, 3, 4, 5, 6),),
                        prefix_block_ids=(1, 2, 3, 4, 5, 6), extra=None)
     empty = worker.cache.lookup(np.arange(3))  # a hit of no block: its load reports every block failed
-    failing = tv.LoadPlan(req_id="y", hit=empty, skip_tokens=0, block_ids=(3,))
+    failing = tv.LoadPlan(req_id="y", hit=empty, skip_tokens=0, block_ids=((3,),))
     steps = [([failing], [], 0),  # the load of block 3 fails in the step that saves
              ([], [], 0),  # the next step was scheduled before vLLM saw the failure
              ([], [(3,)], 3)]  # vLLM took block 3 back: the recomputed prompt is stored

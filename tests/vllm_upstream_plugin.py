@@ -9,12 +9,6 @@ stay the test's, every other call (``update_state_after_alloc``, ``build_connect
 ``update_connector_output`` with the invalid blocks, ``get_external_cache_hit_sources``, ...) runs
 tieredkv's code against vLLM's real ``Scheduler``, and the test's own assertions must still hold.
 
-vLLM's core scheduler tests (``tests/v1/core/test_scheduler.py``) instead name ``MockKVConnector`` in
-their config, with a fixed ``matched_tokens`` / ``is_async`` / ``num_defers_before_matching`` script.
-The plugin registers, under that name, a ``TieredKVConnector`` subclass that answers that script from
-``get_num_new_matched_tokens`` (after running tieredkv's own lookup) and adds the ``requests`` list the
-mock's metadata carries; everything else is tieredkv's code.
-
 At the end the plugin writes, to the file named by ``$TIEREDKV_UPSTREAM_REPORT``, how many connectors
 it made and how often each real method ran, so the caller can check the swap happened.
 """
@@ -70,91 +64,6 @@ def tieredkv_mock_connector() -> Mock:
     return mock
 
 
-SCRIPT_KEYS = ("matched_tokens", "is_async", "num_defers_before_matching", "supports_divergent_local_hybrid_hits")
-
-
-def _mock_kv_connector_class() -> type:
-    """``TieredKVConnector`` answering ``MockKVConnector``'s script (see the module docstring)."""
-    import dataclasses
-    from itertools import chain
-
-    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
-
-    from tieredkv.integrations.vllm import TieredKVConnector
-
-    class TieredMockKVConnector(TieredKVConnector):  # type: ignore[misc]
-        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-            ktc = vllm_config.kv_transfer_config
-            extra = dict(ktc.kv_connector_extra_config or {})
-            script = {key: extra.pop(key) for key in SCRIPT_KEYS if key in extra}
-            block = vllm_config.cache_config.block_size
-            extra.update(hot_bytes="4M", hot_name=f"/tieredkv-upstream-{os.getpid()}-{len(_made)}",
-                         chunk_tokens=block)
-            ktc.kv_connector_extra_config = extra
-            if kv_cache_config is not None:  # the tests name their one layer "layer": give it an index
-                kv_cache_config = dataclasses.replace(kv_cache_config, kv_cache_groups=[
-                    KVCacheGroupSpec([LAYER], group.kv_cache_spec) for group in kv_cache_config.kv_cache_groups])
-            super().__init__(vllm_config, role, kv_cache_config)
-            self._script = script
-            self._defers_left = collections.defaultdict(lambda: script.get("num_defers_before_matching", 0))
-            _made.append(self)
-
-        @property
-        def supports_divergent_local_hybrid_hits(self) -> bool:
-            return bool(self._script.get("supports_divergent_local_hybrid_hits", False))
-
-        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-            _calls["get_num_new_matched_tokens"] += 1
-            super().get_num_new_matched_tokens(request, num_computed_tokens)  # tieredkv's lookup runs
-            if self._defers_left[request.request_id] > 0:
-                self._defers_left[request.request_id] -= 1
-                return None, False
-            return self._script["matched_tokens"], self._script["is_async"]
-
-        def update_state_after_alloc(self, *args: Any, **kwargs: Any) -> Any:
-            _calls["update_state_after_alloc"] += 1
-            return super().update_state_after_alloc(*args, **kwargs)
-
-        def update_connector_output(self, *args: Any, **kwargs: Any) -> Any:
-            _calls["update_connector_output"] += 1
-            return super().update_connector_output(*args, **kwargs)
-
-        def request_finished(self, *args: Any, **kwargs: Any) -> Any:
-            _calls["request_finished"] += 1
-            return super().request_finished(*args, **kwargs)
-
-        def build_connector_meta(self, scheduler_output: Any) -> Any:
-            _calls["build_connector_meta"] += 1
-            meta = super().build_connector_meta(scheduler_output)
-            cached = scheduler_output.scheduled_cached_reqs
-            meta.requests = [{"req_id": req_id} for req_id in chain(
-                (req.req_id for req in scheduler_output.scheduled_new_reqs),
-                (req_id for req_id in cached.req_ids if req_id in cached.resumed_req_ids))]
-            return meta
-
-    return TieredMockKVConnector
-
-
-TieredMockKVConnector: Any = None
-
-
-def pytest_configure(config: Any) -> None:
-    """Register the ``MockKVConnector`` stand-in under vLLM's name (before vLLM's test helpers do)."""
-    global TieredMockKVConnector
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    TieredMockKVConnector = _mock_kv_connector_class()
-    KVConnectorFactory.register_connector("MockKVConnector", __name__, "TieredMockKVConnector")
-    # vLLM's helpers register their own mock under the same name when imported: keep ours.
-    register = KVConnectorFactory.register_connector.__func__  # type: ignore[attr-defined]
-
-    def keep_ours(cls: Any, name: str, module_path: str, class_name: str) -> None:
-        if name != "MockKVConnector":
-            register(cls, name, module_path, class_name)
-
-    KVConnectorFactory.register_connector = classmethod(keep_ours)  # type: ignore[method-assign]
-
-
 def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
     """Swap the helper in every collected module that imported it (and in the helpers' module)."""
     modules = {item.module for item in items if getattr(item, "module", None) is not None}
@@ -178,5 +87,4 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     path = os.environ.get(REPORT_ENV)
     if path:
         with open(path, "w") as f:
-            json.dump({"connectors": len(_made), "calls": dict(_calls),
-                       "named_mock_connectors": sum(isinstance(c, TieredMockKVConnector) for c in _made)}, f)
+            json.dump({"connectors": len(_made), "calls": dict(_calls)}, f)

@@ -74,6 +74,28 @@ def normalize_dtype(dtype: Any) -> str:
     return name
 
 
+def sliding_window_extra(config: Mapping[str, Any], num_layers: int) -> str:
+    """The namespace part of a model config's sliding window: ``"window=W:<pattern>"`` or ``""``.
+
+    ``pattern`` has one letter per layer, ``s`` sliding, ``f`` full attention. A window changes the
+    K/V of every layer after the first sliding one (their inputs attended over less), so it is part of
+    the namespace. Read from ``layer_types`` when the config has it (transformers 5.x), else every
+    layer slides when ``sliding_window`` is set and ``use_sliding_window`` is not False (Mistral).
+    The HF integration and the vLLM connector both derive it here, so their blocks agree.
+    """
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if types:
+        pattern = "".join("s" if "sliding" in str(t) else "f" for t in types)
+    elif config.get("use_sliding_window") is False:
+        pattern = ""
+    else:
+        pattern = "s" * num_layers
+    if not window or "s" not in pattern:
+        return ""
+    return f"window={int(window)}:{pattern}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVSpec:
     """The KV geometry of one model shard.
@@ -248,6 +270,10 @@ class KVSpec:
             elif named:
                 model_id = canonical_model_id(str(named))
         name = model_id or cfg.get("model_type") or "model"
+        if cfg.get("kv_lora_rank"):
+            raise InvalidInput("an MLA model (kv_lora_rank in its config): transformers caches decompressed K and "
+                               "V per head with different head sizes, which a KVSpec cannot describe; serve it "
+                               "through the vLLM connector, which stores the latent")
         return cls(model_id=str(name), num_layers=int(layers), num_kv_heads=int(kv_heads) // tp_size,
                    head_dim=int(head_dim), dtype=dtype, chunk_tokens=chunk_tokens,
-                   tp_rank=tp_rank, tp_size=tp_size)
+                   tp_rank=tp_rank, tp_size=tp_size, extra=sliding_window_extra(cfg, int(layers)))

@@ -205,7 +205,8 @@ class CachedPrefill:
     """Prefill a causal LM through a ``TieredCache``: restore the longest cached prefix, compute the rest.
 
     Args:
-        model: a transformers causal LM (Llama, Qwen2, Mistral-style full attention), in eval mode, on
+        model: a transformers causal LM (full attention, or sliding windows as in Mistral and Gemma 3), in
+            eval mode, on
             CPU or one CUDA device. Its dtype is the KV dtype.
         cache: a ``TieredCache`` (or anything with its ``lookup`` / ``load`` / ``store`` contract) whose
             spec matches the model (build it with ``spec_for_model(model)``), or ``None`` to prefill
@@ -224,8 +225,8 @@ class CachedPrefill:
 
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
-        InvalidInput: the model has sliding-window layers (their cache keeps only the window, so the
-            K/V of a whole prefix cannot be read back) or no KV-cache keyword.
+        InvalidInput: the model has linear-attention or mamba layers, is an MLA model (see
+            ``KVSpec.from_hf_config``), or has no KV-cache keyword.
     """
 
     def __init__(self, model: Any, cache: Any = None, *, spec: KVSpec | None = None,
@@ -248,10 +249,15 @@ class CachedPrefill:
                                f"{cache_spec.chunk_tokens}; pass the cache's spec (or none)")
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
-        layer_types = getattr(text_config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
-            raise InvalidInput(f"layer types {sorted(set(layer_types))}: only full-attention models are "
-                               "supported (a sliding-window layer does not keep the whole prefix)")
+        layer_types = set(getattr(text_config, "layer_types", None) or [])
+        unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
+        if unsupported:
+            raise InvalidInput(f"layer types {unsupported}: CachedPrefill caches full and sliding-window "
+                               "attention only (a linear-attention or mamba layer's state is not per-token K/V)")
+        # transformers' sliding-window cache layers keep only the window, so the K/V of a whole prefix
+        # could not be read back: a model with a window gets plain layers (its masks still apply the
+        # window), holding the prefix's K/V for every layer while the request runs.
+        self._sliding = bool(self.spec.extra and "window=" in self.spec.extra) or "sliding_attention" in layer_types
         self._cache_kw = cache_keyword(model)
         forward_params = inspect.signature(model.forward).parameters
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward_params),
@@ -355,6 +361,8 @@ class CachedPrefill:
                 return
 
     def _new_cache(self) -> Any:
+        if self._sliding:
+            return DynamicCache()
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # pragma: no cover - releases whose DynamicCache takes no config

@@ -227,6 +227,49 @@ def tiny_qwen2_config(**overrides: Any):
     return Qwen2Config(**fields)
 
 
+def tiny_deepseek_v3_config(**overrides: Any):
+    """A small DeepSeek-V3-shaped MLA model (latent 512 + rope 64, dense MLPs, 2 layers) for tests.
+
+    The latent dims are DeepSeek-V3's own (vLLM's CPU MLA backends expect them); everything else is
+    small. ``first_k_dense_replace`` = layers keeps every MLP dense (no MoE routing)."""
+    from transformers import DeepseekV3Config
+
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                  kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_scaling=None)
+    fields.update(overrides)
+    return DeepseekV3Config(**fields)
+
+
+def tiny_mistral_config(**overrides: Any):
+    """A small Mistral config with a sliding window on every layer (64 tokens by default)."""
+    from transformers import MistralConfig
+
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                  sliding_window=64, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    fields.update(overrides)
+    return MistralConfig(**fields)
+
+
+def tiny_gemma3_config(**overrides: Any):
+    """A small Gemma 3 text config: sliding-window and full-attention layers interleaved.
+
+    Untied embeddings: with tied ones a small random Gemma 3 echoes its last input token whatever
+    the prefix, which would hide a wrong prefix from a test comparing outputs."""
+    from transformers import Gemma3TextConfig
+
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                  sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    fields.update(overrides)
+    return Gemma3TextConfig(**fields)
+
+
 def demo_llama_config(**overrides: Any):
     """The demo's default model: a random-weight Llama whose KV is large next to its weights.
 

@@ -34,6 +34,10 @@ from tieredkv.errors import InvalidInput
 KV_SPLIT = {"CPU_ATTN": "halves", "FLASH_ATTN": "last_axis", "TRITON_ATTN": "last_axis",
             "FLASHINFER": "last_axis"}
 
+#: MLA backends that keep the latent as vLLM's ``[kv_c | k_pe]`` per token, token-major in each page
+#: (``concat_and_cache_mla`` or, for ``AMX_MLA``, its own kernel on a ``[slots, 1, L]`` view).
+MLA_BACKENDS = ("CPU_MLA", "AMX_MLA", "TRITON_MLA")
+
 #: Legacy per-layer caches ``[2, num_blocks, ...]`` (K/V outermost): the axis order of the rest,
 #: by the layout name vLLM maps the legacy ``NHD`` / ``HND`` names to.
 _LEGACY_ORDER = {"LBNHC": "BNHD", "LBHNC": "BHND"}
@@ -131,14 +135,20 @@ class PagedKV:
         ids = np.asarray(block_ids, dtype=np.int64)
         return ids if self.device.type == "cpu" else torch.as_tensor(ids).to(self.device)
 
-    def write(self, block_ids, host: torch.Tensor, first_token: int = 0) -> None:
-        """Copy ``host[:, :, :, first_token:first_token + k*N]`` into blocks ``block_ids`` (k of them)."""
+    def _layers(self, layers):
+        return range(len(self.views)) if layers is None else layers
+
+    def write(self, block_ids, host: torch.Tensor, first_token: int = 0, layers=None) -> None:
+        """Copy ``host[:, :, :, first_token:first_token + k*N]`` into blocks ``block_ids`` (k of them).
+
+        ``layers``: only these layer indices (a KV cache group's layers; default all)."""
         k, N = len(block_ids), self.block_size
         if not k:
             return
         ids = self._ids(block_ids)
         on_cpu = self.device.type == "cpu"
-        for layer, pages in enumerate(self.views):
+        for layer in self._layers(layers):
+            pages = self.views[layer]
             src = host[layer]
             if not on_cpu:  # one host-to-device copy per layer (contiguous from host_buffer), then on device
                 src = src.to(self.device, non_blocking=True)
@@ -146,13 +156,14 @@ class PagedKV:
             src = self._pages(src[:, :, first_token:first_token + k * N].unflatten(2, (k, N)).permute(2, 0, 1, 3, 4))
             pages[ids] = _numpy(src) if on_cpu else src
 
-    def read(self, block_ids, host: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` (k of them) into ``host[:, :, :, :k*N]``."""
+    def read(self, block_ids, host: torch.Tensor, layers=None) -> None:
+        """Copy blocks ``block_ids`` (k of them) into ``host[:, :, :, :k*N]`` (``layers``: as in ``write``)."""
         k, N = len(block_ids), self.block_size
         if not k:
             return
         ids = self._ids(block_ids)
-        for layer, pages in enumerate(self.views):
+        for layer in self._layers(layers):
+            pages = self.views[layer]
             if self.device.type == "cpu":
                 dst = self._pages(host[layer, :, :, :k * N].unflatten(2, (k, N))).movedim(2, 0)  # [k, 2, H, ...]
                 np.copyto(_numpy(dst), pages[ids])
@@ -168,4 +179,6 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view sharing ``t``'s memory and strides (bfloat16 viewed as int16: bytes are moved)."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
+    elif t.element_size() == 1 and t.dtype not in (torch.uint8, torch.int8):  # fp8: raw bytes
+        t = t.view(torch.uint8)
     return t.detach().numpy()

@@ -18,7 +18,9 @@ request's keys hold besides its tokens) are the only ones of tieredkv that impor
 
 Paged-cache layouts, and the copies between vLLM's pages and tieredkv's blocks, are in
 ``tieredkv.integrations.paged``: the engine's resolved ``KVCacheLayout`` and the attention backend's
-K/V split decide how a layer is read, and anything not understood is refused at start-up.
+K/V split decide how a layer is read, and anything not understood is refused at start-up. Which KV
+cache groups (full attention, MLA, sliding windows, fp8) fill a tieredkv block, and how, is decided
+once in ``tieredkv.integrations.vllm_groups``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -51,11 +53,12 @@ from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations import extra as extra_config
 from tieredkv.integrations.extra import DEFAULT_HOT_BYTES  # noqa: F401 (re-exported)
 from tieredkv.integrations.kv_events import ConnectorEvents, TierEvents
-from tieredkv.integrations.paged import KV_SPLIT, PagedKV, paged_view
+from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_view
+from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
-from tieredkv.spec import KVSpec, normalize_dtype
+from tieredkv.spec import KVSpec
 from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
@@ -89,62 +92,44 @@ def _default_chunk_tokens(block_size: int) -> int:
     return -(-64 // block_size) * block_size
 
 
-def _attention_group(kv_cache_config: Any) -> tuple[Any, list[str]]:
-    """The single full-attention KV group: its spec and its layer names in model order."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        raise InvalidInput(f"TieredKVConnector supports models with one KV cache group (full attention in "
-                           f"every layer); this model has {len(groups)} groups")
-    attn = groups[0].kv_cache_spec
-    if type(attn) is not FullAttentionSpec:
-        raise InvalidInput(f"TieredKVConnector supports full attention (FullAttentionSpec) only, got "
-                           f"{type(attn).__name__} (MLA, sliding-window and hybrid caches are not supported)")
-    if attn.head_size_v != attn.head_size or attn.num_head_slots is not None \
-            or attn.state_content_bytes is not None or attn.tokens_per_state != 1:
-        raise InvalidInput("TieredKVConnector needs plain K/V pages (head_size_v == head_size, one slot per "
-                           "KV head, one state per token)")
-    if str(getattr(attn.kv_quant_mode, "name", "NONE")) != "NONE":
-        raise InvalidInput(f"TieredKVConnector does not support quantised KV caches ({attn.kv_quant_mode})")
-    names = sorted(groups[0].layer_names, key=extract_layer_index)
-    return attn, names
-
-
 def spec_from_vllm(vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int | None = None,
-                   model_id: str | None = None, tp_rank: int = 0) -> tuple[KVSpec, Any, list[str]]:
-    """The ``KVSpec`` of one TP rank of a vLLM engine, with its attention spec and ordered layer names.
+                   model_id: str | None = None, tp_rank: int = 0) -> tuple[KVSpec, CacheLayout, list[str]]:
+    """The ``KVSpec`` of one TP rank of a vLLM engine, with its cache layout and ordered layer names.
 
-    The spec is the one ``KVSpec.from_hf_config`` gives for the same model path, dtype and chunk
-    size, so a HuggingFace worker (``CachedPrefill``) and a vLLM engine share blocks.
+    For a plain full-attention model the spec is the one ``KVSpec.from_hf_config`` gives for the same
+    model path, dtype and chunk size, so a HuggingFace worker (``CachedPrefill``) and a vLLM engine
+    share blocks. MLA, sliding-window and fp8 caches add their descriptor (``CacheLayout.extra``) to
+    the namespace; an MLA latent is the same on every TP rank, so its spec is rank 0 of 1 on all.
 
     Raises:
-        InvalidInput: ``chunk_tokens`` is not a multiple of the engine's block size, pipeline
-            parallelism is on, or the KV cache is not one plain full-attention group.
+        InvalidInput: ``chunk_tokens`` is not a multiple of the engine's block size (or exceeds a
+            sliding window), or the cache has a feature tieredkv cannot store (named in the message).
     """
-    attn, names = _attention_group(kv_cache_config)
-    block = int(attn.block_size)
-    chunk = _default_chunk_tokens(block) if chunk_tokens is None else int(chunk_tokens)
+    layout = cache_layout(vllm_config, kv_cache_config)
+    block = layout.block_size
+    default = _default_chunk_tokens(block)
+    if layout.window is not None:  # a chunk must fit in the window (see TieredKVConnector's saves)
+        default = min(default, max(layout.window // block, 1) * block)
+    chunk = default if chunk_tokens is None else int(chunk_tokens)
     if chunk <= 0 or chunk % block:
         raise InvalidInput(f"chunk_tokens={chunk_tokens} must be a positive multiple of the engine's block "
                            f"size {block} (set kv_connector_extra_config chunk_tokens, e.g. {block * 2})")
-    parallel = vllm_config.parallel_config
-    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        raise InvalidInput("TieredKVConnector does not support pipeline parallelism (each rank would hold "
-                           "a part of the layers); use tensor parallelism")
+    if layout.window is not None and chunk > layout.window:
+        raise InvalidInput(f"chunk_tokens={chunk} exceeds the sliding window of {layout.window} tokens: a chunk's "
+                           f"first blocks could leave the window before it is saved; use at most "
+                           f"{max(layout.window // block, 1) * block}")
     model = vllm_config.model_config
     if model_id is None:
         model_id = canonical_model_id(str(model.model))  # a local directory: its files, not its spelling
         if getattr(model, "revision", None) and model_id == str(model.model):
             model_id += f"@{model.revision}"
-    try:
-        dtype = normalize_dtype(attn.dtype)
-    except InvalidInput as e:
-        raise InvalidInput(f"the engine's KV cache dtype is not supported: {e}") from None
-    spec = KVSpec(model_id=model_id, num_layers=len(names), num_kv_heads=int(attn.num_kv_heads),
-                  head_dim=int(attn.head_size), dtype=dtype, chunk_tokens=chunk, tp_rank=tp_rank,
-                  tp_size=int(parallel.tensor_parallel_size))
-    return spec, attn, names
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    if layout.replicated:
+        tp_rank, tp_size = 0, 1  # every rank holds (and reads) the same bytes: one copy per host
+    spec = KVSpec(model_id=model_id, num_layers=len(layout.layer_names), num_kv_heads=layout.num_kv_heads,
+                  head_dim=layout.head_dim, dtype=layout.dtype, chunk_tokens=chunk, tp_rank=tp_rank,
+                  tp_size=tp_size, extra=layout.extra)
+    return spec, layout, list(layout.layer_names)
 
 
 def _resolved_layout(vllm_config: Any, kv_cache_config: Any) -> KVCacheLayout:
@@ -168,29 +153,30 @@ class LoadPlan:
     """Restore ``hit`` (chunk-aligned, may start before the local prefix-cache hit) into ``block_ids``.
 
     ``skip_tokens`` leading tokens of the hit are already in vLLM's cache and are not copied; block
-    ``block_ids[i]`` receives the hit's tokens ``[skip + i*N, skip + (i+1)*N)``.
+    ``block_ids[g][i]`` of KV cache group ``g`` receives the hit's tokens ``[skip + i*N, skip + (i+1)*N)``
+    of that group's layers (``NULL_BLOCK``: outside a sliding window, not loaded).
     """
 
     req_id: str
     hit: PrefixHit
     skip_tokens: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class SavePlan:
-    """Store the prompt's full chunks ``[start_token, len(token_ids))`` from ``block_ids`` (which hold
-    tokens from ``start_token`` on, one vLLM block each).
+    """Store the prompt's full chunks ``[start_token, len(token_ids))`` from ``block_ids`` (per KV cache
+    group, the blocks holding tokens from ``start_token`` on, one vLLM block each).
 
-    ``prefix_block_ids``: every block of the prompt up to its last full chunk (the saved chunks were
-    computed over all of them); ``extra``: the chunks' extra key bytes (``vllm_identity``).
+    ``prefix_block_ids``: every block of the prompt up to its last full chunk, all groups (the saved
+    chunks were computed over all of them); ``extra``: the chunks' extra key bytes (``vllm_identity``).
     """
 
     req_id: str
     token_ids: np.ndarray
     salt: bytes
     start_token: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     prefix_block_ids: tuple[int, ...] = ()
     extra: tuple[bytes | None, ...] | None = None
 
@@ -214,10 +200,32 @@ class _Tracked:
 
     token_ids: np.ndarray
     salt: bytes
-    cached_tokens: int  # leading tokens the tiers already held at lookup time (not saved again)
-    block_ids: list[int]
+    saved_tokens: int  # leading tokens held by the tiers or already planned for saving (chunk-aligned)
+    block_ids: list[list[int]]  # per KV cache group
     extra: list[bytes | None] | None = None
-    saved: bool = False
+
+
+#: The block id vLLM hands for positions a group does not keep (outside a sliding window).
+NULL_BLOCK = 0
+
+
+def _group_ids(block_ids: Any) -> list[list[int]]:
+    """vLLM's per-group block ids (a tuple of lists, one per KV cache group) as lists."""
+    return [list(ids) for ids in block_ids]
+
+
+def _leading_nulls(ids: Any) -> int:
+    """How many of ``ids`` lead with the null block (a sliding window's dropped blocks lead)."""
+    n = 0
+    while n < len(ids) and ids[n] == NULL_BLOCK:
+        n += 1
+    return n
+
+
+def _raw(host: torch.Tensor) -> Any:
+    """fp8 pages travel as uint8 (``register_kv_caches``); torch has no fp8 view the cache checks
+    against the spec's fp8 dtype, so their host buffer goes to the cache as numpy bytes."""
+    return host.numpy() if host.dtype == torch.uint8 else host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +252,7 @@ def _slice_hit(hit: PrefixHit, first: int, end: int, chunk_tokens: int) -> Prefi
 
 
 # ---- the connector ----------------------------------------------------------------------------------
-class TieredKVConnector(KVConnectorBase_V1):
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Serve vLLM prompts' prefixes from tieredkv's host tiers and store what vLLM computes.
 
     Configured by ``kv_connector_extra_config``: ``chunk_tokens`` (a multiple of the engine's block
@@ -253,6 +261,11 @@ class TieredKVConnector(KVConnectorBase_V1):
     and any ``TieredCache`` argument (``hot_bytes``, ``warm_dir``, ``warm_bytes``, ``eviction``,
     ``hot_name``, ...). Loads are synchronous
     (``start_load_kv`` finishes before the forward); saves happen in ``wait_for_save`` after it.
+
+    Cache families (``tieredkv.integrations.vllm_groups``): full attention, MLA (one latent copy per
+    host: every TP rank reads it, rank 0 alone writes it), sliding windows (with or without vLLM's
+    hybrid KV cache manager: blocks outside a request's window are neither loaded nor saved) and
+    per-tensor fp8 KV; anything else is refused at start-up with the feature named.
 
     A lookup, load or save failure never fails a request: a lookup failure is a miss; blocks a load
     could not fill are reported by ``get_block_ids_with_load_errors`` (run vLLM with
@@ -278,10 +291,13 @@ class TieredKVConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
-        self.spec, self._attn, self._layer_names = spec_from_vllm(
+        self.spec, self._layout, self._layer_names = spec_from_vllm(
             vllm_config, kv_cache_config, chunk_tokens=extra.get("chunk_tokens"), model_id=extra.get("model_id"),
             tp_rank=tp_rank)
-        self._block_size = int(self._attn.block_size)
+        self._block_size = self._layout.block_size
+        # A replicated cache (MLA) is written by rank 0 alone; every rank loads it.
+        self._writer = not self._layout.replicated or tp_rank == 0
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.cache = TieredCache(self.spec, config)
         self._events = (ConnectorEvents(self.cache, self._block_size)
                         if role == KVConnectorRole.SCHEDULER and events_on and self.cache.journal is not None else None)
@@ -377,14 +393,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         """Plan the load of ``num_external_tokens`` after the local hit, and track the request's save."""
         req_id = request.request_id
         hit, local = self._lookups.pop(req_id, (None, 0))
-        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        block_ids = _group_ids(blocks.get_block_ids()) if blocks is not None else [[] for _ in self._layout.groups]
         identity = self._identity(request)
         self._count_once(req_id, int(getattr(request, "num_prompt_tokens", 0) or 0), hit, local,
                          num_external_tokens if hit is not None else 0)
         if identity is None:
             return  # not keyed exactly: never stored
         self._tracked[req_id] = _Tracked(token_ids=identity.tokens, salt=identity.salt, extra=identity.extra,
-                                         cached_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
+                                         saved_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
         self._note_events(request, hit)
         if num_external_tokens <= 0 or hit is None:
             return
@@ -399,7 +415,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             last = first
         self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
                                        skip_tokens=local - first * C,
-                                       block_ids=tuple(block_ids[local // N:-(-end // N)]))
+                                       block_ids=tuple(tuple(ids[local // N:-(-end // N)]) for ids in block_ids))
 
     def _note_events(self, request: Any, hit: PrefixHit | None) -> None:
         """Describe the prompt's full chunks in the host journal (vLLM's hashes for whichever process
@@ -438,7 +454,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.block_ids = _group_ids(new.block_ids)
                 self._maybe_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -450,27 +466,44 @@ class TieredKVConnector(KVConnectorBase_V1):
                 # A request resumed after preemption gets its whole block list again; otherwise
                 # blocks are appended (block tables are append-only while a request runs).
                 if req_id in cached.resumed_req_ids:
-                    tracked.block_ids = list(new_ids[0])
+                    tracked.block_ids = _group_ids(new_ids)
                 else:
-                    tracked.block_ids.extend(new_ids[0])
+                    for ids, more in zip(tracked.block_ids, new_ids):
+                        ids.extend(more)
             self._maybe_save(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self._tracked.pop(req_id, None)
         return meta
 
     def _maybe_save(self, meta: TieredKVMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+        """Plan the save of the prompt's chunks completed by the end of this step and not saved yet.
+
+        Saving in the step that completes a chunk (not once the whole prompt is done) matters for
+        sliding windows: a chunk no longer than the window is still in it then, while under chunked
+        prefill vLLM frees the blocks that leave the window in later steps.
+        """
         C, N = self.spec.chunk_tokens, self._block_size
-        full = len(tracked.token_ids) // C * C
-        if tracked.saved or computed < full:
+        full = min(computed, len(tracked.token_ids)) // C * C
+        start = tracked.saved_tokens // C * C
+        if full <= start:
             return
-        tracked.saved = True
-        start = tracked.cached_tokens // C * C
-        if full <= start or len(tracked.block_ids) < full // N:
+        tracked.saved_tokens = full
+        ids = [g[start // N:full // N] for g in tracked.block_ids]
+        if any(len(g) < (full - start) // N for g in ids):
+            return
+        # Blocks a sliding group no longer keeps (e.g. behind vLLM's own prefix-cache hit) lead as the
+        # null block: the chunks they touch cannot be read, so the save starts after them.
+        nulls = max(_leading_nulls(g) for g in ids)
+        skip = -(-nulls * N // C) * C
+        if start + skip >= full:
             return
         extra = None if tracked.extra is None else tuple(tracked.extra[:full // C])
         meta.saves.append(SavePlan(req_id=req_id, token_ids=tracked.token_ids[:full], salt=tracked.salt,
-                                   start_token=start, block_ids=tuple(tracked.block_ids[start // N:full // N]),
-                                   prefix_block_ids=tuple(tracked.block_ids[:full // N]), extra=extra))
+                                   start_token=start + skip,
+                                   block_ids=tuple(tuple(g[skip // N:]) for g in ids),
+                                   prefix_block_ids=tuple(b for g in tracked.block_ids for b in g[:full // N]
+                                                          if b != NULL_BLOCK),
+                                   extra=extra))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Plan again the saves of requests that hold a block whose load failed.
@@ -485,9 +518,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         N = self._block_size
         for tracked in self._tracked.values():
             full = len(tracked.token_ids) // self.spec.chunk_tokens * self.spec.chunk_tokens
-            if not invalid.isdisjoint(tracked.block_ids[:full // N]):
-                tracked.saved = False
-                tracked.cached_tokens = 0  # chunks lost from the tiers are stored again
+            if any(not invalid.isdisjoint(g[:full // N]) for g in tracked.block_ids):
+                tracked.saved_tokens = 0  # chunks lost from the tiers are stored again
 
     def reset_cache(self) -> bool:
         """Serve nothing stored before this call: move this engine to a new generation.
@@ -514,32 +546,47 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._counted.discard(req_id)
         return False, None
 
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` under vLLM's hybrid KV cache manager (``SupportsHMA``): the same."""
+        return self.request_finished(request, [])
+
     # ---- worker side ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Check every layer's cache against the engine's resolved layout and the backend's K/V split.
+        """Check every layer's cache against the engine's resolved layout and the backend's page format.
 
         Raises:
             InvalidInput: a layer is missing, or its layout, backend or shape is not understood.
         """
         missing = [n for n in self._layer_names if n not in kv_caches]
         if missing:
-            raise InvalidInput(f"register_kv_caches lacks layers {missing[:3]} of the KV cache group")
+            raise InvalidInput(f"register_kv_caches lacks layers {missing[:3]} of the KV cache groups")
         backend = _backend_name(self._vllm_config, self._layer_names[0])
-        split = KV_SPLIT.get(backend or "")
-        if split is None:
-            raise InvalidInput(f"attention backend {backend!r}: how it stores K and V in a page is not known "
-                               f"to tieredkv; supported backends: {sorted(KV_SPLIT)}")
+        mla = self._layout.family == "mla"
+        known = MLA_BACKENDS if mla else KV_SPLIT
+        if (backend or "") not in known:
+            raise InvalidInput(f"attention backend {backend!r}: how it stores {'the MLA latent' if mla else 'K and V'} "
+                               f"in a page is not known to tieredkv; supported backends: {sorted(known)}")
         layout = _resolved_layout(self._vllm_config, self._kv_cache_config)
-        views = [paged_view(kv_caches[n], layout, split, num_kv_heads=self.spec.num_kv_heads,
-                            block_size=self._block_size, head_size=self.spec.head_dim)
-                 for n in self._layer_names]
+        views = []
+        for name in self._layer_names:
+            cache = kv_caches[name]
+            if cache.element_size() == 1 and cache.dtype not in (torch.uint8, torch.int8):
+                cache = cache.view(torch.uint8)  # fp8 pages: their bytes move as they are
+            if mla and cache.dim() == 3:  # [B, N, latent]: the one "head" axis is implicit
+                cache = cache.unsqueeze(1)
+            # An MLA latent [B, 1, N, L] reads as K = its first L/2 values, V = the rest (vllm_groups).
+            views.append(paged_view(cache, layout, "last_axis" if mla else KV_SPLIT[backend or ""],
+                                    num_kv_heads=self.spec.num_kv_heads, block_size=self._block_size,
+                                    head_size=self.spec.head_dim))
         self._paged = PagedKV(views, self._block_size)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Restore this step's planned hits into the paged cache before the forward.
 
-        Blocks that could not be filled (evicted since the lookup, damaged, an I/O error) are
-        reported by ``get_block_ids_with_load_errors``; the ones filled are kept.
+        Each KV cache group's layers go to that group's blocks; a sliding group's null blocks (outside
+        its window) are left alone. Blocks that could not be filled (evicted since the lookup, damaged,
+        an I/O error) are reported by ``get_block_ids_with_load_errors``; the ones filled are kept.
         """
         meta = self._get_connector_metadata()
         paged = self._paged
@@ -555,13 +602,16 @@ class TieredKVConnector(KVConnectorBase_V1):
             done = 0
             try:
                 host = paged.host_buffer(plan.hit.tokens)
-                loaded = self.cache.load(plan.hit, host)
-                done = min(max(loaded - plan.skip_tokens, 0) // N, len(plan.block_ids))
-                paged.write(plan.block_ids[:done], host, plan.skip_tokens)
+                loaded = self.cache.load(plan.hit, _raw(host))
+                done = max(loaded - plan.skip_tokens, 0) // N
+                for group in self._layout.groups:
+                    ids = plan.block_ids[group.index][:done]
+                    skip = _leading_nulls(ids)
+                    paged.write(ids[skip:], host, plan.skip_tokens + skip * N, layers=group.layers)
             except Exception:  # any failure becomes a recompute of these blocks, never a crash
                 logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
                 done = 0
-            self._load_errors.update(plan.block_ids[done:])
+            self._load_errors.update(b for ids in plan.block_ids for b in ids[done:] if b != NULL_BLOCK)
         self._poisoned.update(self._load_errors)
         if paged.device.type == "cuda":
             torch.cuda.current_stream(paged.device).synchronize()  # the host buffer is reused
@@ -586,8 +636,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         if not isinstance(meta, TieredKVMetadata) or not meta.saves or paged is None:
             return
         poisoned = set(self._poisoned)
+        # Every rank takes part in the agreement (a collective), also the ranks that do not write a
+        # replicated (MLA) cache, whose spec has no TP rank: the engine's TP size counts here.
         skip = _agree_across_ranks([not poisoned.isdisjoint(p.prefix_block_ids) for p in meta.saves],
-                                   self.spec.tp_size)
+                                   self._tp_size)
+        if not self._writer:
+            return
         for plan, skipped in zip(meta.saves, skip):
             if skipped:
                 logger.warning("tieredkv: request %s: not saving chunks computed over a failed load", plan.req_id)
@@ -595,8 +649,9 @@ class TieredKVConnector(KVConnectorBase_V1):
             try:
                 # Positions before start_token (already in the tiers) are left unread: store skips them.
                 host = paged.host_buffer(len(plan.token_ids))
-                paged.read(plan.block_ids, host[:, :, :, plan.start_token:])
-                self.cache.store(plan.token_ids, host, plan.salt, from_token=plan.start_token,
+                for group in self._layout.groups:
+                    paged.read(plan.block_ids[group.index], host[:, :, :, plan.start_token:], layers=group.layers)
+                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token,
                                  extra=None if plan.extra is None else list(plan.extra))
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)

@@ -30,6 +30,7 @@ import numpy as np
 
 from tieredkv import policies
 from tieredkv.errors import InvalidInput
+from tieredkv.policies import _jit
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 
@@ -140,6 +141,7 @@ def simulate(trace: Trace, policy: str | policies.EvictionPolicy, capacity_block
     name = policy if isinstance(policy, str) else policy.name
     if capacity_blocks <= 0:
         raise InvalidInput(f"capacity_blocks must be positive, got {capacity_blocks}")
+    _jit.enable()  # a replay is thousands of policy calls: the compiled kernels, where numba is installed
     cache = _Cache(policies.make(policy), int(capacity_blocks), max(trace.unique_blocks, 1))
     hits = prefix_hits = 0
     t0 = time.perf_counter()
@@ -183,6 +185,7 @@ def simulate_tiered(trace: Trace, policy: str | policies.EvictionPolicy, hot_blo
     promote = promotion_rules.make(promotion)
     demote = demotion_rules.make(demotion)
     n_ids = max(trace.unique_blocks, 1)
+    _jit.enable()
     hot = _Cache(policies.make(policy), int(hot_blocks), n_ids)
     warm = _Cache(policies.make(policy), int(warm_blocks), n_ids)
     warm_hits_of = np.zeros(n_ids, dtype=np.int64)

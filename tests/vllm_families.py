@@ -1,0 +1,173 @@
+"""One vLLM engine per model family for tests/test_vllm_families.py (a script, not a test module).
+
+``python tests/vllm_families.py JOB.json`` builds, for each of ``job["families"]`` (``FAMILIES``),
+its tiny random-weight model, starts one CPU engine on it with the TieredKVConnector (its own hot
+segment, removed after) and runs, greedy, one prompt longer than any sliding window:
+
+- ``miss``: computed from scratch; the tiers are empty, so this is what an engine without the
+  connector computes (the connector only stores);
+- ``tier``: after ``reset_prefix_cache()`` (vLLM forgets its own prefix cache, the tiers keep theirs)
+  the same prompt: its prefix comes from the hot tier;
+- ``local``: the same prompt once more: vLLM's own prefix cache serves it (what an MLA backend whose
+  cached-prefix continuation is not bitwise equal to a full prefill must be compared with);
+- ``short-miss`` / ``short-tier``: a 256-token prompt S computed (generating t1, t2, ...), then,
+  after a reset, S + [t1]: S comes from the tiers and the one-token tail runs vLLM's decode path,
+  the very computation that produced t2 in the first run, so the tokens must be t2, ... bitwise
+  (for MLA backends whose prefill from a cached latent rounds differently from a full prefill);
+- ``zeroed``: the control: the prefix's blocks in the hot tier are replaced by zeros and vLLM's
+  cache is reset again, so the restored prefix is wrong and the output must change.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the script also
+reports the connector's spec, its cache layout and the hot tier's counters. The engines run one
+after another in this one process, so vLLM is imported once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+MLA_FP32 = {"dtype": "float32", "attention_config": {"backend": "CPU_MLA"}}
+
+#: family -> (config factory name in tieredkv.integrations.models, weight dtype, LLM keyword arguments)
+FAMILIES = {
+    # float32 with vLLM's reference CPU_MLA backend, on every CPU: its continuation from a cached latent
+    # then gives a full prefill's greedy tokens; in bfloat16 the two paths round differently.
+    "mla": ("tiny_deepseek_v3_config", "float32", MLA_FP32),
+    "sliding": ("tiny_mistral_config", "float32", {"dtype": "float32"}),
+    "hybrid-sliding": ("tiny_gemma3_config", "float32", {"dtype": "float32"}),
+    "fp8": ("tiny_llama_config", "float32", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
+    "mla-tp2": ("tiny_deepseek_v3_config", "float32",
+                {**MLA_FP32, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}),
+}
+
+
+def run(job: dict) -> dict:
+    """Run each of ``job["families"]`` on its own engine, one after another in this process."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    docs = {}
+    for family in job["families"]:
+        docs[family] = run_family(family, job)
+        gc.collect()
+        cleanup_dist_env_and_memory()  # the next engine initialises its own (single-rank) group
+    return docs
+
+
+def watch_pages() -> dict:
+    """Record the pages of the first save and of the first load of the worker-side connector (in
+    this process when TP=1) as raw bytes, all layers."""
+    import numpy as np
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    seen: dict = {}
+    save, load = worker.wait_for_save, worker.start_load_kv
+
+    def snapshot(plans) -> dict:
+        """Per group, which of the plan's blocks are real (a sliding group's null blocks are not) and
+        their pages' bytes, layers stacked."""
+        paged, plan, out = worker._paged, plans[0], {}
+        for g in worker._layout.groups:
+            ids = list(plan.block_ids[g.index])
+            real = [i for i, b in enumerate(ids) if b != 0]
+            out[g.index] = (real, np.stack([np.asarray(paged.views[layer][[ids[i] for i in real]]).view(np.uint8)
+                                            for layer in g.layers]))
+        return out
+
+    def wait_for_save() -> None:
+        meta = worker._get_connector_metadata()
+        if meta.saves and "saved" not in seen:
+            seen["saved"] = snapshot(meta.saves)
+        save()
+
+    def start_load_kv(forward_context, **kwargs) -> None:
+        load(forward_context, **kwargs)
+        meta = worker._get_connector_metadata()
+        if meta.loads and "loaded" not in seen:
+            seen["loaded"] = snapshot(meta.loads)
+
+    worker.wait_for_save, worker.start_load_kv = wait_for_save, start_load_kv
+    return seen
+
+
+def run_family(family: str, job: dict) -> dict:
+    os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      # numba's llvmlite objects break the module scan an in-process vLLM engine
+                      # makes at start-up (vLLM 0.32, CPU platform): tieredkv's policies run without it.
+                      TIEREDKV_NO_NUMBA="1",
+                      VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from tieredkv.integrations import models
+
+    factory, weights, llm_kwargs = FAMILIES[family]
+    if llm_kwargs.get("tensor_parallel_size", 1) > 1:
+        # vLLM binds each CPU rank to a NUMA node of its own; one node here: leave threads unbound.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    overrides = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                 "head_dim": 64, "max_position_embeddings": 1024} if family == "fp8" else {}
+    # Larger random weights than the default 0.02 make greedy outputs depend on the whole prefix.
+    overrides["initializer_range"] = 0.2
+    model = models.save_random_model(getattr(models, factory)(**overrides), os.path.join(job["model_dir"], family),
+                                     dtype=weights)
+    ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="tieredkv.integrations.vllm",
+                           kv_role="kv_both",
+                           kv_connector_extra_config={**job["extra"], "hot_name": f"{job['hot_name']}-{family}"},
+                           kv_load_failure_policy="recompute")
+    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=1024, enforce_eager=True, block_size=32,
+              max_num_seqs=2, enable_prefix_caching=True, kv_transfer_config=ktc, **llm_kwargs)
+    n_new = job.get("max_tokens", 8)
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, detokenize=False, logprobs=5)
+    core = llm.llm_engine.engine_core.engine_core
+    conn = core.scheduler.connector
+    doc: dict = {"spec": conn.spec.to_dict(), "family": conn._layout.family,
+                 "groups": [[g.family, list(g.layers), g.window] for g in conn._layout.groups]}
+    import numpy as np
+    import torch
+
+    doc["amx"] = bool(torch.cpu._is_amx_tile_supported())  # vLLM picks AMX_MLA over CPU_MLA when true
+    # The continuation check (a prefix hit whose tail is one token runs the decode path, which is how
+    # vLLM itself continues from a cached latent): engine computes S and generates t1, t2, ...; after a
+    # reset, S + [t1] restores S from the tiers and must generate t2, ... bitwise.
+    short = job["short_tokens"]
+    longer = SamplingParams(max_tokens=n_new + 1, temperature=0.0, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": short}], longer, use_tqdm=False)[0]
+    doc["short-miss"] = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
+    assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+    out = llm.generate([{"prompt_token_ids": short + doc["short-miss"]["tokens"][:1]}], params, use_tqdm=False)[0]
+    doc["short-tier"] = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
+    pages = watch_pages() if llm_kwargs.get("tensor_parallel_size", 1) == 1 else None
+    for name in ("miss", "tier", "local", "zeroed"):
+        if name in ("tier", "zeroed"):
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+        if name == "zeroed":  # the control: the same blocks, zero-filled, must change the output
+            hit = conn.cache.lookup(job["tokens"])
+            conn.cache.hot.remove(hit.keys)
+            conn.cache.hot.put_many(hit.keys, np.zeros((len(hit.keys), conn.spec.block_bytes), np.uint8))
+        out = llm.generate([{"prompt_token_ids": job["tokens"]}], params, use_tqdm=False)[0]
+        first = out.outputs[0].logprobs[0]  # the first generated position's top-5 log-probabilities
+        doc[name] = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+                     "logprobs": {str(t): float(lp.logprob) for t, lp in first.items()}}
+        doc[name + "-stats"] = {k: v for k, v in conn.cache.stats().items() if isinstance(v, (int, float))}
+    if pages is not None:  # the prompt's chunks as the miss saved them and as the tier run restored them
+        doc["restored_pages_equal_computed"] = all(
+            np.array_equal(pages["saved"][g][1][:, real], got) for g, (real, got) in pages["loaded"].items())
+        doc["restored_blocks"] = {str(g): real for g, (real, _) in pages["loaded"].items()}
+    doc["hot_used_blocks"] = int(conn.cache.hot.stats().to_dict()["used_blocks"])
+    conn.cache.unlink_hot()
+    del llm, core, conn
+    return doc
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    result = run(job)
+    with open(job["out"], "w") as f:
+        json.dump(result, f)

@@ -1,0 +1,208 @@
+"""A vLLM engine's KV cache groups as one tieredkv block layout, or a refusal that names why.
+
+A tieredkv block holds one chunk of every cached layer, in model order, as
+``(layers, 2, kv_heads, chunk_tokens, head_dim)`` (see ``tieredkv.layout``). vLLM describes its cache
+as KV cache groups (``KVCacheConfig.kv_cache_groups``): layers that share one block table, with one
+``KVCacheSpec`` each. This module decides, once at start-up, how those groups fill a block:
+
+=====================  ===========================================  ====================================
+vLLM group spec        what a block holds for its layers            live pages at a hit point P
+=====================  ===========================================  ====================================
+``FullAttentionSpec``  K and V per KV head (also sliding layers      every block of ``[0, P)``
+                       vLLM folded into full attention, HMA off)
+``MLAAttentionSpec``   the latent (``kv_lora_rank`` compressed +   every block of ``[0, P)``
+                       ``qk_rope_head_dim`` rotated values) per
+                       token, once for all TP ranks
+``SlidingWindowSpec``  K and V per KV head                          only blocks overlapping the window
+                                                                    ``[P - window + 1, P)``; vLLM
+                                                                    hands the others as the null block
+=====================  ===========================================  ====================================
+
+An MLA latent has no K/V split and no heads: its ``L = kv_lora_rank + rope`` values per token are
+stored as one "head" whose first ``L/2`` values sit in the K slot and the last ``L/2`` in the V slot.
+The bytes are the page's own, in the page's order; only the namespace says how to read them (a
+``CachedPrefill`` worker, which caches decompressed K/V, never shares it).
+
+Everything that changes a block's bytes beyond ``KVSpec``'s own fields goes into ``KVSpec.extra``
+(so into the namespace): the attention family and latent dims, the sliding window and which layers
+slide, the KV dtype's quantisation and scale scheme and the compute dtype it was quantised from. How
+vLLM happens to group layers (HMA on or off) changes no byte and is left out, so engines with and
+without the hybrid KV cache manager share blocks.
+
+Anything else (mamba / linear-attention state, chunked local attention, sparse MLA index caches,
+per-token or packed quantisation, cross or encoder-only attention, unequal head geometry across
+groups) raises ``InvalidInput`` naming the feature, so such a model is never served through tieredkv.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVQuantMode,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from tieredkv.errors import InvalidInput
+from tieredkv.spec import normalize_dtype, sliding_window_extra
+
+#: vLLM ``cache_dtype`` strings of per-tensor fp8 caches -> tieredkv dtype names.
+FP8_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+#: Spec classes whose bytes tieredkv knows how to read (exact types: a subclass may add state).
+FAMILY = {FullAttentionSpec: "full", MLAAttentionSpec: "mla", SlidingWindowSpec: "sliding"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One vLLM KV cache group: its index in the block-id tuples, family and layers.
+
+    ``layers`` are indices into ``CacheLayout.layer_names`` (tieredkv's model-order layer axis).
+    """
+
+    index: int
+    family: str
+    layers: tuple[int, ...]
+    window: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """How one engine's paged cache maps onto tieredkv blocks (the same on every TP rank).
+
+    ``replicated``: every TP rank holds the same bytes (MLA), so one namespace serves all ranks and
+    only rank 0 writes. ``extra`` is the namespace descriptor (``KVSpec.extra``).
+    """
+
+    family: str
+    groups: tuple[Group, ...]
+    layer_names: tuple[str, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    replicated: bool
+    extra: str
+
+    @property
+    def window(self) -> int | None:
+        """The smallest sliding window of any group that keeps only its window (None: no such group)."""
+        windows = [g.window for g in self.groups if g.window is not None]
+        return min(windows) if windows else None
+
+
+def _refuse(feature: str, detail: str = "") -> InvalidInput:
+    return InvalidInput(f"TieredKVConnector does not support {feature}{': ' + detail if detail else ''}; "
+                        "serve this model without it")
+
+
+def _kv_dtype(vllm_config: Any, attn: Any) -> tuple[str, str]:
+    """The tieredkv dtype of the pages and the quantisation part of the namespace descriptor."""
+    mode = getattr(attn, "kv_quant_mode", KVQuantMode.NONE)
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if mode == KVQuantMode.NONE:
+        try:
+            return normalize_dtype(attn.dtype), ""
+        except InvalidInput as e:
+            raise _refuse(f"the KV cache dtype {attn.dtype}", str(e)) from None
+    if mode != KVQuantMode.FP8_PER_TENSOR or cache_dtype not in FP8_DTYPES:
+        raise _refuse(f"the quantised KV cache {cache_dtype!r} ({mode.name})",
+                      "only per-tensor fp8 (fp8, fp8_e4m3, fp8_e5m2) keeps plain per-token pages")
+    skipped = list(getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", None) or [])
+    if skipped:
+        raise _refuse("an fp8 KV cache with unquantised layers (kv_cache_dtype_skip_layers)", str(skipped[:3]))
+    # fp8 bytes depend on the values quantised (so on the compute dtype) and on the per-layer scales;
+    # those are per-tensor constants read from the checkpoint (1.0 without one), covered by the
+    # model's identity: the scheme, not the values, is what the namespace must add.
+    compute = normalize_dtype(vllm_config.model_config.dtype)
+    return FP8_DTYPES[cache_dtype], f"kv={FP8_DTYPES[cache_dtype]}:per-tensor-static-scales:from={compute}"
+
+
+def _hf(vllm_config: Any) -> Any:
+    model = vllm_config.model_config
+    return getattr(model, "hf_text_config", None) or getattr(model, "hf_config", None)
+
+
+def _sliding_descriptor(vllm_config: Any, n_layers: int) -> str:
+    """The model's sliding window and which layers slide, as the model config states them."""
+    hf = _hf(vllm_config)
+    doc = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf)) if hf is not None else {}
+    return sliding_window_extra(doc, n_layers)
+
+
+def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:
+    """Classify ``kv_cache_config``'s groups into a ``CacheLayout``.
+
+    Raises:
+        InvalidInput: naming the unsupported feature (mamba state, a quantisation, ...), or pipeline
+            parallelism, or groups whose block size, head geometry or dtype differ.
+    """
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise _refuse("pipeline parallelism", "each rank would hold a part of the layers; use tensor parallelism")
+    groups = [g for g in (getattr(kv_cache_config, "kv_cache_groups", None) or [])]
+    if not groups:
+        raise InvalidInput("the engine has no KV cache groups")
+    families = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        family = FAMILY.get(type(spec))
+        if family is None:
+            name = type(spec).__name__
+            feature = {"MambaSpec": "mamba / linear-attention state (MambaSpec)",
+                       "ChunkedLocalAttentionSpec": "chunked local attention"}.get(name, f"the KV cache type {name}")
+            raise _refuse(feature, f"layers {list(g.layer_names)[:3]}")
+        if not getattr(g, "enable_kv_transfer", True):
+            raise _refuse("a KV cache group vLLM marks as not transferable", f"layers {list(g.layer_names)[:3]}")
+        families.append(family)
+    if "mla" in families and set(families) != {"mla"}:
+        raise _refuse("MLA mixed with other attention types", str(sorted(set(families))))
+    first = groups[0].kv_cache_spec
+    for g in groups:
+        spec = g.kv_cache_spec
+        if (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype) != \
+                (first.block_size, first.num_kv_heads, first.head_size, first.dtype):
+            raise _refuse("KV cache groups with different block sizes, head geometry or dtypes",
+                          f"{type(first).__name__}{first.block_size, first.num_kv_heads, first.head_size, first.dtype}"
+                          f" vs {type(spec).__name__}{spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype}")
+        if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+            raise _refuse("packed KV pages", "one slot per KV head and one state per token are needed")
+        if isinstance(spec, MLAAttentionSpec):
+            if spec.model_version is not None or spec.alignment is not None:
+                raise _refuse("sparse MLA caches (DeepSeek V3.2/V4 style)", f"model_version={spec.model_version}")
+        elif spec.head_size_v != spec.head_size:
+            raise _refuse("K and V of different head sizes", f"{spec.head_size} vs {spec.head_size_v}")
+        if getattr(spec, "extra_retained_tokens", 0):
+            raise _refuse("sliding windows with retained extra tokens (multi-module speculative decoding)")
+    names = sorted((n for g in groups for n in g.layer_names), key=extract_layer_index)
+    position = {n: i for i, n in enumerate(names)}
+    dtype, quant = _kv_dtype(vllm_config, first)
+    family = "mla" if "mla" in families else ("sliding" if "sliding" in families else "full")
+    # Plain full attention adds nothing: its spec is the one KVSpec.from_hf_config derives (shared
+    # with CachedPrefill). A sliding window is a property of the model, not of the group type.
+    parts: list[str] = []
+    if family == "mla":
+        hf = _hf(vllm_config)
+        rank, rope = getattr(hf, "kv_lora_rank", None), getattr(hf, "qk_rope_head_dim", None)
+        if not rank or not rope or rank + rope != first.head_size or first.head_size % 2:
+            raise _refuse("this MLA layout", f"page width {first.head_size} is not kv_lora_rank {rank} + "
+                                             f"qk_rope_head_dim {rope} (an even count)")
+        parts = [f"attn=mla:latent={rank}+{rope}"]
+        heads, head_dim = 1, first.head_size // 2
+    else:
+        heads, head_dim = int(first.num_kv_heads), int(first.head_size)
+    sliding = _sliding_descriptor(vllm_config, len(names))
+    if family == "sliding" and not sliding:
+        sliding = f"window={groups[families.index('sliding')].kv_cache_spec.sliding_window}:{'s' * len(names)}"
+    parts += [p for p in (sliding, quant) if p]
+    out = tuple(Group(index=i, family=f, layers=tuple(sorted(position[n] for n in g.layer_names)),
+                      window=int(g.kv_cache_spec.sliding_window) if f == "sliding" else None)
+                for i, (g, f) in enumerate(zip(groups, families)))
+    return CacheLayout(family=family, groups=out, layer_names=tuple(names), block_size=int(first.block_size),
+                       num_kv_heads=heads, head_dim=head_dim, dtype=dtype, replicated=family == "mla",
+                       extra=";".join(parts))

@@ -228,3 +228,48 @@ def test_fork_waits_for_a_read_transaction_and_the_child_reads(tmp_path):
         assert served(t, stored) == 4
     finally:
         t.close()
+
+
+def test_threads_reading_beside_evicting_writes_and_map_growth_get_only_right_bytes(tmp_path):
+    # In-process readers now run beside the writer: every slot reuse (eviction) and every remap of
+    # the index (a small initial map that must grow) happens while other threads read.
+    root = tmp_path / "warm"
+    t = WarmTier(SPEC, root, capacity_bytes=48 * SLOT, map_size_bytes=1 << 16)
+    first_map = t.stats().extra["map_size"]
+    stop = threading.Event()
+    errors: list = []
+    served_n = [0, 0]
+
+    def write():
+        try:
+            for p in range(300):
+                k = keys(100 * p, 12)
+                t.put_many(k, payload_for(k, SPEC.block_bytes))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def read(r):
+        rng = np.random.default_rng(r)
+        try:
+            while not stop.is_set():
+                k = keys(100 * int(rng.integers(0, 300)), 12)
+                served_n[r] += served(t, k)  # served() asserts the bytes
+                t.match(k)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    try:
+        assert not any(th.is_alive() for th in threads), "a thread hung"
+        assert not errors, errors
+        assert t.stats().extra["map_size"] > first_map  # the map grew under the readers
+        assert t.stats().evictions > 0 and sum(served_n) > 0
+    finally:
+        t.close()
+    check_index(str(root / SPEC.namespace))

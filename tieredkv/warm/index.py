@@ -542,6 +542,10 @@ class _SharedEnv:
         self.closed = False
         self.broken: str | None = None
         self.gate = _TxnGate()
+        # check_size compares against the largest size seen: two threads' fstat results must not
+        # interleave (an older, smaller one would read as a truncation).
+        self._size_lock = threading.Lock()
+        forksafe.register(self)  # unlocked in a forked child (which never uses this environment)
         problem = data_file_problem(path, exact=True)
         if problem is not None and problem != "missing":
             raise CorruptState(f"the warm tier index {path}/data.mdb is {problem}; run `tieredkv verify "
@@ -611,6 +615,10 @@ class _SharedEnv:
 
     def check_size(self) -> None:
         """Raise instead of touching a truncated data file (SIGBUS). Marks the environment broken."""
+        with self._size_lock:
+            self._check_size_locked()
+
+    def _check_size_locked(self) -> None:
         if self.broken is None:
             size = os.fstat(self._data_fd).st_size
             self._checks += 1

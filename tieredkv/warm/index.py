@@ -23,7 +23,9 @@ Invariants (every write transaction keeps them):
 The LMDB writer lock is a robust mutex (a writer killed inside a transaction releases it and the
 transaction is discarded), so every multi-step change here is one transaction. Every write transaction
 is also taken under the tier's own writer lock (``owners.Owners``), which has a deadline: a writer
-stopped inside a transaction costs the others a ``LockTimeout``, not a hang. Reads take no lock.
+stopped inside a transaction costs the others a ``LockTimeout``, not a hang. Reads take no lock and
+never wait for a writer; every transaction of the process only enters a gate (``_TxnGate``) that a
+remap or a fork closes for a moment.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -38,6 +41,7 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
+from tieredkv import forksafe
 from tieredkv.errors import CapacityError, CorruptState, WarmTierUnavailable
 from tieredkv.warm.owners import Owners, files_identity
 
@@ -211,6 +215,82 @@ def _first_missing_page(fd: int, psize: int, pages: int, roots: list[int]) -> in
 
 
 # ---- the environment -----------------------------------------------------------------------------
+class _TxnGate:
+    """Who may have a transaction open on one environment in this process, for remapping and fork.
+
+    LMDB allows any number of read transactions beside a write (MVCC: a reader never waits for a
+    writer), so transactions only *enter* the gate (shared). Two things need every transaction of the
+    process closed: changing the map size (``set_mapsize`` remaps the file under open transactions)
+    and ``fork`` (py-lmdb cannot close, in the child, an environment with a transaction open on a
+    thread that did not survive). They take the gate exclusively: new transactions wait (briefly: a
+    remap is quick; a fork is bounded by its timeout), open ones end first. Transactions never nest
+    on one thread, and the exclusive holder opens none, so this cannot deadlock; nobody holds the gate
+    across a wait for the writer lock or a data copy.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0                   # transactions open now
+        self._owner: int | None = None     # the thread holding the gate exclusively
+        self._depth = 0
+        self._waiting = 0                  # threads waiting for it exclusively (they go first)
+        forksafe.register(self)  # unlocked in a forked child (the child opens its own environment)
+
+    def _after_fork_in_child(self) -> None:
+        self._active, self._owner, self._depth, self._waiting = 0, None, 0, 0
+
+    def enter(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            while self._owner not in (None, me) or (self._waiting and self._owner != me):
+                self._cond.wait()
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def acquire_exclusive(self, timeout_s: float | None = None) -> bool:
+        """Wait until no transaction is open and hold off new ones; False after ``timeout_s``."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            self._waiting += 1
+            try:
+                ok = self._cond.wait_for(lambda: self._owner is None and not self._active, timeout_s)
+            finally:
+                self._waiting -= 1
+                if not self._waiting:
+                    self._cond.notify_all()  # transactions held off for us may go on
+            if ok:
+                self._owner, self._depth = me, 1
+            return ok
+
+    def release_exclusive(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if not self._depth:
+                self._owner = None
+                self._cond.notify_all()
+
+    def remap(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a ``set_mapsize``) with no transaction open; the caller has entered the gate
+        and holds no transaction: it leaves for the remap and enters again."""
+        self.leave()
+        try:
+            self.acquire_exclusive()
+            try:
+                fn()
+            finally:
+                self.release_exclusive()
+        finally:
+            self.enter()
+
+
 class Index:
     """One process's handle on the LMDB environment, with map growth and resize handling.
 
@@ -301,6 +381,9 @@ class Index:
     def begin_read(self) -> lmdb.Transaction:
         """Begin a read transaction (never waits for a writer).
 
+        For single-threaded tools (``verify``): the transaction is outside the gate that ``read``
+        and ``write`` use, so no other thread of this process may use the environment meanwhile.
+
         Raises:
             CorruptState: the data file was truncated (reading it would be SIGBUS).
             WarmTierUnavailable: LMDB failed (a damaged file, out of reader slots).
@@ -311,7 +394,12 @@ class Index:
                 return self.env.begin(write=False, buffers=False)
             except lmdb.MapResizedError:
                 # Another process grew the map: adopt its size (0 = the size now in the file).
-                self.env.set_mapsize(0)
+                gate = self._shared.gate
+                gate.acquire_exclusive()
+                try:
+                    self.env.set_mapsize(0)
+                finally:
+                    gate.release_exclusive()
                 return self.env.begin(write=False, buffers=False)
         except lmdb.Error as exc:  # readers full, a damaged file: a tier problem, not the caller's
             raise WarmTierUnavailable(f"cannot read the warm index: {exc}") from exc
@@ -323,13 +411,29 @@ class Index:
             CorruptState: see ``begin_read``.
             WarmTierUnavailable: LMDB failed (the index is damaged or out of reader slots).
         """
-        txn = self.begin_read()
+        gate = self._shared.gate
+        gate.enter()  # never waits for a writer: only for a remap or a fork, both short
         try:
-            return fn(txn)
-        except lmdb.Error as exc:
-            raise WarmTierUnavailable(f"cannot read the warm index: {exc}") from exc
+            if self._closed:
+                raise WarmTierUnavailable(f"the warm tier index {self.path} was closed")
+            self._shared.check_size()
+            try:
+                try:
+                    txn = self.env.begin(write=False, buffers=False)
+                except lmdb.MapResizedError:
+                    # Another process grew the map: adopt its size (0 = the size now in the file).
+                    gate.remap(lambda: self.env.set_mapsize(0))
+                    txn = self.env.begin(write=False, buffers=False)
+            except lmdb.Error as exc:  # readers full, a damaged file: a tier problem, not the caller's
+                raise WarmTierUnavailable(f"cannot read the warm index: {exc}") from exc
+            try:
+                return fn(txn)
+            except lmdb.Error as exc:
+                raise WarmTierUnavailable(f"cannot read the warm index: {exc}") from exc
+            finally:
+                txn.abort()
         finally:
-            txn.abort()
+            gate.leave()
 
     def write(self, fn: Callable[[lmdb.Transaction], T], *, wait_s: float | None = None) -> T:
         """Run ``fn`` in a write transaction and commit; grow the map and retry if it is full.
@@ -363,11 +467,21 @@ class Index:
         return result
 
     def _write_locked(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        # Entered only now, with the writer lock held: waiting for that lock keeps no remap or fork
+        # (and so no reader) waiting.
+        gate = self._shared.gate
+        gate.enter()
+        try:
+            return self._write_entered(fn, gate)
+        finally:
+            gate.leave()
+
+    def _write_entered(self, fn: Callable[[lmdb.Transaction], T], gate: _TxnGate) -> T:
         while True:
             try:
                 txn = self.env.begin(write=True)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
+                gate.remap(lambda: self.env.set_mapsize(0))
                 continue
             except lmdb.Error as exc:
                 raise _unavailable(self.path, exc) from exc
@@ -376,11 +490,11 @@ class Index:
                 txn.commit()
             except lmdb.MapFullError:
                 txn.abort()
-                self._grow()
+                gate.remap(self._grow)
                 continue
             except lmdb.MapResizedError:
                 txn.abort()
-                self.env.set_mapsize(0)
+                gate.remap(lambda: self.env.set_mapsize(0))
                 continue
             except lmdb.Error as exc:
                 txn.abort()
@@ -403,6 +517,14 @@ class Index:
     def map_size(self) -> int:
         return int(self.env.info()["map_size"])
 
+    def quiesce(self, timeout_s: float) -> bool:
+        """Before ``fork``: wait (at most ``timeout_s``) until no transaction of this process is open
+        on the environment and hold new ones off until ``resume``. Returns whether it got there."""
+        return self._shared.gate.acquire_exclusive(timeout_s)
+
+    def resume(self) -> None:
+        self._shared.gate.release_exclusive()
+
 
 _SYNC_RANK = {"none": 0, "data": 1, "full": 2}
 
@@ -419,6 +541,11 @@ class _SharedEnv:
         self.pid = os.getpid()
         self.closed = False
         self.broken: str | None = None
+        self.gate = _TxnGate()
+        # check_size compares against the largest size seen: two threads' fstat results must not
+        # interleave (an older, smaller one would read as a truncation).
+        self._size_lock = threading.Lock()
+        forksafe.register(self)  # unlocked in a forked child (which never uses this environment)
         problem = data_file_problem(path, exact=True)
         if problem is not None and problem != "missing":
             raise CorruptState(f"the warm tier index {path}/data.mdb is {problem}; run `tieredkv verify "
@@ -488,6 +615,10 @@ class _SharedEnv:
 
     def check_size(self) -> None:
         """Raise instead of touching a truncated data file (SIGBUS). Marks the environment broken."""
+        with self._size_lock:
+            self._check_size_locked()
+
+    def _check_size_locked(self) -> None:
         if self.broken is None:
             size = os.fstat(self._data_fd).st_size
             self._checks += 1

@@ -57,6 +57,9 @@ class Slabs:
         self.readonly = readonly
         self.n_slabs = (n_slots + slots_per_slab - 1) // slots_per_slab
         self._pad = bytearray(slot_bytes - block_bytes)  # scratch for padding between coalesced slots
+        # Reads (which run beside a write, on other threads) land their padding here, never in the
+        # buffer a write is sending to disk.
+        self._read_pad = bytearray(slot_bytes - block_bytes)
         self.fds: list[int] = []
 
     # ---- files -----------------------------------------------------------------------------------
@@ -173,12 +176,12 @@ class Slabs:
                 b += _MAX_RUN
             yield b, e
 
-    def _iov(self, rows: np.ndarray, idx: np.ndarray | None, b: int, e: int) -> list:
+    def _iov(self, rows: np.ndarray, idx: np.ndarray | None, b: int, e: int, pad: bytearray) -> list:
         iov = []
         for j in range(b, e):
             iov.append(rows[j] if idx is None else rows[idx[j]])
-            if self._pad and j + 1 < e:
-                iov.append(self._pad)
+            if pad and j + 1 < e:
+                iov.append(pad)
         return iov
 
     def prefetch(self, slots: np.ndarray) -> None:
@@ -208,7 +211,7 @@ class Slabs:
                 ok[b:e] = False
                 continue
             try:
-                got = os.preadv(fd, self._iov(rows, idx, b, e), offset)
+                got = os.preadv(fd, self._iov(rows, idx, b, e, self._read_pad), offset)
             except OSError as exc:  # EIO and friends: a tier problem, not the caller's
                 raise WarmTierUnavailable(f"reading slab {first // self.slots_per_slab}: "
                                           f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
@@ -229,7 +232,7 @@ class Slabs:
             first = int(slots[b])
             slab = first // self.slots_per_slab
             offset = (first % self.slots_per_slab) * self.slot_bytes
-            iov = self._iov(rows, idx, b, e)
+            iov = self._iov(rows, idx, b, e, self._pad)
             want = (e - b - 1) * self.slot_bytes + self.block_bytes
             done = 0
             try:

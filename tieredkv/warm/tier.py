@@ -132,8 +132,9 @@ class WarmTier(Tier):
         InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier, a
             directory that is not a non-empty path).
 
-    A ``WarmTier`` may be used from several threads (calls are serialised) and survives ``fork``:
-    the child opens its own LMDB environment on its first call.
+    A ``WarmTier`` may be used from several threads and survives ``fork`` (the child opens its own
+    LMDB environment on its first call). Writes are serialised; lookups and loads never wait for a
+    write (its wait for the writer lock, its data copy): they run beside it.
     """
 
     def __init__(self, spec: KVSpec, directory: str | os.PathLike, capacity_bytes: int | None = None, *,
@@ -177,8 +178,16 @@ class WarmTier(Tier):
         #: whether ``on_evict`` gets the evicted bytes (read and verified); False: keys and hits only
         self.evict_payloads = True
         self._closed = True
+        # Two locks, so that lookups and loads never wait for a write (LMDB readers never wait for a
+        # writer; neither may this object):
+        # _lock serialises this handle's writers (put_many, remove, evict, close). A writer holds it
+        #   across its wait for the tier's writer lock and its data copy; readers never take it.
+        # _mem guards this process's in-memory state (policy view, pending hits, counters). Held for
+        #   memory work only: never across a wait for the writer lock, a data copy or an I/O call.
+        #   Order: _lock -> writer lock -> _mem.
         self._lock = threading.RLock()
-        forksafe.register(self)  # unlocked in a forked child: a write-behind write may hold it at fork
+        self._mem = threading.RLock()
+        forksafe.register(self)  # both unlocked in a forked child: a write-behind write may hold them
         self._rng = default_rng()
         self._map_size = map_size_bytes
         self._map_max = map_max_bytes
@@ -291,20 +300,23 @@ class WarmTier(Tier):
         if self._closed:
             raise InvalidInput(f"this WarmTier ({self.path}) is closed; open a new one")
         if os.getpid() != self._pid:
-            self._after_fork()
+            with self._lock, self._mem:  # first call in a forked child: one thread reopens
+                if os.getpid() != self._pid:
+                    self._after_fork()
 
     # ---- fork (tieredkv.forksafe): no LMDB transaction may be open on another thread at fork, or the
     # child can neither close the inherited environment (py-lmdb waits for that thread for ever) nor
-    # open its own (py-lmdb refuses a second one). Every transaction of this handle runs under _lock,
-    # so the parent takes it just before fork: fork waits for the write under way (bounded).
+    # open its own (py-lmdb refuses a second one). Every transaction (read or write) of the process
+    # enters the index's gate, so the parent closes the gate just before fork: fork waits for the
+    # transactions under way (short; bounded), not for a whole put (its lock wait, its data copy).
     _fork_quiet = True
 
     def _before_fork(self) -> None:
-        self._fork_quiet = self._lock.acquire(timeout=self.lock_timeout_s + 5.0)
+        self._fork_quiet = self._index.quiesce(self.lock_timeout_s + 5.0)
 
     def _after_fork_in_parent(self) -> None:
         if self._fork_quiet:
-            self._lock.release()
+            self._index.resume()
 
     def _after_fork(self) -> None:
         # LMDB: never use an environment opened by the parent. Drop the inherited copy (see
@@ -385,7 +397,8 @@ class WarmTier(Tier):
 
         Their slots are left alone: a damaged record cannot say which slot is really its own.
         """
-        self._counts["corrupt"] += len(which)
+        with self._mem:
+            self._counts["corrupt"] += len(which)
         if self.readonly or not len(which):
             return
         entries = [(key_at(raw, i), int(recs["gen"][i])) for i in which.tolist()]
@@ -413,19 +426,17 @@ class WarmTier(Tier):
 
     def match(self, keys: ChunkKeys) -> int:
         """How many leading keys are stored and confirmed (parent key and tokens). Reads no data."""
-        with self._lock:
-            self._check()
-            raw = self._raw(keys)
-            _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), True))
-            return int(found.sum())
+        self._check()  # no lock: a read never waits for a write (see __init__)
+        raw = self._raw(keys)
+        _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), True))
+        return int(found.sum())
 
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         """Bool per key: stored and confirmed. Blocks still being written count as absent."""
-        with self._lock:
-            self._check()
-            raw = self._raw(keys)
-            _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), False))
-            return found
+        self._check()  # no lock: a read never waits for a write (see __init__)
+        raw = self._raw(keys)
+        _, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, len(keys), False))
+        return found
 
     def get_many(self, keys: ChunkKeys, out: np.ndarray, sink=None) -> int:
         """Copy the leading stored blocks into ``out`` and return how many were copied and verified.
@@ -445,31 +456,34 @@ class WarmTier(Tier):
             unconfirmed, removed or recycled while being copied, or fails its checksum (that block is
             removed and counted as corrupt). Rows past the run hold unspecified bytes.
         """
-        with self._lock:
-            self._check()
-            n = len(keys)
-            raw = self._raw(keys)
-            rows = out_rows(self.spec, out, n)
-            if n == 0:
-                return 0
-            def first(txn):
-                recs, found = self._lookup(txn, raw, keys, n, True)
-                end = int(np.argmin(found)) if not found.all() else n
-                return recs, found, self._bad_records(txn, raw, keys, recs, end + 1)
+        # No lock: the copy is made safe by the re-check after it (module docstring), not by
+        # excluding writers, so a read never waits for a write (see __init__).
+        self._check()
+        n = len(keys)
+        raw = self._raw(keys)
+        rows = out_rows(self.spec, out, n)
+        if n == 0:
+            return 0
 
-            recs, found, bad = self._index.read(first)
-            if bad.any():
-                self._drop_bad_records(raw, recs, np.flatnonzero(bad))
-                found[int(np.argmax(bad)):] = False
-            run = int(found.sum())
-            if run:
-                run = self._copy_checked(raw, keys, recs[:run], rows, sink)
+        def first(txn):
+            recs, found = self._lookup(txn, raw, keys, n, True)
+            end = int(np.argmin(found)) if not found.all() else n
+            return recs, found, self._bad_records(txn, raw, keys, recs, end + 1)
+
+        recs, found, bad = self._index.read(first)
+        if bad.any():
+            self._drop_bad_records(raw, recs, np.flatnonzero(bad))
+            found[int(np.argmax(bad)):] = False
+        run = int(found.sum())
+        if run:
+            run = self._copy_checked(raw, keys, recs[:run], rows, sink)
+        with self._mem:
             self._counts["hits"] += run
             self._counts["misses"] += n - run
             self._counts["bytes_out"] += run * self.block_bytes
-            if run:
-                self._note_hits(raw[:run * KEY_BYTES], recs["gen"][:run], recs["slot"][:run])
-            return run
+        if run:
+            self._note_hits(raw[:run * KEY_BYTES], recs["gen"][:run], recs["slot"][:run])
+        return run
 
     def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray, sink=None) -> int:
         """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
@@ -477,7 +491,8 @@ class WarmTier(Tier):
         slots = recs["slot"].astype(np.int64)
         check = np.full(run, self.verify != "never")
         if self.verify == "sampled":
-            check &= self._rng.random(run) < self.sample_rate
+            with self._mem:  # a Generator is not thread-safe
+                check &= self._rng.random(run) < self.sample_rate
         complete, sums = self._read_hashing(slots, rows, check, sink)
         # Re-check after the copy (see the module docstring): same slot and gen <=> bytes were stable.
         again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
@@ -521,7 +536,8 @@ class WarmTier(Tier):
 
     def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
         """Count bad blocks and remove their records (if still the same gen) so they are never served."""
-        self._counts["corrupt"] += len(which)
+        with self._mem:
+            self._counts["corrupt"] += len(which)
         if self.readonly:
             return  # cannot remove; every later read detects them again (short or checksum)
         entries = [(key_at(raw, i), int(recs["slot"][i]), int(recs["gen"][i]))
@@ -544,7 +560,8 @@ class WarmTier(Tier):
             removed = self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
         except TieredKVError:
             return  # index not writable now: the block stays bad and is detected again on every read
-        self._view.forget(np.asarray(removed, dtype=np.int64))
+        with self._mem:
+            self._view.forget(np.asarray(removed, dtype=np.int64))
 
     def _delete_record(self, txn, key: bytes, *,
                        expect_gen: int | None = None) -> tuple[np.ndarray | None, bool]:
@@ -621,8 +638,9 @@ class WarmTier(Tier):
 
             todo, slots, victims = self._index.write(claim)
             evicted = np.asarray([v[0] for v in victims], dtype=np.int64)
-            self._counts["evictions"] += len(evicted)
-            self._view.forget(evicted)
+            with self._mem:
+                self._counts["evictions"] += len(evicted)
+                self._view.forget(evicted)
             codes[todo[len(slots):]] = PutResult.NO_SPACE
             if not slots:
                 return codes
@@ -649,8 +667,9 @@ class WarmTier(Tier):
                     _OWN_CLAIMS.difference_update((int(s), claim_time) for s in slots)
             codes[idx[stored]] = PutResult.STORED
             n_stored = int(stored.sum())
-            self._counts["puts"] += n_stored
-            self._counts["bytes_in"] += n_stored * self.block_bytes
+            with self._mem:
+                self._counts["puts"] += n_stored
+                self._counts["bytes_in"] += n_stored * self.block_bytes
             return codes
 
     def _take_slots(self, txn, need: int) -> tuple[list[int], list]:
@@ -669,7 +688,8 @@ class WarmTier(Tier):
             if self._reap_claims_in(txn):
                 slots += self._pop_free(txn, need - len(slots))
         if len(slots) < need:
-            victims = self._view.choose_victims(txn, self._index, need - len(slots), self._delete_record)
+            with self._mem:  # inside the write transaction: the writer lock is held, nothing is waited on
+                victims = self._view.choose_victims(txn, self._index, need - len(slots), self._delete_record)
             slots += [int(s) for s, _, _ in victims]
         return slots, victims
 
@@ -728,7 +748,8 @@ class WarmTier(Tier):
 
         ok, parent_slots = self._index.write(commit)
         if parent_slots is not None:
-            self._view.inserted(slots[ok], keys.key64[idx][ok], parent_slots[ok], keys.positions[idx][ok])
+            with self._mem:
+                self._view.inserted(slots[ok], keys.key64[idx][ok], parent_slots[ok], keys.positions[idx][ok])
         return ok
 
     def _slots_of(self, txn, keys2: np.ndarray) -> np.ndarray:
@@ -786,13 +807,16 @@ class WarmTier(Tier):
             if not n:
                 return 0
         reaped = self._index.write(self._reap_claims_in)
-        self._counts["recoveries"] += reaped
+        with self._mem:
+            self._counts["recoveries"] += reaped
         return reaped
 
     # ================================================================================== policy view
     def _note_hits(self, raw: bytes, gens: np.ndarray, slots: np.ndarray) -> None:
         """Record hits: in the view now (memory only), in the index in batches (no fsync per hit)."""
-        if self._view.note_hits(raw, gens, slots):
+        with self._mem:
+            due = self._view.note_hits(raw, gens, slots)
+        if due:
             self._flush(wait_s=0)  # on the read path: never wait behind a writer
 
     def flush(self) -> None:
@@ -800,45 +824,48 @@ class WarmTier(Tier):
         self._flush(wait_s=None)
 
     def _flush(self, *, wait_s: float | None) -> None:
-        with self._lock:
+        # Not under _lock: on the read path (wait_s=0) it must not wait for a put. The writer lock
+        # (taken without waiting there) serialises it with other writes; _mem guards the view.
+        with self._mem:
             if self._closed or not self._view.pending or os.getpid() != self._pid:
                 return
             pending = self._view.take_pending()
-            if self.readonly:
-                return
-            raw = b"".join(p[0] for p in pending)
-            gens = np.concatenate([p[1] for p in pending])
-            ticks = np.concatenate([p[3] for p in pending])
-            keys = np.frombuffer(raw, dtype="V16")
-            uniq, inverse = np.unique(keys, return_inverse=True)
-            count = np.bincount(inverse, minlength=len(uniq))
-            last = np.zeros(len(uniq), dtype=np.int64)
-            np.maximum.at(last, inverse, ticks)
-            gen_of = np.zeros(len(uniq), dtype=np.uint64)
-            gen_of[inverse] = gens
-            ubytes = uniq.tobytes()
+        if self.readonly:
+            return
+        raw = b"".join(p[0] for p in pending)
+        gens = np.concatenate([p[1] for p in pending])
+        ticks = np.concatenate([p[3] for p in pending])
+        keys = np.frombuffer(raw, dtype="V16")
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        count = np.bincount(inverse, minlength=len(uniq))
+        last = np.zeros(len(uniq), dtype=np.int64)
+        np.maximum.at(last, inverse, ticks)
+        gen_of = np.zeros(len(uniq), dtype=np.uint64)
+        gen_of[inverse] = gens
+        ubytes = uniq.tobytes()
 
-            def write(txn):
-                for j in range(len(uniq)):
-                    k = key_at(ubytes, j)
-                    v = txn.get(k, db=self._index.blocks)
-                    if v is None or len(v) != self._rec.itemsize:
-                        continue
-                    rec = np.frombuffer(v, dtype=self._rec).copy()
-                    if int(rec["gen"][0]) != int(gen_of[j]):
-                        continue  # replaced since: its hits belonged to the old block
-                    rec["hits"] += count[j]
-                    rec["last_access_us"] = max(int(rec["last_access_us"][0]), int(last[j]))
-                    txn.put(k, rec.tobytes(), db=self._index.blocks)
+        def write(txn):
+            for j in range(len(uniq)):
+                k = key_at(ubytes, j)
+                v = txn.get(k, db=self._index.blocks)
+                if v is None or len(v) != self._rec.itemsize:
+                    continue
+                rec = np.frombuffer(v, dtype=self._rec).copy()
+                if int(rec["gen"][0]) != int(gen_of[j]):
+                    continue  # replaced since: its hits belonged to the old block
+                rec["hits"] += count[j]
+                rec["last_access_us"] = max(int(rec["last_access_us"][0]), int(last[j]))
+                txn.put(k, rec.tobytes(), db=self._index.blocks)
 
-            try:
-                self._index.write(write, wait_s=wait_s)
-            except LockTimeout:
-                if wait_s is not None:
-                    # A writer holds the lock now: keep the hits for the next try (bounded memory).
+        try:
+            self._index.write(write, wait_s=wait_s)
+        except LockTimeout:
+            if wait_s is not None:
+                # A writer holds the lock now: keep the hits for the next try (bounded memory).
+                with self._mem:
                     self._view.put_back(pending)
-            except TieredKVError:
-                pass  # bookkeeping only: losing it skews the policy a little, never the data
+        except TieredKVError:
+            pass  # bookkeeping only: losing it skews the policy a little, never the data
 
     # ================================================================================== removal
     def remove(self, keys: ChunkKeys) -> int:
@@ -862,7 +889,8 @@ class WarmTier(Tier):
                 return freed, gone
 
             freed, gone = self._index.write(rm)
-            self._view.forget(np.asarray(freed, dtype=np.int64))
+            with self._mem:
+                self._view.forget(np.asarray(freed, dtype=np.int64))
             return len(freed) + gone
 
     def evict(self, n: int, *, with_payloads: bool = True) -> Evicted:
@@ -885,7 +913,10 @@ class WarmTier(Tier):
             self._require_writable()
 
             def ev(txn):
-                victims = self._view.choose_victims(txn, self._index, n, self._delete_record) if n > 0 else []
+                victims = []
+                if n > 0:
+                    with self._mem:  # inside the write transaction: nothing is waited on
+                        victims = self._view.choose_victims(txn, self._index, n, self._delete_record)
                 m = len(victims)
                 rows = np.empty((m, self.block_bytes), dtype=np.uint8) if with_payloads else None
                 # The slots cannot be claimed by anyone before this transaction commits.
@@ -895,7 +926,8 @@ class WarmTier(Tier):
                 return victims, rows, keep
 
             victims, rows, keep = self._index.write(ev)
-            self._counts["evictions"] += len(victims)
+            with self._mem:
+                self._counts["evictions"] += len(victims)
             return self._evicted(victims, rows, keep)
 
     def _read_verified(self, victims: list, rows: np.ndarray) -> np.ndarray:
@@ -910,7 +942,8 @@ class WarmTier(Tier):
     def _evicted(self, victims: list, rows: np.ndarray | None, keep: np.ndarray) -> Evicted:
         """``Evicted`` of the victims whose bytes verified (the others are counted corrupt)."""
         chunk = self.spec.chunk_tokens
-        self._counts["corrupt"] += int((~keep).sum())
+        with self._mem:
+            self._counts["corrupt"] += int((~keep).sum())
         kept = [v for v, k in zip(victims, keep) if k]
         m = len(kept)
         raw = b"".join(v[1] for v in kept)
@@ -919,28 +952,29 @@ class WarmTier(Tier):
         keys = ChunkKeys(karr, recs["parent"].astype(np.uint64).reshape(m, 2),
                          recs["tokens"].astype(np.uint32).reshape(m, chunk), 0,
                          recs["position"].astype(np.int64))
-        hits = recs["hits"].astype(np.int64) + self._view.pending_hits(raw, recs["gen"])
+        with self._mem:
+            hits = recs["hits"].astype(np.int64) + self._view.pending_hits(raw, recs["gen"])
         payloads = rows[keep] if rows is not None else None
         return Evicted(keys, payloads, hits)
 
     # ================================================================================== stats, close
     def stats(self) -> TierStats:
         """Counters of this process since open; residency from the index (all processes)."""
-        with self._lock:
-            self._check()
+        self._check()  # a read: never waits for a write
 
-            def read(txn):
-                return (txn.stat(self._index.blocks)["entries"], txn.stat(self._index.inflight)["entries"],
-                        ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT))
+        def read(txn):
+            return (txn.stat(self._index.blocks)["entries"], txn.stat(self._index.inflight)["entries"],
+                    ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT))
 
-            used, inflight, corrupt_total = self._index.read(read)
-            return TierStats(name="warm", capacity_blocks=self.n_slots, used_blocks=int(used),
-                             **self._counts,
-                             extra={"path": str(self.path), "sync": self.sync, "verify": self.verify,
-                                    "policy": self.policy.name, "readonly": self.readonly,
-                                    "inflight": int(inflight), "corrupt_total": int(corrupt_total),
-                                    "pending_hits": self._view.pending_n, "slot_bytes": self.slot_bytes,
-                                    "map_size": self._index.map_size()})
+        used, inflight, corrupt_total = self._index.read(read)
+        with self._mem:
+            counts, pending_n = dict(self._counts), self._view.pending_n
+        return TierStats(name="warm", capacity_blocks=self.n_slots, used_blocks=int(used), **counts,
+                         extra={"path": str(self.path), "sync": self.sync, "verify": self.verify,
+                                "policy": self.policy.name, "readonly": self.readonly,
+                                "inflight": int(inflight), "corrupt_total": int(corrupt_total),
+                                "pending_hits": pending_n, "slot_bytes": self.slot_bytes,
+                                "map_size": self._index.map_size()})
 
     def close(self) -> None:
         """Flush hit bookkeeping and release the index and files. Idempotent; deletes nothing."""
@@ -957,9 +991,15 @@ class WarmTier(Tier):
             try:
                 self.flush()
             finally:
-                self._closed = True
-                self._index.close()
-                self._slabs.close()
+                self._closed = True  # readers that come now are refused
+                # Readers take no lock: let transactions under way end before the environment goes.
+                quiet = self._index.quiesce(self.lock_timeout_s + 5.0)
+                try:
+                    self._index.close()
+                    self._slabs.close()
+                finally:
+                    if quiet:
+                        self._index.resume()
 
     def __del__(self):
         try:

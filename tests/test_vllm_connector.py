@@ -4,6 +4,7 @@ side, and vLLM's ``SecondaryTierFactory`` builds the tier. Engine tests: tests/t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import types
@@ -297,6 +298,27 @@ def test_salts_never_see_each_others_blocks(cfg):
     assert conn.get_num_new_matched_tokens(request("v", tokens, "tenant-a"), 64) == (128, False)
 
 
+@contextlib.contextmanager
+def chunk_lost_after_schedule(scheduler, worker, tokens, index: int):
+    """While inside, every ``scheduler.schedule()`` is followed by the loss of chunk ``index`` of
+    ``tokens`` from the worker's hot and warm tiers: gone between the scheduler's lookup and the load."""
+    real_schedule = scheduler.schedule
+    lost = chunk_keys(worker.spec, tokens[:(index + 1) * worker.spec.chunk_tokens])[index:index + 1]
+
+    def schedule_then_lose():
+        out = real_schedule()
+        worker.cache.hot.remove(lost)
+        if worker.cache.warm is not None:
+            worker.cache.warm.remove(lost)
+        return out
+
+    scheduler.schedule = schedule_then_lose
+    try:
+        yield
+    finally:
+        scheduler.schedule = real_schedule
+
+
 def test_a_block_lost_before_the_load_is_recomputed(cfg):
     scheduler = make_scheduler(cfg)
     worker, caches = worker_for(cfg)
@@ -307,18 +329,8 @@ def test_a_block_lost_before_the_load_is_recomputed(cfg):
     req = request("a", tokens)
     scheduler.add_request(req)
     # Between the scheduler's lookup and the worker's load, chunk 1 disappears (evicted, damaged).
-    real_schedule = scheduler.schedule
-
-    def schedule_then_lose():
-        out = real_schedule()
-        keys = chunk_keys(spec, tokens[:192])
-        worker.cache.hot.remove(keys[1:2])
-        if worker.cache.warm is not None:
-            worker.cache.warm.remove(keys[1:2])
-        return out
-
-    scheduler.schedule = schedule_then_lose
-    out, meta, errors = step(scheduler, worker, [req])
+    with chunk_lost_after_schedule(scheduler, worker, tokens, 1):
+        out, meta, errors = step(scheduler, worker, [req])
     block_ids = out.scheduled_new_reqs[0].block_ids[0]
     assert meta.loads[0].hit.tokens == 192
     assert errors == set(block_ids[2:6])  # chunks 1 and 2: chunk 2 follows a lost one, never loaded

@@ -20,6 +20,7 @@ from test_vllm_connector import (
     HEAD_DIM,
     HEADS,
     LAYERS,
+    chunk_lost_after_schedule,
     kv_cache_config,
     make_scheduler,
     model_dir,  # noqa: F401  (a fixture)
@@ -235,24 +236,14 @@ def test_a_step_whose_load_failed_stores_nothing_computed_over_it_and_the_recomp
     worker.cache.store(tokens[:128], kv[:, :, :, :128])
     r = req("a", tokens)
     scheduler.add_request(r)
-    real_schedule = scheduler.schedule
-
-    def schedule_then_lose():  # between the scheduler's lookup and the worker's load, chunk 1 goes
-        out = real_schedule()
-        lost = chunk_keys(spec, tokens[:128])[1:2]
-        worker.cache.hot.remove(lost)
-        worker.cache.warm.remove(lost)
-        return out
-
     def garbage(out):  # the forward over unfilled pages: wrong KV for everything after chunk 0
         ids = (out.scheduled_new_reqs or [None])[0]
         if ids is not None:
             bad = torch.full((LAYERS, 2, HEADS, 256, HEAD_DIM), 7.0)
             worker._paged.write(ids.block_ids[0][4:7], bad, first_token=128)
 
-    scheduler.schedule = schedule_then_lose
-    out, meta, errors = step(scheduler, worker, [r], before_save=garbage)
-    scheduler.schedule = real_schedule
+    with chunk_lost_after_schedule(scheduler, worker, tokens, 1):  # between lookup and load, chunk 1 goes
+        out, meta, errors = step(scheduler, worker, [r], before_save=garbage)
     block_ids = out.scheduled_new_reqs[0].block_ids[0]
     assert errors == set(block_ids[2:4])
     assert r.num_computed_tokens == 64  # vLLM took the bad blocks back

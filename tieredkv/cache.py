@@ -6,8 +6,9 @@ lookup(tokens) --keys--> levels[0].contains_many --(misses)--> each next level's
 load(hit, out)  : runs of the hit read from their level: the top one straight from shared memory into
                   ``out`` (one copy), the others into a kept staging buffer, copied into ``out`` and,
                   once all is in place, promoted into the levels above
-store(tokens,kv): new full chunks -> the top level; each lower level gets them at store (write-through,
-                  or write-behind on its background writer) or when the level above evicts them
+store(tokens,kv): new full chunks -> the top level (gathered straight into its claimed slots); each
+                  lower level gets them at store (write-through, or write-behind: its writer copies
+                  them out of the top level, tieredkv/writeback.py) or when the level above evicts them
 ```
 
 A block may be hot while its parent is warm: the hit is the longest run of leading blocks each found in
@@ -29,26 +30,24 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from tieredkv import counters, forksafe, tensors
+from tieredkv import counters, forksafe, tensors, writeback
 from tieredkv.config import CacheConfig
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.journal import EVICTED, STORED, HostJournal, journal_path
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
 from tieredkv.layout import as_block_bytes, model_to_blocks, page_aligned_empty
-from tieredkv.levels import BufferLease, Counting, Level, Observer, close_level, open_levels
+from tieredkv.levels import Counting, Level, Observer, close_level, open_levels
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
 from tieredkv.tier import PutResult, Tier, check_keys, out_rows
 
 #: ``PrefixHit.where`` codes of the standard levels (a level of your own has its own, from 3 up).
 HOT, WARM, REMOTE = 0, 1, 2
-#: Payload buffers a write-behind cache keeps for reuse (one for the store in flight, one spare).
-_SPARE_BUFFERS = 2
 #: The options earlier versions took by position after ``spec`` (still accepted in that order).
 _POSITIONAL = ("hot_bytes", "warm_dir", "warm_bytes", "eviction", "promotion", "demotion")
 #: Per-process memory of hits below the top level (for ``on_nth_hit`` promotion), in keys.
@@ -182,12 +181,18 @@ class TieredCache:
         self._load_lock = threading.Lock()    # one kept staging buffer (and device staging buffer)
         forksafe.register(self)  # these locks, unlocked in a forked child (held by a writer at fork)
         self._staging: np.ndarray | None = None
-        self._spare: list[np.ndarray] = []   # write-behind payload buffers, back from their jobs
+        # Bounded, reused: store gathers new blocks into these a group at a time (``tieredkv.writeback``).
+        self._store_rows = writeback.Staging(spec.block_bytes, keep=2)
+        self._behind = writeback.WriteBehind(spec.block_bytes)  # jobs of written-behind levels
         self._lower_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._placement = tensors.Placement(spec)
         levels, failures = open_levels(spec, self.config, self._counting, self.observers)
         self._levels, self._closed = levels, False
         self._by_code = {level.code: level for level in levels}
+        if any(level.at_store and level.writer is not None for level in levels[1:]) \
+                and hasattr(levels[0].tier, "before_close"):
+            # Whoever closes the segment (``cache.hot.unlink()`` too), queued writes keep their blocks.
+            levels[0].tier.before_close = self._behind.rescue_all
         self._counting.tiers = [level.tier for level in levels]
         for name, error in failures:
             # The level's files are damaged or unusable right now. That must not keep the worker (and
@@ -397,6 +402,8 @@ class TieredCache:
             return
         keys, payloads = keys.take(chosen), payloads[chosen]
         for level in levels[:levels.index(source)]:
+            if level is levels[0]:
+                self._behind.before_put(level, len(keys))
             level.put(keys, payloads, why="promoted")
 
     def _promotion_chosen(self, keys: ChunkKeys) -> np.ndarray:
@@ -436,12 +443,28 @@ class TieredCache:
         todo = self._new_blocks(keys, skip)
         if not len(todo):
             return 0
-        payloads = self._payload_rows(len(todo))
-        # One gather per run of consecutive new chunks (all of them, for a fresh prompt).
-        edges = np.flatnonzero(np.diff(todo) != 1) + 1
-        for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(todo)]):
-            model_to_blocks(self.spec, src, int(todo[a]) * C, payloads[a:b])
-        codes = self._put_new(keys.take(todo), payloads)
+        new = keys.take(todo)
+        spec = self.spec
+
+        def gather(idx: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+            # Block new[idx[j]] into rows[at[j]] (rows[j] without ``at``): one copy per run where both
+            # the chunks and the rows are consecutive (one for a fresh prompt). Rows of padded slots
+            # are not one array: block by block.
+            if not len(idx):
+                return
+            pos = todo[idx]
+            at = np.arange(len(idx)) if at is None else at
+            whole = rows.strides[0] == spec.block_bytes
+            edges = np.flatnonzero((np.diff(pos) != 1) | (np.diff(at) != 1) | (not whole)) + 1
+            for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(idx)]):
+                r = int(at[a])
+                model_to_blocks(spec, src, int(pos[a]) * C, rows[r:r + b - a])
+
+        def fill(data: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+            gather(rows, data, slots)  # straight into the slots the top level claimed: no copy of ours
+
+        codes = self._put_now(new, fill, gather)
+        self._write_behind(new, codes)
         return int(np.count_nonzero(codes == PutResult.STORED))
 
     def _new_blocks(self, keys: ChunkKeys, skip: int) -> np.ndarray:
@@ -454,31 +477,53 @@ class TieredCache:
                 todo = todo[~level.contains(keys.take(todo))]
         return todo
 
-    def _put_new(self, new: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
-        """Store blocks no level holds: into the top level, then into each lower level that admits
-        them at store; blocks the top level has no room for go to the level below it if that one
-        admits evicted blocks. ``payloads`` is this call's own (queued writes keep it). Returns the
-        top level's ``PutResult`` codes."""
+    def _put_now(self, new: ChunkKeys, top_payloads: Any,
+                 gather: Callable[[np.ndarray, np.ndarray], None]) -> np.ndarray:
+        """Store blocks no level holds into the top level (``top_payloads``: rows, or a fill callable,
+        see ``HotTier.put_many``), and into each lower level that admits them at store and writes in
+        this thread; blocks the top level has no room for go to the levels below it that admit them.
+        ``gather(idx, rows)`` writes blocks ``new[idx]`` into ``rows``, for the lower levels (through a
+        bounded staging buffer, or into rows queued jobs keep). Returns the top level's ``PutResult``
+        codes; ``_write_behind`` queues the rest."""
         levels = self._open_levels()
         top = levels[0]
-        codes = top.put(new, payloads)  # the top level raises rather than return None
+        self._behind.before_put(top, len(new))
+        codes = top.put(new, top_payloads)  # the top level raises rather than return None
         if codes is None:
             codes = np.full(len(new), PutResult.NO_SPACE, dtype=np.int8)
-        # ``payloads`` is this call's own copy (never the caller's kv, which it may reuse): queued jobs
-        # keep it until their writes are done; the last one hands it back for reuse.
-        lease = BufferLease(payloads, self._give_back)
-        try:
-            for i, level in enumerate(levels[1:], start=1):
-                if level.at_store:
-                    level.write(new, payloads, lease=lease)
-                elif i == 1 and (codes == PutResult.NO_SPACE).any():
-                    # Did not fit in the top level at all (a store larger than it): straight below.
-                    full = np.flatnonzero(codes == PutResult.NO_SPACE)
-                    level.write(new.take(full), payloads[full], lease=lease)
-        finally:
-            lease.release()
+        through = [level for level in levels[1:] if level.at_store and level.writer is None]
+        if through:  # written through, a staging buffer's worth at a time
+            with self._store_rows.rows(len(new)) as rows:
+                for g in range(0, len(new), len(rows)):
+                    idx = np.arange(g, min(g + len(rows), len(new)))
+                    gather(idx, rows[:len(idx)])
+                    for level in through:
+                        level.put(new[g:g + len(idx)], rows[:len(idx)])
+        full = np.flatnonzero(codes == PutResult.NO_SPACE)
+        below = [level for i, level in enumerate(levels[1:], start=1)
+                 if (level.at_store and level.writer is not None) or (i == 1 and not level.at_store)]
+        if len(full) and below:
+            # Not in the top level at all (a store larger than it), so no writer can copy them from
+            # there: at-store levels with a writer, and the level below if it takes evicted blocks, get
+            # rows of their own (queued jobs keep them).
+            rows = np.empty((len(full), self.spec.block_bytes), dtype=np.uint8)
+            gather(full, rows)
+            for level in below:
+                level.write(new.take(full), rows)
         self._counting.add(stored_blocks=int(np.count_nonzero(codes == PutResult.STORED)))
         return codes
+
+    def _write_behind(self, new: ChunkKeys, codes: np.ndarray) -> None:
+        """Queue the blocks the top level holds now (stored, or there already) on each written-behind
+        level's writer, which copies them out of the top level (``tieredkv.writeback``)."""
+        levels = self._open_levels()
+        held = np.flatnonzero(codes != PutResult.NO_SPACE)
+        if not len(held):
+            return
+        keys = new if len(held) == len(new) else new.take(held)
+        for level in levels[1:]:
+            if level.at_store and level.writer is not None:
+                self._behind.submit(level, levels[0], keys)
 
     # ---- blocks: callers that hold block rows, not model-layout arrays (vLLM's offloading tier) ----
     def put_blocks(self, keys: ChunkKeys, payloads: np.ndarray, *, owned: bool = False) -> np.ndarray:
@@ -487,8 +532,8 @@ class TieredCache:
         Args:
             keys: the blocks' keys (``ChunkKeys`` of this spec).
             payloads: one block per key: ``(n, block_bytes)`` uint8 or the spec's dtype.
-            owned: the caller hands ``payloads`` over and never touches it again (queued writes then
-                keep it instead of a copy).
+            owned: accepted for callers of earlier versions; no longer matters: ``payloads`` is
+                read only during the call (queued writes copy the blocks out of the top level).
 
         Returns:
             One ``PutResult`` per key: ``STORED`` (new in the top level), ``EXISTS`` (a level that
@@ -504,12 +549,15 @@ class TieredCache:
         todo = self._new_blocks(keys, 0)
         if not len(todo):
             return codes
-        if owned and len(todo) == len(keys):
-            mine = rows
-        else:  # a copy of our own: the caller may reuse its rows once this returns
-            mine = self._payload_rows(len(todo))
-            mine.reshape(len(todo), -1).view(np.uint8)[:] = rows[todo]
-        codes[todo] = self._put_new(keys.take(todo), mine)
+        # Read only during the call (queued writes copy from the top level): no copy of our own.
+        new = keys.take(todo)
+        mine = rows if len(todo) == len(keys) else rows[todo]
+
+        def gather(idx: np.ndarray, out: np.ndarray) -> None:
+            out[:] = mine[idx]
+
+        codes[todo] = got = self._put_now(new, mine, gather)
+        self._write_behind(new, got)
         return codes
 
     def locate(self, keys: ChunkKeys) -> np.ndarray:
@@ -572,32 +620,6 @@ class TieredCache:
         self._counting.observe("load", time.perf_counter() - started)
         return got
 
-    def _payload_rows(self, n: int) -> np.ndarray:
-        """``n`` rows of block payloads for ``store`` to copy into.
-
-        A buffer that write-behind jobs hold comes back when their writes are done; handing it to the
-        next ``store`` spares that request the page faults of fresh memory (with the buffer kept by a
-        job, the allocator cannot reuse its pages: a fresh allocation per store made it several times
-        slower, benchmarks/store_latency.py). At most ``_SPARE_BUFFERS`` are kept per process.
-        """
-        with self._lock:
-            fits = [i for i, buf in enumerate(self._spare) if len(buf) >= n]
-            if fits:
-                return self._spare.pop(min(fits, key=lambda i: len(self._spare[i])))[:n]
-        return np.empty((n, *self.spec.block_shape), dtype=self.spec.numpy_dtype)
-
-    def _give_back(self, rows: np.ndarray) -> None:
-        """Keep the buffer behind ``rows`` for a later ``store`` (see ``_payload_rows``)."""
-        base = rows if rows.base is None else rows.base
-        if not isinstance(base, np.ndarray) or base.dtype != self.spec.numpy_dtype:
-            return
-        warm = self.level("warm")
-        if warm is not None and warm.writer is not None and len(base) > warm.writer.max_blocks:
-            return  # parked, a buffer larger than the write-behind bound would outgrow it for good
-        with self._lock:
-            if len(self._spare) < _SPARE_BUFFERS and not self._closed:
-                self._spare.append(base)
-
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every level's queued writes are done (each at most ``timeout_s``, default its
         own ``*_flush_s``). Returns whether no queue holds anything (always True without writers)."""
@@ -659,6 +681,9 @@ class TieredCache:
         if journal is not None:
             journal.close()
         self._staging = None
+        for staging in (getattr(self, "_store_rows", None), getattr(self, "_behind", None)):
+            if staging is not None:
+                staging.clear()
 
     def __enter__(self) -> TieredCache:
         return self

@@ -251,11 +251,10 @@ class Level:
             self.notify("stored", keys if n == len(keys) else keys.take(np.flatnonzero(stored)))
         return codes
 
-    def write(self, keys: ChunkKeys, payloads: np.ndarray, *, lease: BufferLease | None = None,
-              why: str = "stored") -> None:
+    def write(self, keys: ChunkKeys, payloads: np.ndarray, *, why: str = "stored") -> None:
         """Write blocks: queued on the background writer if the level has one (in jobs of at most its
         bound, so a store larger than the whole queue is written in part rather than not at all),
-        else now. A queued job holds ``lease`` (the buffer behind ``payloads``) until it is done."""
+        else now. A queued job keeps ``payloads`` (rows nobody else writes) until it is done."""
         writer = self.writer
         if writer is None:
             self.put(keys, payloads, why=why)
@@ -264,20 +263,14 @@ class Level:
         whole = len(keys) <= step
         for i in range(0, len(keys), step):
             k, p = keys[i:i + step], payloads[i:i + step]
-            held = lease if whole else None
             if not whole and p.base is not None:
-                # A job keeps what it refers to: a view (or the lease) would keep the whole store's
-                # buffer alive while the queue counts only the job's rows, and the queue bound must
-                # bound the memory really kept.
+                # A job keeps what it refers to: a view would keep the whole buffer alive while the
+                # queue counts only the job's rows, and the queue bound must bound the memory kept.
                 p = p.copy()
-            if held is not None:
-                held.hold()
-            if writer.submit(_Job(self, k, p, held, why), blocks=len(k)):
+            if writer.submit(_Job(self, k, p, why), blocks=len(k)):
                 self.count(queued=len(k))
             else:  # backpressure: the tier is behind; never an unbounded queue
                 self.count(dropped=len(k))
-                if held is not None:
-                    held.release()
 
     def admit_evicted(self, evicted: Evicted) -> None:
         """The ``on_evict`` hook of the level above: take the blocks this level's rule admits."""
@@ -325,38 +318,11 @@ class Level:
 class _Job:
     """One queued write of a level (runs on its writer thread)."""
 
-    def __init__(self, level: Level, keys: ChunkKeys, payloads: np.ndarray, lease: BufferLease | None, why: str):
-        self.level, self.keys, self.payloads, self.lease, self.why = level, keys, payloads, lease, why
+    def __init__(self, level: Level, keys: ChunkKeys, payloads: np.ndarray, why: str):
+        self.level, self.keys, self.payloads, self.why = level, keys, payloads, why
 
     def __call__(self) -> None:
-        try:
-            self.level.put(self.keys, self.payloads, why=self.why)
-        finally:
-            if self.lease is not None:
-                self.lease.release()
-
-
-class BufferLease:
-    """A payload buffer shared by the queued jobs that write it: handed back (``give_back(buffer)``)
-    when the last holder releases it. The store that made it holds it first."""
-
-    def __init__(self, buffer: np.ndarray, give_back: Callable[[np.ndarray], None]):
-        self.buffer = buffer
-        self._give_back = give_back
-        self._holders = 1
-        self._lock = threading.Lock()
-        forksafe.register(self)
-
-    def hold(self) -> None:
-        with self._lock:
-            self._holders += 1
-
-    def release(self) -> None:
-        with self._lock:
-            self._holders -= 1
-            last = self._holders == 0
-        if last:
-            self._give_back(self.buffer)
+        self.level.put(self.keys, self.payloads, why=self.why)
 
 
 @dataclasses.dataclass(frozen=True)

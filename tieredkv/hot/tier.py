@@ -167,6 +167,9 @@ class HotTier(Tier):
         self.on_evict = on_evict
         #: whether ``on_evict`` gets the evicted bytes (a copy); False: keys and hits only
         self.evict_payloads = True
+        #: called once before the handle lets go of the segment (the cache's write-behind copies out
+        #: what it has not written yet: ``tieredkv.writeback``)
+        self.before_close: Callable[[], None] | None = None
         self.lock_timeout_s = require_positive_seconds("lock_timeout_s", lock_timeout_s)
         if capacity_bytes is not None:
             capacity_bytes = require_positive_int("capacity_bytes", capacity_bytes, "64 << 20")
@@ -319,9 +322,13 @@ class HotTier(Tier):
         """Release this handle (idempotent). The segment stays; ``tieredkv rm`` removes it."""
         if self._closed:
             return
+        hook, self.before_close = self.before_close, None
         try:
             if os.getpid() == self._pid:
                 try:
+                    if hook is not None:
+                        hook()
+
                     def let_go() -> None:
                         self._release_pins()
                         # Slots a call of ours left WRITING (it raised mid-way) die with the handle.
@@ -709,12 +716,14 @@ class HotTier(Tier):
 
     @_survives_damage
     def get_many(self, keys: ChunkKeys, out: np.ndarray,
-                 sink: Callable[[int, np.ndarray], None] | None = None) -> int:
+                 sink: Callable[[int, np.ndarray], None] | None = None, *, touch: bool = True) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
 
         ``out``: the spec's dtype (or uint8) holding at least ``len(keys)`` blocks. Rows past the
         returned count are untouched or partially written; never use them. ``sink(i, rows)``, if
         given, gets each run of ``out``'s rows right after it is copied (see ``Tier.get_many``).
+        ``touch=False``: a read on the cache's own behalf (write-behind copying a block to a lower
+        level), not a request's: no hit or miss counted, the eviction policy not told.
         """
         self._check()
         self._check_keys(keys)
@@ -737,7 +746,7 @@ class HotTier(Tier):
                 if sink is not None:
                     sink(at, dst[at:first + b])
 
-        return self._read(keys, copy)
+        return self._read(keys, copy, touch)
 
     @_survives_damage(user_code=True)
     def read_runs(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
@@ -777,23 +786,25 @@ class HotTier(Tier):
 
         return self._read(keys, copy)
 
-    def _read(self, keys: ChunkKeys, copy: Callable[[int, np.ndarray], None]) -> int:
+    def _read(self, keys: ChunkKeys, copy: Callable[[int, np.ndarray], None], touch: bool = True) -> int:
         n = len(keys)
         done = 0
         while done < n:
             batch = min(n - done, seg.MAX_PINS)
             with self._read_lock:  # one pin list per handle: threads sharing a handle take turns
-                got = self._read_batch(keys[done:done + batch], done, copy)
+                got = self._read_batch(keys[done:done + batch], done, copy, touch)
             done += got
             if got < batch:
                 break
+        if not touch:
+            return done
         st = self._stats
         st[_STAT["hits"]] += done
         st[_STAT["misses"]] += n - done
         st[_STAT["bytes_out"]] += done * self.spec.block_bytes
         return done
 
-    def _read_batch(self, keys: ChunkKeys, first: int, copy) -> int:
+    def _read_batch(self, keys: ChunkKeys, first: int, copy, touch: bool = True) -> int:
         found = self._find(keys.keys)
         ok = self._confirmed(keys, found)
         n = int(np.argmin(ok)) if not ok.all() else len(ok)
@@ -826,7 +837,9 @@ class HotTier(Tier):
                 self._stats[_STAT["torn_reads"]] += 1
             # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
             try:
-                if self._policy.hit_needs_lock:
+                if not touch:
+                    pass
+                elif self._policy.hit_needs_lock:
                     self._locked(functools.partial(policies.hit, self._policy, self._state, slots[:n]))
                 else:
                     policies.hit(self._policy, self._state, slots[:n])  # relaxed: aligned int64 stores only
@@ -855,17 +868,27 @@ class HotTier(Tier):
             me["n_pins"] = 0
 
     @_survives_damage(user_code=True)  # on_evict is the caller's
-    def put_many(self, keys: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
+    def put_many(self, keys: ChunkKeys, payloads: np.ndarray | Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+                 ) -> np.ndarray:
         """Store blocks. Returns one ``PutResult`` code per key (int8 array).
 
         A key already READY, or being written by anyone (this call included, for repeated keys), is
         EXISTS. When the segment is full the policy evicts; if nothing can be evicted the key is
         NO_SPACE. Evicted blocks are handed to ``on_evict`` before their slots are reused.
+        ``payloads`` may also be a callable ``fill(data, slots, rows)`` that writes block ``rows[j]``
+        (an index into ``keys``) into ``data[slots[j]]`` (the segment's ``(n_slots, block_bytes)``
+        rows): the caller builds its blocks in place, with no copy of its own (``TieredCache.store``).
         """
         self._check()
         self._check_keys(keys)
         n = len(keys)
-        src = as_block_bytes(self.spec, payloads, n)
+        if callable(payloads):
+            fill = payloads
+        else:
+            src = as_block_bytes(self.spec, payloads, n)
+
+            def fill(data: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+                self._write_rows(slots, src, rows)
         codes = np.full(n, _EXISTS, dtype=np.int8)
         if n == 0:
             return codes
@@ -930,7 +953,7 @@ class HotTier(Tier):
                     payload = self._data[victims].copy() if self.on_evict is not None and self.evict_payloads else None
                     evicted = Evicted(old.keys, payload, old.hits)
                 self._tokens[use] = keys.tokens[stored]
-                self._write_rows(use, src, stored)
+                fill(self._data, use, stored)  # slots claimed by us: nobody reads them before publish
             except BaseException:
                 # Interrupted (KeyboardInterrupt, MemoryError, ...): give the claimed slots back now
                 # rather than leave them WRITING until this handle closes.
@@ -1074,6 +1097,11 @@ class HotTier(Tier):
         """This handle's row of the cache's counters, in the segment (totals: per host)."""
         self._check()
         return self.counters
+
+    @property
+    def free_blocks(self) -> int:
+        """Free slots right now (a hint, read without the lock): a put of more blocks evicts."""
+        return int(self._h["free_top"])
 
     @property
     def corrupt_seen(self) -> int:

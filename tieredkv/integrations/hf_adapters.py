@@ -23,7 +23,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 
@@ -41,12 +40,12 @@ def _adapter_layers(model: Any) -> list[tuple[str, Any]]:
             if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
 
 
-def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes as a flat uint8 array (copied to the host when it lives on a device)."""
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes, flat (copied to the host when it lives on a device)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy().data
 
 
 def _feed(h: Any, value: bytes) -> None:
@@ -90,7 +89,7 @@ def adapter_identity(model: Any) -> bytes | None:
                 for key in sorted(tensors):
                     t = tensors[key]
                     _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
-                    h.update(memoryview(_tensor_bytes(t)))
+                    h.update(_tensor_bytes(t))
             for attr in layer.other_param_names:
                 holder = getattr(layer, attr, None)
                 if isinstance(holder, dict) and adapter in holder:

@@ -119,7 +119,7 @@ class Recovery(Records):
                                    map_size=size, map_max=limit, readonly=self.readonly,
                                    lock_timeout_s=self.lock_timeout_s)
         except (lmdb.Error, WarmTierUnavailable) as exc:  # the latter: the owner registry
-            if self.readonly or not ix._is_permission(exc):
+            if self.readonly or not ix.refuses_writes(exc):
                 raise WarmTierUnavailable(f"cannot open the warm tier index in {self.path}: {exc}") from exc
             self.readonly = True
             self._slabs.readonly = True

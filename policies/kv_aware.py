@@ -142,20 +142,19 @@ class KVAware(EvictionPolicy):
 
     def _demote_superseded(self, st, slots) -> None:
         """Demote the other child of every block this store extends that now has exactly two."""
-        parents = st.parent[slots]
-        mine = np.zeros(st.n_slots + 1, dtype=bool)     # index -1 (no parent) lands on the spare entry
-        mine[slots] = True
-        heads = (parents >= 0) & ~mine[parents]
-        if not heads.any():
-            return
-        forks = parents[heads]
+        forks = st.parent[slots]
+        forks = forks[forks >= 0]
         forks = forks[st.n_children[forks] == 2]
+        if not len(forks):                              # the common case: no pass over the slots
+            return
+        forks = np.setdiff1d(forks, slots)              # blocks of this store are not forks it extends
         if not len(forks):
             return
-        fork = np.zeros(st.n_slots + 1, dtype=bool)
+        fork = np.zeros(st.n_slots + 1, dtype=bool)     # index -1 (no parent) lands on the spare entry
         fork[forks] = True
-        older = np.flatnonzero(fork[st.parent] & ~mine[:-1] & (st.resident == 1))
-        self._demote(st, older)
+        older = fork[st.parent] & (st.resident == 1)
+        older[slots] = False
+        self._demote(st, np.flatnonzero(older))
 
     @staticmethod
     def _demote(st, slots) -> None:

@@ -76,8 +76,9 @@ def request_slice(trace: Trace, spec: str) -> Trace:
     picked = range(trace.n_requests)[bounds]
     if not len(picked):
         raise InvalidInput(f"--requests {spec} selects no request of the {trace.n_requests:,} in {trace.name}")
-    ts = None if trace.timestamps_ms is None else trace.timestamps_ms[picked.start:picked.stop]
-    return Trace.from_requests((trace.request(i) for i in picked), name=f"{trace.name}[{spec}]", timestamps_ms=ts)
+    ts = None if trace.timestamps_ms is None else trace.timestamps_ms[picked.start:picked.stop].tolist()
+    return Trace.from_requests((trace.request(i).tolist() for i in picked), name=f"{trace.name}[{spec}]",
+                               timestamps_ms=ts)
 
 
 def format_table(result: dict) -> str:

@@ -8,6 +8,10 @@ load average beside them; then the median of each ratio over the rounds, baselin
 
     python benchmarks/demo_ab.py --baseline /tmp/speed-base                  # 2 workers x 4, 3 rounds
     python benchmarks/demo_ab.py --baseline /tmp/speed-base --workers 8 --rounds 2
+    python benchmarks/demo_ab.py --workers 2 --rounds 3 --keep /tmp/ab   # this tree only; keep the JSONs
+
+Each run's line also gives the workers' PSS per configuration (MiB) and the share of the CPUs other
+programs used while it served (``others``: above ~25% the wall-clock ratios are mostly noise).
 
 Without ``--baseline`` only this tree runs. Not a test: nothing here asserts a timing.
 """
@@ -59,20 +63,27 @@ def main() -> int:
     parser.add_argument("--requests-per-worker", type=int, default=4)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--keep", type=Path, help="write each run's JSON document into this directory")
     args = parser.parse_args()
     trees = [("this", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
     got: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tieredkv-demo-ab-") as tmp:
         for r in range(args.rounds):
             for name, tree in (trees if r % 2 == 0 else trees[::-1]):
                 load = os.getloadavg()[0]
-                doc = run_once(tree, args, Path(tmp) / f"{name}{r}.json")
+                out = (args.keep or Path(tmp)) / f"{name}{r}.json"
+                doc = run_once(tree, args, out)
                 row = ratios(doc)
                 got[name].append(row)
                 c = doc["configs"]
                 ttft = "  ".join(f"{k} {c[k]['ttft_p50_ms']:8.1f} ms" for k in ("shared", "private", "no_cache"))
-                print(f"round {r + 1} {name:<8} load {load:5.1f}  {ttft}  "
-                      + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+                names = ("shared", "private", "no_cache")
+                pss = "  ".join(f"{k} {c[k]['pss_bytes'] / (1 << 20):6.1f} MiB" for k in names)
+                others = max(c[k].get("others_busy", float("nan")) for k in names)
+                print(f"round {r + 1} {name:<8} load {load:5.1f} others {100 * others:3.0f}%  TTFT p50 {ttft}  "
+                      f"PSS {pss}  " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     print(f"median over {args.rounds} rounds ({args.workers} workers x {args.requests_per_worker} requests, "
           f"{args.prefix_tokens}-token prefix; load average now {os.getloadavg()[0]:.1f}):")
     for name, rows in got.items():

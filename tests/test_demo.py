@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -91,6 +92,33 @@ def test_summary_and_table():
     assert "NOTE: the machine was busy" in text and "load average up to 9.0" in text
     quiet = {**busy, "rounds": [{"busy_before": 0.05, "loadavg_before": [0.2, 0, 0], "loadavg_after": [1, 0, 0]}]}
     assert "NOTE" not in demo.format_table(quiet)
+
+
+def test_the_share_of_the_machine_other_programs_used_and_when_that_is_too_much():
+    """CPU time of the demo's own processes is not counted as other programs'; a round during which
+    others took most of the CPUs gets the note that wall-clock comparisons mean little, a quiet one
+    none; the summary names the write-behind thread's CPU."""
+    assert demo.others_busy((0, 0, 0), (1000, 700, 200)) == {"others_busy": 0.5, "demo_busy": 0.2}
+    assert demo.others_busy((5, 5, 5), (5, 5, 5)) == {"others_busy": 0.0, "demo_busy": 0.0}
+    before = demo.cpu_sample([])
+    t = time.process_time()
+    while time.process_time() - t < 0.3:  # this process's own work: counted as the demo's
+        pass
+    got = demo.others_busy(before, demo.cpu_sample([]))
+    assert got["demo_busy"] > 0 and 0 <= got["others_busy"] <= 1
+    settings = {**demo.Settings().__dict__, "cpu_count": 2}
+    phases = {"cpu": {"mean": 40.0}, "wait": {"mean": 9.0}, "forward_cpu": {"mean": 35.0},
+              "other_threads_cpu": {"mean": 1.5}}
+    doc = {"settings": settings, "configs": {"shared": {"phases_ms": phases}},
+           "rounds": [{"busy_before": 0.1, "loadavg_before": [3.0, 0, 0], "loadavg_after": [6.5, 0, 0],
+                       "others_busy": {"private": 0.2, "shared": 0.7}}]}
+    text = "\n".join(demo.load_lines(doc) + demo.where_time_went(doc))
+    assert "other programs used 20-70% of them while the configurations served" in text
+    assert "load average up to 6.5" in text and "NOTE: the machine was busy" in text and "Too loaded" in text
+    assert "(its write-behind thread used 1.5 ms CPU meanwhile)" in text
+    doc["rounds"][0]["others_busy"] = {"private": 0.02, "shared": 0.05}
+    quiet = "\n".join(demo.load_lines(doc))
+    assert "NOTE" not in quiet and "Too loaded" not in quiet
 
 
 def test_pss_of_this_process():

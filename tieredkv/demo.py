@@ -261,6 +261,7 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
             _, request_id, tokens = task
             start = time.perf_counter()
             cpu_start = time.thread_time()
+            process_start = time.process_time()  # every thread of this worker (the write-behind writer too)
             # As a streaming server does: the first token goes out before the new chunks are stored
             # (decode stores them first).
             res = runner.prefill(tokens, store=False)
@@ -269,10 +270,11 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
             ttft = time.perf_counter() - start
             first_ms = (time.perf_counter() - before_first) * 1e3
             cpu_ms = (time.thread_time() - cpu_start) * 1e3
+            other_ms = (time.process_time() - process_start) * 1e3 - cpu_ms
             new = runner.decode(res, settings.new_tokens, eos_token_id=[])
             done = time.perf_counter() - start
             phases = dict(res.phases, first_token=first_ms, first_token_cpu=first_ms, cpu=cpu_ms,
-                          wait=max(ttft * 1e3 - cpu_ms, 0.0))
+                          wait=max(ttft * 1e3 - cpu_ms, 0.0), other_threads_cpu=max(other_ms, 0.0))
             results.put(("done", worker_id, {
                 "request": request_id, "ttft_ms": ttft * 1e3, "total_ms": done * 1e3,
                 "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
@@ -404,10 +406,11 @@ AFTER_FIRST = ("extract", "store")
 
 def phase_breakdown(done: list[dict]) -> dict:
     """Per phase: mean and p50 over the requests, in ms; ``wait`` is wall minus this thread's CPU time
-    over the request (time spent waiting for a core, a lock or the disk)."""
+    over the request (time spent waiting for a core, a lock or the disk); ``other_threads_cpu`` the CPU
+    the worker's other threads (the write-behind writer) used meanwhile, competing for the cores."""
     out: dict[str, dict] = {}
     names = (*PHASES, *AFTER_FIRST)
-    for name in (*names, *(f"{p}_cpu" for p in names), "cpu", "wait"):
+    for name in (*names, *(f"{p}_cpu" for p in names), "cpu", "wait", "other_threads_cpu"):
         values = [d["phases"].get(name, 0.0) for d in done if "phases" in d]
         if values:
             out[name] = {"mean": float(np.mean(values)), "p50": _percentile(values, 50)}
@@ -545,6 +548,7 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
             pool.pids[worker] = pid
         progress.stage(f"{config}: serving")
         per_worker = settings.requests_per_worker
+        cpu_before = cpu_sample(list(pool.pids.values()))
         start = time.perf_counter()
         # The service's first request runs alone; then every worker serves its own requests in order.
         pool.tasks[0].put(("req", 0, requests[0]))
@@ -556,6 +560,7 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
             done.append(pool.receive("done", _REQUEST_TIMEOUT_S)[1])
             progress.advance()
         wall = time.perf_counter() - start
+        cpu_after = cpu_sample(list(pool.pids.values()))
         # Memory while every worker is alive and idle, before anything else touches the caches: as the
         # workers left it, then after each returned its freed heap to the OS (what the table shows).
         untrimmed = sum(pss_bytes(pid)["Pss"] for pid in pool.pids.values())
@@ -576,6 +581,7 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
     pool.stop()
     result = summarize(config, settings, spec, done, stats, wall, pss, rss)
     result["pss_untrimmed_bytes"] = untrimmed
+    result.update(others_busy(cpu_before, cpu_after))
     result["first_answer_ids"] = [int(t) for t in next(d["new_ids"] for d in done if d["request"] == 0)]
     return result
 
@@ -621,6 +627,36 @@ def busy_fraction(seconds: float = 1.0) -> float:
 
 #: Other programs using more than this share of the CPUs before a round make its wall times noisy.
 BUSY_WARNING = 0.25
+
+
+def cpu_sample(pids: list[int]) -> tuple[int, int, int]:
+    """(all CPU time, busy CPU time, CPU time of ``pids`` and this process), in clock ticks, from
+    ``/proc``; zeros where unknown. Two samples tell how much of the machine other programs used."""
+    try:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        total, idle = sum(values[:8]), values[3] + (values[4] if len(values) > 4 else 0)
+    except (OSError, ValueError, IndexError):
+        return 0, 0, 0
+    ours = 0
+    for pid in [*pids, os.getpid()]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])  # utime, stime (all threads)
+        except (OSError, ValueError, IndexError):
+            pass
+    return total, total - idle, ours
+
+
+def others_busy(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
+    """The share of the machine's CPU time other programs used between two ``cpu_sample``s
+    (``others_busy``), and the demo's own share (``demo_busy``): 0 where unknown."""
+    total = after[0] - before[0]
+    if total <= 0:
+        return {"others_busy": 0.0, "demo_busy": 0.0}
+    busy, ours = after[1] - before[1], after[2] - before[2]
+    return {"others_busy": min(max((busy - ours) / total, 0.0), 1.0), "demo_busy": min(max(ours / total, 0.0), 1.0)}
 
 
 def _round_settings(settings: Settings, round_no: int, rounds: int) -> Settings:
@@ -692,7 +728,9 @@ def run_demo(settings: Settings, *, progress: bool = True, rounds: int = 1) -> d
                         print(f"[tieredkv demo] could not remove the hot tier: {exc}", file=sys.stderr)
             round_docs.append({"busy_before": busy, "loadavg_before": list(load),
                                "loadavg_after": list(os.getloadavg()),
-                               "ttft_p50_ms": {c: per_config[c][-1]["ttft_p50_ms"] for c in settings.configs}})
+                               "ttft_p50_ms": {c: per_config[c][-1]["ttft_p50_ms"] for c in settings.configs},
+                               "others_busy": {c: per_config[c][-1].get("others_busy", 0.0)
+                                               for c in settings.configs}})
     finally:
         bar.close()
     configs = {c: _median_round(results) for c, results in per_config.items()}
@@ -783,7 +821,9 @@ def where_time_went(doc: dict) -> list[str]:
         parts = sorted(((ph[f"{p}_cpu"]["mean"], p) for p in PHASES if f"{p}_cpu" in ph), reverse=True)
         shown = ", ".join(f"{p} {ms:.1f}" for ms, p in parts if ms >= 0.05)
         after = sum(ph[f"{p}_cpu"]["mean"] for p in AFTER_FIRST if f"{p}_cpu" in ph)
+        other = ph.get("other_threads_cpu", {}).get("mean", 0.0)
         lines.append(f"  {name:<9} {ph['cpu']['mean']:.1f} ms CPU ({shown}) + {ph['wait']['mean']:.1f} ms waiting"
+                     + (f" (its write-behind thread used {other:.1f} ms CPU meanwhile)" if other >= 0.05 else "")
                      + (f"; then {after:.1f} ms CPU storing the new chunks" if after >= 0.05 else ""))
     return lines if len(lines) > 1 else []
 
@@ -793,16 +833,25 @@ def load_lines(doc: dict) -> list[str]:
     rounds, s = doc.get("rounds") or [], doc["settings"]
     if not rounds:
         return []
-    busy = max(r["busy_before"] for r in rounds)
-    load = max(r["loadavg_before"][0] for r in rounds)
+    before = max(r["busy_before"] for r in rounds)
+    during = [b for r in rounds for b in r.get("others_busy", {}).values()]
+    load = max(max(r["loadavg_before"][0], r.get("loadavg_after", [0])[0]) for r in rounds)
     cpus = s.get("cpu_count") or os.cpu_count() or 1
-    line = (f"machine: {cpus} CPUs; before the rounds other programs kept up to {100 * busy:.0f}% of them busy "
-            f"(load average up to {load:.1f})")
+    line = f"machine: {cpus} CPUs; other programs used "
+    if during:
+        line += (f"{100 * min(during):.0f}-{100 * max(during):.0f}% of them while the configurations served "
+                 f"(median {100 * float(np.median(during)):.0f}%), ")
+    line += f"up to {100 * before:.0f}% just before the rounds (load average up to {load:.1f})"
     out = [line]
+    busy = max([before, *during])
     if busy > BUSY_WARNING:
         out.append("  NOTE: the machine was busy with other work: wall-clock TTFT and tokens/s include waiting for "
                    "it and vary from run to run; the CPU-to-1st-token column and the JSON's per-phase CPU "
                    "times barely change with load (compare those, or rerun on a quiet machine)")
+    if during and max(during) > 2 * BUSY_WARNING:
+        out.append("  Too loaded for the wall-clock comparison of shared and private to mean much: other programs "
+                   f"took over {100 * 2 * BUSY_WARNING:.0f}% of the CPUs while a configuration served; each round "
+                   "saw different load (see the spread above)")
     if s["workers"] > cpus:
         out.append(f"  {s['workers']} workers share {cpus} CPUs: a request waits for a core most of its time in every "
                    "configuration")

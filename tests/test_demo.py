@@ -121,6 +121,25 @@ def test_the_share_of_the_machine_other_programs_used_and_when_that_is_too_much(
     assert "NOTE" not in quiet and "Too loaded" not in quiet
 
 
+def test_the_progress_bar_promises_no_time_left(monkeypatch):
+    """The first request computes the whole prompt alone and the rest restore it: an estimate from it
+    promised an hour for a run of minutes. The bar shows the time so far, never a time left."""
+    import io
+
+    pytest.importorskip("tqdm")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    bar = demo._Progress(32, True)
+    bar.stage("shared: serving")
+    bar.advance()
+    time.sleep(0.2)
+    bar.advance()
+    bar.close()
+    text = err.getvalue()
+    assert "2/32 requests" in text and "so far]" in text
+    assert "<" not in text and "remaining" not in text and "?" not in text
+
+
 def test_pss_of_this_process():
     mine = demo.pss_bytes(os.getpid())
     assert mine["Pss"] > 0 and mine["Pss"] >= mine["Pss_Anon"]

@@ -874,7 +874,10 @@ what the columns mean:
                    ideal: the best this request mix allows: private misses once per worker, shared once
                    for the service, restart never.
   restart          the shared workers are stopped and the hot tier removed, as a reboot would; new workers
-                   find the prefix only on disk (the warm tier)."""
+                   find the prefix only on disk (the warm tier).
+  machine          the share of the CPUs other programs used while each configuration served: above 25%
+                   the wall-clock columns measure the other programs as much as the cache (the summary
+                   says so); compare the CPU columns then, or rerun on a quiet machine."""
 
 
 

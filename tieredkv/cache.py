@@ -454,11 +454,12 @@ class TieredCache:
                 todo = todo[~level.contains(keys.take(todo))]
         return todo
 
-    def _put_new(self, new: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
+    def _put_new(self, new: ChunkKeys, payloads: np.ndarray, *, give_back: bool = True) -> np.ndarray:
         """Store blocks no level holds: into the top level, then into each lower level that admits
         them at store; blocks the top level has no room for go to the level below it if that one
-        admits evicted blocks. ``payloads`` is this call's own (queued writes keep it). Returns the
-        top level's ``PutResult`` codes."""
+        admits evicted blocks. ``payloads`` is this call's own (queued writes keep it; then it is
+        kept for a later store unless ``give_back`` is False). Returns the top level's ``PutResult``
+        codes."""
         levels = self._open_levels()
         top = levels[0]
         codes = top.put(new, payloads)  # the top level raises rather than return None
@@ -466,7 +467,7 @@ class TieredCache:
             codes = np.full(len(new), PutResult.NO_SPACE, dtype=np.int8)
         # ``payloads`` is this call's own copy (never the caller's kv, which it may reuse): queued jobs
         # keep it until their writes are done; the last one hands it back for reuse.
-        lease = BufferLease(payloads, self._give_back)
+        lease = BufferLease(payloads, self._give_back if give_back else _keep_nothing)
         try:
             for i, level in enumerate(levels[1:], start=1):
                 if level.at_store:
@@ -504,11 +505,17 @@ class TieredCache:
         todo = self._new_blocks(keys, 0)
         if not len(todo):
             return codes
-        if owned and len(todo) == len(keys):
+        whole = len(todo) == len(keys)
+        if whole and len(self._open_levels()) == 1:
+            # One level: it copies the rows into its slots before put returns and nothing queues
+            # them, so the caller's rows serve as they are (and never become a spare buffer).
+            codes[:] = self._put_new(keys, rows, give_back=owned)
+            return codes
+        if owned and whole:
             mine = rows
-        else:  # a copy of our own: the caller may reuse its rows once this returns
+        else:  # a copy of our own (one pass): the caller may reuse its rows once this returns
             mine = self._payload_rows(len(todo))
-            mine.reshape(len(todo), -1).view(np.uint8)[:] = rows[todo]
+            np.take(rows, todo, axis=0, out=mine.reshape(len(todo), -1).view(np.uint8))
         codes[todo] = self._put_new(keys.take(todo), mine)
         return codes
 
@@ -675,6 +682,10 @@ def _place_at(place: tensors.Placer, first_token: int, chunk_tokens: int, shared
               rows: np.ndarray) -> None:
     """A read's sink: rows of blocks ``i..`` of a run that starts at ``first_token`` go into place."""
     place(rows, first_token + i * chunk_tokens, shared)
+
+
+def _keep_nothing(rows: np.ndarray) -> None:
+    """A ``BufferLease``'s give-back for rows that are not the cache's to keep (the caller's own)."""
 
 
 def _flush_at_exit(ref: weakref.ref[TieredCache]) -> None:

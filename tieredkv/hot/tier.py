@@ -40,7 +40,7 @@ import posix_ipc
 
 from tieredkv import counters, forksafe, numa, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, require_positive_int, require_positive_seconds
-from tieredkv.hot import locks
+from tieredkv.hot import batch, locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.index import HotIndex
 from tieredkv.hot.segment import FREE, READY, STAT_FIELDS, WRITING
@@ -256,6 +256,8 @@ class HotTier(Tier):
         self._h = h = self._map.header
         self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
         self._index = HotIndex(region, self._slots["key"], self.name)
+        self._words = batch.slot_words(self._slots)
+        self._pin_lists, self._n_pins = self._owners["pins"], self._owners["n_pins"]
         self.n_slots = int(h["n_slots"])
         self._state = policies.SlotState.over(self._policy, self.n_slots, self._map.mm, int(h["policy_off"]))
         if self._state.layout.nbytes != int(h["policy_bytes"]):
@@ -341,6 +343,7 @@ class HotTier(Tier):
         # Drop every view before closing the mmap: a view over a closed mapping would segfault. The
         # attributes are typed for an open handle; a closed one refuses every call (_check) first.
         self._owners = self._slots = self._tokens = self._free = self._data = None
+        self._words = self._pin_lists = self._n_pins = None  # type: ignore[assignment]
         self._index = self._state = self._h = self._stats = self.counters = None  # type: ignore[assignment]
         self._map.close()
 
@@ -681,13 +684,11 @@ class HotTier(Tier):
     def _confirmed(self, keys: ChunkKeys, found: np.ndarray) -> np.ndarray:
         """Bool per key: slot ``found`` (from ``_find``: it held the key) holds it READY with the same
         parent and chunk tokens."""
-        ok = found >= 0
-        s = np.where(ok, found, 0)
-        rec = self._slots
-        ok &= (rec["state"][s] == READY) & (rec["gen"][s] % 2 == 0)
-        ok &= (rec["parent"][s] == keys.parents).all(axis=1)
-        ok &= (self._tokens[s] == keys.tokens).all(axis=1)
-        return ok
+        return batch.check(self._words, self._tokens, found, keys)[1]
+
+    def _held(self, keys: ChunkKeys) -> np.ndarray:
+        """Bool per key: a slot holds it READY with the same parent and chunk tokens. Lock-free."""
+        return batch.confirmed(self._index, self._words, self._tokens, keys)[2]
 
     def _check_keys(self, keys: ChunkKeys) -> None:
         check_keys(self.spec, keys)
@@ -696,14 +697,13 @@ class HotTier(Tier):
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         self._check()
         self._check_keys(keys)
-        return self._confirmed(keys, self._find(keys.keys))
+        return self._held(keys)
 
     @_survives_damage
     def match(self, keys: ChunkKeys) -> int:
         self._check()
         self._check_keys(keys)
-        ok = self._confirmed(keys, self._find(keys.keys))
-        n = int(np.argmin(ok)) if not ok.all() else len(ok)
+        n = batch.leading(self._held(keys))
         self._stats[_STAT["lookups"]] += 1
         return n
 
@@ -794,35 +794,32 @@ class HotTier(Tier):
         return done
 
     def _read_batch(self, keys: ChunkKeys, first: int, copy) -> int:
-        found = self._find(keys.keys)
-        ok = self._confirmed(keys, found)
-        n = int(np.argmin(ok)) if not ok.all() else len(ok)
-        if n == 0:
+        words = self._words
+        slots, seen = batch.read_run(self._index, words, self._tokens, keys)
+        if not len(slots):
             return 0
-        slots = found[:n]
-        rec = self._slots
-        def pin() -> tuple[int, np.ndarray, np.ndarray]:
-            # Re-check under the lock and pin in the same critical section (invariant 3). The pin
-            # list goes into our owner row before the counts: whatever interrupts this, the row says
-            # at least what the counts hold (a scrub recounts from rows).
-            ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
-            m = int(np.argmin(ok)) if not ok.all() else n
-            pinned = slots[:m]
-            gens = rec["gen"][pinned].copy()
-            me = self._owners[self._owner]
-            me["pins"][:m] = pinned
-            me["n_pins"] = m
-            np.add.at(rec["pins"], pinned, 1)  # not pins[slots] += 1: a key twice in a batch pins twice
-            return m, pinned, gens
+        run = batch.one_run(slots)
+        owner = self._owner
+
+        def pin() -> int:
+            # Re-check under the lock and pin in the same critical section (invariant 3; hot/batch.py).
+            # The pin list goes into our owner row before the counts: whatever interrupts this, the
+            # row says at least what the counts hold (a scrub recounts from rows).
+            m = batch.still_seen(words, slots, seen)
+            self._pin_lists[owner, :m] = slots[:m]
+            self._n_pins[owner] = m
+            batch.add_pins(words, slots[:m], run)
+            return m
 
         try:
-            n, slots, gens = self._locked(pin)
+            n = self._locked(pin)
+            slots, seen = slots[:n], seen[:n]
             copy(first, slots)
             # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
             # on a broken invariant (checked after unpinning, a legitimate eviction would trip it).
-            same = rec["gen"][slots] == gens
-            if not same.all():
-                n = int(np.argmin(same))
+            torn = batch.torn(words, slots, seen)
+            if torn < n:
+                n = torn
                 self._stats[_STAT["torn_reads"]] += 1
             # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
             try:
@@ -851,7 +848,7 @@ class HotTier(Tier):
             if n_pins > seg.MAX_PINS or (listed < 0).any() or (listed >= self.n_slots).any():
                 self._h["repin"] = 1  # a damaged pin list: count again from every row
             else:
-                np.subtract.at(self._slots["pins"], listed, 1)
+                batch.drop_pins(self._words, listed, batch.one_run(listed))
             me["n_pins"] = 0
 
     @_survives_damage(user_code=True)  # on_evict is the caller's

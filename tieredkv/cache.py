@@ -561,14 +561,14 @@ class TieredCache:
             missing = np.flatnonzero(~got)
             if not len(missing):
                 break
-            present = missing[level.contains(keys.take(missing))]
+            present = missing[level.contains(keys if len(missing) == len(keys) else keys.take(missing))]
             read = []
-            edges = np.flatnonzero(np.diff(present) != 1) + 1
-            for run in np.split(present, edges) if len(present) else []:
-                a, b = int(run[0]), int(run[-1]) + 1
+            edges = (np.flatnonzero(np.diff(present) != 1) + 1).tolist()
+            for i, j in zip([0, *edges], [*edges, len(present)]) if len(present) else ():
+                a, b = int(present[i]), int(present[j - 1]) + 1  # one run of adjacent keys
                 n = level.read(keys[a:b], rows[a:b], None)
                 got[a:a + n] = True
-                read.append(run[:n])
+                read.append(present[i:i + n])
             if read and level is not levels[0]:
                 promote.append((level, np.concatenate(read)))
         for level, idx in promote:

@@ -208,10 +208,16 @@ class ProbeTable:
                 return True
             empty = np.flatnonzero(self.refs[pos] == 0)
             if len(empty):
-                taken, first = np.unique(pos[empty], return_index=True)
-                placed = empty[first]
+                taken = pos[empty]
+                if _distinct(taken):  # no two entries contend for one position (the common case)
+                    placed = empty
+                else:
+                    taken, first = np.unique(taken, return_index=True)
+                    placed = empty[first]
                 self.keys[taken] = keys[idx[placed]]
                 self.refs[taken] = values[idx[placed]] + 1
+                if len(placed) == len(idx):
+                    return True
                 keep = np.ones(len(idx), dtype=bool)
                 keep[placed] = False
                 idx, pos = idx[keep], pos[keep]
@@ -262,3 +268,9 @@ class ProbeTable:
             raise ValueError(f"{len(values)} entries do not fit in a table of {self.size}")
         self.clear()
         self.insert_many(keys, values)
+
+
+def _distinct(values: np.ndarray) -> bool:
+    """Whether no value of the 1-D array ``values`` appears twice."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] != ordered[:-1]).all())

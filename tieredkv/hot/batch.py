@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tieredkv.hot.segment import READY, SLOT_DTYPE
+from tieredkv.hot.segment import READY, SLOT_DTYPE, WRITING
 from tieredkv.keys import ChunkKeys
 
 _COL = {name: spec[1] // 8 for name, spec in (SLOT_DTYPE.fields or {}).items()}
@@ -147,3 +147,45 @@ def drop_pins(words: np.ndarray, slots: np.ndarray, run: bool) -> None:
         words[slots[0]:slots[0] + len(slots), PINS] -= 1
     else:
         np.subtract.at(words[:, PINS], slots, 1)
+
+
+# ---- the write path (under the lock) ------------------------------------------------------------------
+OWNER, OWNER_TOKEN, POSITION, LENGTH, CLAIM = (_COL[f] for f in ("owner", "owner_token", "position", "length",
+                                                                 "claim"))
+if (OWNER, OWNER_TOKEN, LENGTH) != (STATE + 1, STATE + 2, POSITION + 1):
+    raise ImportError("hot/batch.py assumes state, owner, owner_token and position, length are adjacent words")
+
+
+def set_words(words: np.ndarray, slots: np.ndarray, run: bool, cols: int | slice, values) -> None:
+    """``words[slots, cols] = values``; a slice of rows when ``run`` (``one_run(slots)``)."""
+    if run:
+        words[slots[0]:slots[0] + len(slots), cols] = values
+    else:
+        words[slots, cols] = values
+
+
+def bump(words: np.ndarray, slots: np.ndarray, run: bool) -> None:
+    """One more on the generation of each of ``slots`` (distinct). Under the lock."""
+    if run:
+        words[slots[0]:slots[0] + len(slots), GEN] += 1
+    else:
+        words[slots, GEN] += 1
+
+
+def claim(words: np.ndarray, slots: np.ndarray, call: int, owner: int, token: int) -> None:
+    """Slots (distinct) -> WRITING by ``owner`` (token ``token``) for the call whose id is ``call``;
+    the generation turns odd before the state changes. Under the lock."""
+    if not len(slots):
+        return
+    run = one_run(slots)
+    set_words(words, slots, run, CLAIM, call)
+    bump(words, slots, run)  # odd: readers treat the slot as being rewritten
+    set_words(words, slots, run, slice(STATE, OWNER_TOKEN + 1), (WRITING, owner, token))
+
+
+def distinct(keys: np.ndarray) -> np.ndarray:
+    """Rows of the first occurrence of each distinct ``(n, 2)`` key, ascending."""
+    lo = np.sort(keys[:, 0])
+    if (lo[1:] != lo[:-1]).all():  # no two keys share a first word: all distinct (the common case)
+        return np.arange(len(keys))
+    return np.sort(np.unique(keys, axis=0, return_index=True)[1])

@@ -18,7 +18,7 @@ from tieredkv import policies
 from tieredkv.hot import batch
 from tieredkv.hot.damage import POLICY_FAULTS, Damage
 from tieredkv.hot.index import HotIndex
-from tieredkv.hot.segment import FREE, STAT_FIELDS, WRITING
+from tieredkv.hot.segment import FREE, STAT_FIELDS
 from tieredkv.keys import ChunkKeys
 from tieredkv.spec import KVSpec
 
@@ -104,7 +104,7 @@ class SlotTable:
         k = min(n, top)
         got = self._free[top - k:top][::-1].copy()
         # Every entry must name a FREE slot, once: handing out a READY slot would overwrite a block.
-        if k and ((got < 0).any() or (got >= self.n_slots).any() or len(np.unique(got)) != k
+        if k and ((got < 0).any() or (got >= self.n_slots).any() or not _distinct(got)
                   or (self._slots["state"][got] != FREE).any()):
             raise Damage("the free stack names a slot that is not free")
         self._h["free_top"] = top - k
@@ -122,9 +122,10 @@ class SlotTable:
 
     def _claim(self, slots: np.ndarray, claim: int) -> None:
         """Slots -> WRITING by this handle, for the call whose id is ``claim``. Under the lock."""
-        rec = self._slots
-        rec["claim"][slots] = claim
-        rec["gen"][slots] += 1  # odd: readers treat the slot as being rewritten
-        rec["state"][slots] = WRITING
-        rec["owner"][slots] = self._owner
-        rec["owner_token"][slots] = self._token
+        batch.claim(self._words, slots, claim, self._owner, self._token)
+
+
+def _distinct(values: np.ndarray) -> bool:
+    """Whether no value of ``values`` (1-D) appears twice."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] != ordered[:-1]).all())

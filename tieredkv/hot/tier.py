@@ -288,8 +288,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
         codes = np.full(n, _EXISTS, dtype=np.int8)
         if n == 0:
             return codes
-        _, first = np.unique(keys.keys, axis=0, return_index=True)
-        todo = np.sort(first)
+        todo = batch.distinct(keys.keys)
         # Lock-free pre-check, re-checked below: skip keys already READY. A key found WRITING still
         # goes to the locked path, which frees it if its writer died (else that prefix would answer
         # EXISTS, and be prefilled again, on every request for as long as the segment lives).
@@ -300,7 +299,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
         if not len(todo):
             self._stats[STAT["exists"]] += n
             return codes
-        rec = self._slots
+        rec, words = self._slots, self._words
         claim = next(self._claim_ids)
 
         def claim_slots() -> tuple[np.ndarray, Any, np.ndarray, np.ndarray, np.ndarray]:
@@ -318,16 +317,18 @@ class HotTier(SegmentHandle, Allocation, Tier):
             use = np.sort(np.concatenate([slots, by_slot[:need]]))
             stored = new[: len(use)]
             codes[new[len(use):]] = _NO_SPACE
-            rec["key"][use] = keys.keys[stored]
-            rec["parent"][use] = keys.parents[stored]
-            rec["position"][use] = keys.positions[stored]
-            rec["length"][use] = self.spec.block_bytes
-            self._index.insert(use, keys.keys[stored])
+            run = batch.one_run(use)
+            named = np.concatenate((keys.keys[stored], keys.parents[stored]), axis=1)
+            batch.set_words(words, use, run, slice(batch.KEY, batch.PARENT + 2), named)
+            batch.set_words(words, use, run, batch.POSITION, keys.positions[stored])
+            batch.set_words(words, use, run, batch.LENGTH, self.spec.block_bytes)
+            self._index.insert(use, named[:, :2])
             return victims, old, spare, use, stored
 
         def publish() -> None:
-            rec["gen"][use] += 1  # even again: published
-            rec["state"][use] = READY
+            run = batch.one_run(use)
+            batch.bump(words, use, run)  # even again: published
+            batch.set_words(words, use, run, batch.STATE, READY)
             parents = self._find(keys.parents[stored])
             try:
                 policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
@@ -382,6 +383,11 @@ class HotTier(SegmentHandle, Allocation, Tier):
         dst0, src0, sstride, rstride = address(data), address(src), data.strides[0], src.strides[0]
         uniform = rstride % 64 == 0
         skew0 = (dst0 - src0) % 64 != 0
+        if batch.one_run(slots) and batch.one_run(rows):  # a prompt stored in one call: one copy
+            s, r = int(slots[0]), int(rows[0])
+            skew = skew0 if uniform else (dst0 + s * sstride - src0 - r * rstride) % 64 != 0
+            copy_rows(data[s:s + len(slots)], src[r:r + len(rows)], skew)
+            return
         edges = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
         begins = np.concatenate(([0], edges)).tolist()
         ends = np.concatenate((edges, [len(slots)])).tolist()

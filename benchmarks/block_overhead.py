@@ -1,6 +1,6 @@
 """Per-block overhead of small blocks, and big blocks against one flat memcpy (issue 23, items 4 and 5).
 
-    python benchmarks/block_overhead.py [--rounds 3] [--repeats 15] [--only small|big] [--json OUT]
+    python benchmarks/block_overhead.py [--rounds 3] [--repeats 15] [--only small|big] [--huge] [--json OUT]
 
 **small**: 64 KiB blocks in batches of 64 through ``HotTier.get_many`` / ``put_many`` and through a
 hot-only ``TieredCache.get_blocks`` / ``put_blocks``. The baseline is ``np.copyto`` of the same 4 MiB
@@ -15,6 +15,11 @@ threshold, so this is the fastest copy of those bytes on the machine), and again
 copied block by block (what a copy per run of ordinary stores gets). Ratios > 1 are faster than the
 baseline.
 
+Both parts also time the baseline copy into or out of private memory mapped with 4 KiB pages (numpy's
+large buffers get 2 MiB pages; a segment in /dev/shm has 4 KiB pages unless its tmpfs is mounted
+``huge=always``, docs/tuning.md): the "4 KiB pages" columns say how much of a gap is the page size, not
+tieredkv. ``--huge`` (root) also runs every round with the segments on a ``huge=always`` tmpfs.
+
 Each round prints the load average beside its figures; medians over ``--repeats`` per round. Not a
 test: nothing here asserts a timing.
 """
@@ -22,7 +27,9 @@ test: nothing here asserts a timing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import os
 import secrets
 import statistics
@@ -38,6 +45,31 @@ from tieredkv import HotTier, KVSpec, TieredCache, chunk_keys  # noqa: E402
 
 SMALL = KVSpec(model_id="bench/64k", num_layers=8, num_kv_heads=1, head_dim=32, dtype="float16")
 BIG = KVSpec(model_id="bench/seed-7b", num_layers=28, num_kv_heads=2, head_dim=128, dtype="float16")
+
+
+def small_pages(shape: tuple[int, int]) -> np.ndarray:
+    """A private, touched uint8 buffer that the kernel maps with 4 KiB pages (``MADV_NOHUGEPAGE``)."""
+    mm = mmap.mmap(-1, shape[0] * shape[1])
+    with contextlib.suppress(AttributeError, OSError):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    buf = np.frombuffer(mm, np.uint8).reshape(shape)
+    buf[:] = 1
+    return buf
+
+
+@contextlib.contextmanager
+def segments_in(path: str | None):
+    """Make segments in ``path`` meanwhile (``TIEREDKV_SHM_DIR``)."""
+    old = os.environ.get("TIEREDKV_SHM_DIR")
+    if path is not None:
+        os.environ["TIEREDKV_SHM_DIR"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TIEREDKV_SHM_DIR", None)
+        else:
+            os.environ["TIEREDKV_SHM_DIR"] = old
 
 
 def _name() -> str:
@@ -85,11 +117,16 @@ def small_round(repeats: int, n_prompts: int = 16, batch: int = 64) -> dict:
     payload = np.ones((batch, spec.block_bytes), np.uint8)
     out = np.empty_like(payload)
     src = np.ones((n_prompts * batch, spec.block_bytes), np.uint8)  # private, as large as the segment's data
+    src4k = small_pages(src.shape)
     turn = iter(range(1 << 62))
 
     def copy_get():
         k = next(turn) % n_prompts
         np.copyto(out, src[k * batch:(k + 1) * batch])
+
+    def copy_get_4k():
+        k = next(turn) % n_prompts
+        np.copyto(out, src4k[k * batch:(k + 1) * batch])
 
     def copy_put():
         k = next(turn) % n_prompts
@@ -105,9 +142,10 @@ def small_round(repeats: int, n_prompts: int = 16, batch: int = 64) -> dict:
         def hot_get():
             assert tier.get_many(prompts[next(turn) % n_prompts], out) == batch
 
-        t = _pairs({"copy_get": copy_get, "get": hot_get, "copy_put": copy_put,
+        t = _pairs({"copy_get": copy_get, "get": hot_get, "copy_put": copy_put, "copy_get_4k": copy_get_4k,
                     "put": lambda: tier.put_many(fresh, payload)}, repeats, before=lambda: tier.remove(fresh))
         result["hot"] = _overheads(t, batch)
+        result["pages_4k_us_per_block"] = (t["copy_get_4k"][0] - t["copy_get"][0]) / batch * 1e6
     finally:
         tier.unlink()
     cache = TieredCache(spec, hot_blocks=(n_prompts + 1) * batch, hot_name=_name())
@@ -147,12 +185,16 @@ def big_round(repeats: int, blocks: int = 64) -> dict:
     payload = np.ones((blocks, spec.block_bytes), np.uint8)
     out = np.empty_like(payload)
     src = np.ones_like(payload)
+    src4k = small_pages(src.shape)
 
     def flat_get():
         np.copyto(out, src)
 
     def flat_put():
         np.copyto(src, payload)
+
+    def flat_put_4k():
+        np.copyto(src4k, payload)
 
     def pieces():
         for i in range(blocks):
@@ -167,13 +209,15 @@ def big_round(repeats: int, blocks: int = 64) -> dict:
             assert tier.get_many(keys, out) == blocks
 
         t = _pairs({"flat_get": flat_get, "get": get, "pieces": pieces, "flat_put": flat_put,
-                    "put": lambda: tier.put_many(fresh, payload)}, repeats, before=lambda: tier.remove(fresh))
+                    "flat_put_4k": flat_put_4k, "put": lambda: tier.put_many(fresh, payload)}, repeats,
+                   before=lambda: tier.remove(fresh))
     finally:
         tier.unlink()
     gbps = {k: nbytes / w / 1e9 for k, (w, _) in t.items()}
     return {"load_before": load0, "load_after": _load(), "gbps": gbps,
             "get_vs_flat": t["flat_get"][0] / t["get"][0], "put_vs_flat": t["flat_put"][0] / t["put"][0],
             "pieces_vs_flat": t["flat_get"][0] / t["pieces"][0],
+            "put_4k_vs_flat": t["flat_put"][0] / t["flat_put_4k"][0],
             "get_vs_flat_cpu": t["flat_get"][1] / t["get"][1], "put_vs_flat_cpu": t["flat_put"][1] / t["put"][1]}
 
 
@@ -182,41 +226,66 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="independent rounds (each prints its load average)")
     ap.add_argument("--repeats", type=int, default=15, help="timed repeats per figure in a round (median)")
     ap.add_argument("--only", choices=("small", "big"), help="run one part only")
+    ap.add_argument("--huge", action="store_true", help="also run with the segments on a huge=always tmpfs (root)")
     ap.add_argument("--json", metavar="OUT", help="write every round as JSON")
     args = ap.parse_args(argv)
     import tieredkv
 
     print(f"tieredkv from {Path(tieredkv.__file__).parent}; {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    places: list[str | None] = [None]
+    huge = None
+    if args.huge:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import restore_processes
+
+        huge = restore_processes._mount_huge(1 << 30)
+        if huge:
+            places.append(huge)
     report: dict = {"small": [], "big": []}
-    if args.only != "big":
-        print("\nsmall: 64 KiB blocks, batches of 64; overhead per block over np.copyto of the same bytes "
-              "(us, wall / CPU); goal get <= 5, put <= 10")
-        print("| round | load | hot get | hot put | cache get | cache put | memcpy us/block |")
-        print("|---|---|---|---|---|---|---|")
-        for r in range(args.rounds):
-            s = small_round(args.repeats)
-            report["small"].append(s)
-            h, c = s["hot"], s["cache"]
-            cell = lambda d: f"{d['us_per_block']:.2f} / {d['cpu_us_per_block']:.2f}"  # noqa: E731
-            print(f"| {r + 1} | {s['load_before']:.1f}-{s['load_after']:.1f} | {cell(h['get'])} | {cell(h['put'])} "
-                  f"| {cell(c['get'])} | {cell(c['put'])} | {h['get']['memcpy_us_per_block']:.2f} |", flush=True)
-    if args.only != "small":
-        print("\nbig: 64 x 1.75 MiB (112 MiB) in one call vs ONE flat 112 MiB np.copyto (x; > 1 is faster); "
-              "goal get >= 0.95, put >= 0.90")
-        print("| round | load | get (x flat) | put (x flat) | block-by-block copy (x flat) | flat GB/s "
-              "| get CPU (x flat) | put CPU (x flat) |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in range(args.rounds):
-            b = big_round(args.repeats)
-            report["big"].append(b)
-            print(f"| {r + 1} | {b['load_before']:.1f}-{b['load_after']:.1f} | {b['get_vs_flat']:.2f} "
-                  f"| {b['put_vs_flat']:.2f} | {b['pieces_vs_flat']:.2f} | {b['gbps']['flat_get']:.2f} "
-                  f"| {b['get_vs_flat_cpu']:.2f} | {b['put_vs_flat_cpu']:.2f} |", flush=True)
+    try:
+        for place in places:
+            with segments_in(place):
+                _run(args, place or "/dev/shm", report)
+    finally:
+        if huge:
+            restore_processes._unmount(huge)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def _run(args, place: str, report: dict) -> None:
+    if args.only != "big":
+        print(f"\nsmall: 64 KiB blocks, batches of 64, segment in {place}; overhead per block over np.copyto of the "
+              "same bytes between private buffers (us, wall / CPU); goal get <= 5, put <= 10. Last column: what "
+              "the same memcpy costs more from 4 KiB pages")
+        print("| round | load | hot get | hot put | cache get | cache put | memcpy us/block | 4 KiB pages +us/block |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in range(args.rounds):
+            s = small_round(args.repeats)
+            s["segment_dir"] = place
+            report["small"].append(s)
+            h, c = s["hot"], s["cache"]
+            cell = lambda d: f"{d['us_per_block']:.2f} / {d['cpu_us_per_block']:.2f}"  # noqa: E731
+            print(f"| {r + 1} | {s['load_before']:.1f}-{s['load_after']:.1f} | {cell(h['get'])} | {cell(h['put'])} "
+                  f"| {cell(c['get'])} | {cell(c['put'])} | {h['get']['memcpy_us_per_block']:.2f} "
+                  f"| {s['pages_4k_us_per_block']:.2f} |", flush=True)
+    if args.only != "small":
+        print(f"\nbig: 64 x 1.75 MiB (112 MiB) in one call, segment in {place}, vs ONE flat 112 MiB np.copyto "
+              "between private buffers (x; > 1 is faster); goal get >= 0.95, put >= 0.90")
+        print("| round | load | get (x flat) | put (x flat) | block-by-block copy (x flat) "
+              "| flat copy into 4 KiB pages (x flat) | flat GB/s | get CPU (x flat) | put CPU (x flat) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in range(args.rounds):
+            b = big_round(args.repeats)
+            b["segment_dir"] = place
+            report["big"].append(b)
+            print(f"| {r + 1} | {b['load_before']:.1f}-{b['load_after']:.1f} | {b['get_vs_flat']:.2f} "
+                  f"| {b['put_vs_flat']:.2f} | {b['pieces_vs_flat']:.2f} | {b['put_4k_vs_flat']:.2f} "
+                  f"| {b['gbps']['flat_get']:.2f} | {b['get_vs_flat_cpu']:.2f} | {b['put_vs_flat_cpu']:.2f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ import numpy as np
 
 _M64 = (1 << 64) - 1
 _FIB = 0x9E3779B97F4A7C15  # 2**64 / golden ratio
+#: When no more than this many keys of a batch still probe on, a Python loop over them (a few word
+#: reads each) is cheaper than one more numpy pass per probe distance (about 5 calls per pass).
+_SCALAR_TAIL = 8
 
 
 class ProbeTable:
@@ -66,8 +69,10 @@ class ProbeTable:
     # ---- scalar ---------------------------------------------------------------------------------
     def find(self, key: int) -> int:
         """Position of the first entry holding ``key``, or -1."""
+        return self._find_from(self.home(key), key)
+
+    def _find_from(self, i: int, key: int) -> int:
         k, r, mask = self._k, self._r, self.mask
-        i = self.home(key)
         for _ in range(self.size):
             if not r[i]:
                 return -1
@@ -78,8 +83,10 @@ class ProbeTable:
 
     def find_value(self, key: int, value: int) -> int:
         """Position of the entry holding exactly ``(key, value)``, or -1."""
+        return self._find_value_from(self.home(key), key, value)
+
+    def _find_value_from(self, i: int, key: int, value: int) -> int:
         k, r, mask, ref = self._k, self._r, self.mask, value + 1
-        i = self.home(key)
         for _ in range(self.size):
             if not r[i]:
                 return -1
@@ -164,6 +171,12 @@ class ProbeTable:
         active = np.flatnonzero(go_on)
         pos = (pos[active] + 1) & self.mask
         for _ in range(self.size - 1):
+            if len(active) <= _SCALAR_TAIL:
+                for a, i in zip(active.tolist(), pos.tolist()):
+                    at = self._find_from(i, int(keys[a]))
+                    if at >= 0:
+                        out[a] = self._r[at] - 1
+                break
             ref = self.refs[pos]
             live = ref != 0
             hit = live & (self.keys[pos] == keys[active])
@@ -183,7 +196,9 @@ class ProbeTable:
         active = np.arange(len(keys))
         pos = self.homes(keys)
         for _ in range(self.size):
-            if not len(active):
+            if len(active) <= _SCALAR_TAIL:
+                for a, i in zip(active.tolist(), pos.tolist()):
+                    out[a] = self._find_value_from(i, int(keys[a]), int(want[a]) - 1)
                 break
             ref = self.refs[pos]
             hit = (ref == want[active]) & (self.keys[pos] == keys[active])
@@ -239,10 +254,18 @@ class ProbeTable:
         moved = []
         pos = (holes + 1) & self.mask
         for _ in range(self.size):
+            if len(pos) <= _SCALAR_TAIL:
+                r, mask, tail = self._r, self.mask, []
+                for i in pos.tolist():
+                    for _ in range(self.size):
+                        if not r[i]:
+                            break
+                        tail.append(i)
+                        i = (i + 1) & mask
+                moved.append(np.asarray(tail, dtype=np.int64))
+                break
             live = self.refs[pos] != 0
             pos = pos[live]
-            if not len(pos):
-                break
             moved.append(pos)
             pos = (pos + 1) & self.mask
         if moved:

@@ -125,7 +125,7 @@ def still_seen(words: np.ndarray, slots: np.ndarray, seen: np.ndarray) -> int:
 
 def torn(words: np.ndarray, slots: np.ndarray, seen: np.ndarray) -> int:
     """Index of the first slot whose generation changed since ``seen`` (step 3), or ``len(slots)``."""
-    return leading(words[:, GEN].take(slots) == seen[:, 0])
+    return leading(words[:, GEN][slots] == seen[:, 0])  # not take(): it would copy the whole column first
 
 
 def add_pins(words: np.ndarray, slots: np.ndarray, run: bool) -> None:

@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     try:
         for place in places:
             with segments_in(place):
-                _run(args, place or "/dev/shm", report)
+                _run(args, place or os.environ.get("TIEREDKV_SHM_DIR") or "/dev/shm", report)
     finally:
         if huge:
             restore_processes._unmount(huge)

@@ -123,3 +123,24 @@ def test_a_batch_recycled_before_its_pin_is_a_miss(seg_name, monkeypatch, call):
         assert tier.slot_census()["pinned"] == 0
         out = np.zeros((4, B), np.uint8)
         assert tier.get_many(keys, out) == 4 and np.array_equal(out, payload_for(keys, B))
+
+
+def test_the_block_overhead_benchmark_runs(tmp_path):
+    """benchmarks/block_overhead.py (the figures of issue 23, items 4 and 5) runs and reports every
+    figure it prints; timings are not asserted."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import block_overhead
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "small.json"
+    assert block_overhead.main(["--only", "small", "--rounds", "1", "--repeats", "1", "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())["small"]
+    for who in ("hot", "cache"):
+        for op in ("get", "put"):
+            assert set(row[who][op]) == {"us_per_block", "cpu_us_per_block", "ratio", "memcpy_us_per_block"}
+    assert set(row["bookkeeping"]) == {"get", "put"} and row["segment_dir"]

@@ -45,13 +45,13 @@ import numpy as np
 import xxhash
 from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
-from tieredkv import forksafe, policies
+from tieredkv import codec, forksafe, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, LockTimeout, TieredKVError, WarmTierUnavailable
 from tieredkv.keys import KEY_BYTES, ChunkKeys, key_at
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, check_keys, out_rows
-from tieredkv.warm import files
+from tieredkv.warm import files, packed
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
 from tieredkv.warm.view import PolicyView
@@ -115,6 +115,10 @@ class WarmTier(Tier):
         on_evict: called with an ``Evicted`` (keys, verified bytes, hits) for the blocks ``put_many``
             evicts to make room, before their slots are rewritten: the hook that passes blocks leaving
             the warm tier on to a lower tier (a remote store). Costs one slab read per evicted block.
+        compress: write blocks compressed (``tieredkv.codec.CHOICES``: "none", "zstd", "lz4"; True:
+            "zstd"): fewer bytes to and from the disk, the same capacity (tieredkv.warm.packed). Pays
+            when the disk is slower than the codec (docs/warm-tier.md). Reads decode every block
+            whatever this says; a block in a codec not installed here is a miss.
 
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
@@ -131,6 +135,7 @@ class WarmTier(Tier):
             inside a write).
         InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier, a
             directory that is not a non-empty path).
+        MissingDependency: ``compress`` needs blosc2, which is not installed.
 
     A ``WarmTier`` may be used from several threads and survives ``fork`` (the child opens its own
     LMDB environment on its first call). Writes are serialised; lookups and loads never wait for a
@@ -142,7 +147,7 @@ class WarmTier(Tier):
                  sample_rate: float = 1 / 16, flush_every: int = 1024,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
                  map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0,
-                 on_evict: Callable[[Evicted], None] | None = None):
+                 on_evict: Callable[[Evicted], None] | None = None, compress: str | bool | None = None):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         if sync not in SYNC_MODES:
@@ -161,6 +166,11 @@ class WarmTier(Tier):
         self.spec = spec
         self.sync = sync
         self.verify = verify
+        name = codec.choice(compress)
+        if name == "zlib":
+            raise InvalidInput("compress='zlib' is too slow for the warm tier (tens of MB/s); use 'zstd' or 'lz4'")
+        #: frames blocks on write (None: blocks are written raw)
+        self._packer = packed.Packer(name, spec.block_bytes, spec.dtype_bytes) if name != "none" else None
         self.sample_rate = float(sample_rate)
         self.flush_every = max(1, int(flush_every))
         try:
@@ -362,7 +372,7 @@ class WarmTier(Tier):
         found = np.zeros(n, dtype=bool)
         if m:
             # A damaged slot field must be a miss, never an index past the slabs.
-            found[:m] = ((recs["length"] == self.block_bytes) & (recs["slot"] < self.n_slots)
+            found[:m] = (packed.valid_length(recs["length"], self.block_bytes) & (recs["slot"] < self.n_slots)
                          & (recs["parent"] == keys.parents[:m]).all(axis=1)
                          & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
         if prefix and not found.all():
@@ -379,7 +389,7 @@ class WarmTier(Tier):
         m = min(n, len(recs))
         if not m:
             return np.zeros(0, dtype=bool)
-        bad = ((recs["slot"][:m] >= self.n_slots) & (recs["length"][:m] == self.block_bytes)
+        bad = ((recs["slot"][:m] >= self.n_slots) & packed.valid_length(recs["length"][:m], self.block_bytes)
                & (recs["parent"][:m] == keys.parents[:m]).all(axis=1)
                & (recs["tokens"][:m] == keys.tokens[:m]).all(axis=1))
         if self.verify == "always":
@@ -493,7 +503,13 @@ class WarmTier(Tier):
         if self.verify == "sampled":
             with self._mem:  # a Generator is not thread-safe
                 check &= self._rng.random(run) < self.sample_rate
-        complete, sums = self._read_hashing(slots, rows, check, sink)
+        failed = lacking = np.zeros(run, dtype=bool)
+        if (recs["length"] == self.block_bytes).all():
+            complete, sums = self._read_hashing(slots, rows, check, sink)
+        else:  # some blocks are stored compressed: always checked, then decompressed
+            complete, sums, check, failed, lacking = packed.read(
+                self._slabs, slots, recs["length"], recs["checksum"], rows, check, sink, self.spec.dtype_bytes,
+                READ_GROUP_BYTES)
         # Re-check after the copy (see the module docstring): same slot and gen <=> bytes were stable.
         again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
         stable = found.copy()
@@ -502,7 +518,8 @@ class WarmTier(Tier):
         stable[m:] = False
         bad = stable & ~complete
         bad |= stable & complete & check & (sums != recs["checksum"])
-        end = np.flatnonzero(~stable | bad)
+        bad |= stable & failed
+        end = np.flatnonzero(~stable | bad | lacking)  # lacking: this process lacks the codec (a miss)
         good = int(end[0]) if len(end) else run
         if bad.any():
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))
@@ -654,11 +671,10 @@ class WarmTier(Tier):
                         self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
                     else:
                         self.on_evict(self._evicted(victims, None, np.ones(len(victims), dtype=bool)))
-                sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in idx.tolist()]
-                touched = self._slabs.write(slot_arr, rows, idx)
+                sums, lengths, touched = packed.write(self._slabs, self._packer, slot_arr, rows, idx)
                 if self.sync != "none":
                     self._slabs.sync(touched)  # data reaches the disk before the index points at it
-                stored = self._commit(raw, keys, idx, slot_arr, sums, owner, token)
+                stored = self._commit(raw, keys, idx, slot_arr, sums, owner, token, lengths)
             except BaseException:
                 self._release(raw, idx, slot_arr, owner, token)
                 raise
@@ -712,12 +728,13 @@ class WarmTier(Tier):
         return slots
 
     def _commit(self, raw: bytes, keys: ChunkKeys, idx: np.ndarray, slots: np.ndarray, sums: list[int],
-                owner: int, token: int) -> np.ndarray:
-        """Publish the written blocks: records in, claims out, one transaction. Return a stored mask."""
+                owner: int, token: int, lengths: np.ndarray | None = None) -> np.ndarray:
+        """Publish the written blocks: records in, claims out, one transaction. Return a stored mask.
+        ``lengths``: the bytes each block occupies in its slot (None: all raw, ``block_bytes``)."""
         m = len(idx)
         recs = np.zeros(m, dtype=self._rec)
         recs["slot"] = slots
-        recs["length"] = self.block_bytes
+        recs["length"] = self.block_bytes if lengths is None else lengths
         recs["checksum"] = np.asarray(sums, dtype=np.uint64)
         recs["parent"] = keys.parents[idx]
         t = ix.now_us()
@@ -934,7 +951,14 @@ class WarmTier(Tier):
         """Read the victims' slots into ``rows``; bool per victim: complete and its checksum holds."""
         keep = np.ones(len(victims), dtype=bool)
         if victims:
-            complete = self._slabs.read(np.asarray([v[0] for v in victims], dtype=np.int64), rows)
+            slots = np.asarray([v[0] for v in victims], dtype=np.int64)
+            recs = np.array([v[2] for v in victims], dtype=self._rec).reshape(len(victims))
+            if (recs["length"] != self.block_bytes).any():
+                complete, sums, _, failed, lacking = packed.read(
+                    self._slabs, slots, recs["length"], recs["checksum"], rows, keep, None,
+                    self.spec.dtype_bytes, READ_GROUP_BYTES)
+                return complete & (sums == recs["checksum"]) & ~failed & ~lacking
+            complete = self._slabs.read(slots, rows)
             for j, (_, _, rec) in enumerate(victims):
                 keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
         return keep
@@ -974,6 +998,7 @@ class WarmTier(Tier):
                                 "policy": self.policy.name, "readonly": self.readonly,
                                 "inflight": int(inflight), "corrupt_total": int(corrupt_total),
                                 "pending_hits": pending_n, "slot_bytes": self.slot_bytes,
+                                "compress": self._packer.name if self._packer is not None else "none",
                                 "map_size": self._index.map_size()})
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from warm_tier import drop_cache  # benchmarks/warm_tier.py: fdatasync + POSIX_FADV_DONTNEED per file
 
 from tieredkv import KVSpec, chunk_keys
 from tieredkv import codec as cd
@@ -139,13 +140,7 @@ def _drop(tier_dir: str, everything: bool) -> None:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         return
-    for path in glob.glob(os.path.join(tier_dir, "slab-*.bin")):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    drop_cache(glob.glob(os.path.join(tier_dir, "slab-*.bin")))
 
 
 def warm_restores(spec: KVSpec, blocks: np.ndarray, keys, repeats: int, drop_caches: bool, work: str) -> dict:

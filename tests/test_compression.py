@@ -18,6 +18,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from helpers import flip
 from tieredkv import KVSpec, TieredCache, chunk_keys
 from tieredkv import codec as cd
 from tieredkv.config import WarmConfig
@@ -59,14 +60,6 @@ def lengths_of(tier, keys):
     recs, found = tier._index.read(lambda txn: tier._lookup(txn, raw, keys, len(keys), False))
     assert found.all()
     return recs["length"].astype(int)
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 @pytest.fixture

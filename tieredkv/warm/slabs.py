@@ -249,10 +249,13 @@ class Slabs:
                         raise OSError(errno.EIO, "pwrite wrote nothing")
                     done += n
             except OSError as exc:
-                raise WarmTierUnavailable(f"cannot write to {self.path(slab)}: "
-                                          f"{os.strerror(exc.errno) if exc.errno else exc}", errno=exc.errno) from exc
+                raise self._write_failed(slab, exc) from exc
             touched.add(slab)
         return touched
+
+    def _write_failed(self, slab: int, exc: OSError) -> WarmTierUnavailable:
+        return WarmTierUnavailable(f"cannot write to {self.path(slab)}: "
+                                   f"{os.strerror(exc.errno) if exc.errno else exc}", errno=exc.errno)
 
     def sync(self, slabs: set[int]) -> None:
         """fdatasync the given slabs (their data reaches the disk before the index points at it)."""
@@ -319,7 +322,6 @@ class Slabs:
                         raise OSError(errno.EIO, "pwrite wrote nothing")
                     done += n
             except OSError as exc:
-                raise WarmTierUnavailable(f"cannot write to {self.path(slab)}: "
-                                          f"{os.strerror(exc.errno) if exc.errno else exc}", errno=exc.errno) from exc
+                raise self._write_failed(slab, exc) from exc
             touched.add(slab)
         return touched

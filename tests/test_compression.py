@@ -335,7 +335,7 @@ def valkey_server():
     pytest.importorskip("valkey", reason="the remote tests need the valkey client (tieredkv[remote])")
     from tieredkv.remote import testing as servers
 
-    with servers.ValkeyServer() as server:
+    with servers.ValkeyServer(maxmemory="256mb") as server:
         yield server
 
 
@@ -377,7 +377,10 @@ def test_remote_round_trip_compressed(valkey_server, rspec, name):
         assert [v[6] for v in values] == [codec_id] * 6 + [cd.RAW] * 2  # the header's codec byte
         assert all(len(v) < HEADER_BYTES + rspec.block_bytes for v in values[:6])
         assert tier.counts["wire_bytes_in"] < tier.counts["bytes_in"]
+        # the store's capacity in blocks counts the values' real (mean) size
+        assert tier.stats().capacity_blocks > (256 << 20) // tier.codec.max_bytes
     with remote(valkey_server.url, rspec) as reader:  # configured without compression: reads them all
+        assert reader.stats().capacity_blocks == (256 << 20) // reader.codec.max_bytes
         out = np.zeros_like(data)
         assert reader.get_many(k, out) == 8
         np.testing.assert_array_equal(out, data)
@@ -423,3 +426,38 @@ def test_remote_damaged_compressed_value_is_refused_and_deleted(valkey_server, r
         assert tier.counts["corrupt"] == 1
         assert client.exists(names[2]) == 0  # deleted: the next writer replaces it
         client.close()
+
+
+def test_remote_value_codec_byte_and_offline_check(monkeypatch):
+    """``Codec`` (the remote value format) with codec 2, and ``check_value`` (``tieredkv verify
+    --remote``) on sound, undecodable-here and MAC-valid-but-broken values."""
+    from tieredkv.remote.auth import FleetKey
+    from tieredkv.remote.value import HEADER, HEADER_BYTES, Codec, check_value
+
+    key = FleetKey.from_secret(b"c" * 32, "test")
+    k = keys_of(2)
+    data = bf16_payloads(k)
+    codec = Codec(SPEC, key, compress="zstd")
+    digest = codec.digests(k)[0]
+    value = np.frombuffer(bytes(codec.encode(digest, data[0])), np.uint8)
+    assert value[6] == cd.BLOSC2 and len(value) < HEADER_BYTES + SPEC.block_bytes
+    out = np.zeros(SPEC.block_bytes, np.uint8)
+    assert Codec(SPEC, key).decode_into(value, digest, out)  # a reader set to "none" decodes it
+    np.testing.assert_array_equal(out, data[0])
+    assert check_value(value, digest.hex(), key) is None
+    # A value whose MAC holds but whose body is not a blosc2 chunk of the block's length (an insider's
+    # bug): refused by the reader and by verify.
+    broken = value.copy()
+    broken[HEADER_BYTES:] = 7
+    HEADER.pack_into(broken.data, 0, b"TKVR", 2, cd.BLOSC2, 0, SPEC.chunk_tokens, 0, len(broken) - HEADER_BYTES,
+                     SPEC.block_bytes, digest)
+    mac = key.mac()
+    mac.update(broken[:48].data)
+    mac.update(broken[HEADER_BYTES:].data)
+    broken[48:HEADER_BYTES] = np.frombuffer(mac.digest(), np.uint8)
+    assert not Codec(SPEC, key).decode_into(broken, digest, out)
+    assert "does not decompress" in check_value(broken, digest.hex(), key)
+    monkeypatch.setenv("TIEREDKV_DISABLE_CODECS", "blosc2")
+    with pytest.raises(MissingDependency):
+        Codec(SPEC, key).decode_into(value, digest, out)
+    assert check_value(value, digest.hex(), key) is None  # sound as far as this host can tell

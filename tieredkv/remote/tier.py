@@ -434,7 +434,11 @@ class RemoteTier(Tier):
                  "undecodable": counts.pop("undecodable"),
                  "skipped": counts.pop("skipped"), "refused": counts.pop("refused"),
                  "wire_bytes_in": counts.pop("wire_bytes_in"), "server": server}
-        capacity = self.capacity_blocks or int(server.get("maxmemory_bytes", 0)) // self.codec.max_bytes
+        # Compressed values take less: size the store by the mean value this process wrote.
+        per_value = self.codec.max_bytes
+        if self.compress and counts["puts"] and extra["wire_bytes_in"]:
+            per_value = -(-int(extra["wire_bytes_in"]) // counts["puts"])
+        capacity = self.capacity_blocks or int(server.get("maxmemory_bytes", 0)) // per_value
         return TierStats(name="remote", capacity_blocks=capacity, used_blocks=int(server.get("names", 0)),
                          extra=extra, **counts)
 

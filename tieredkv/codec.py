@@ -61,7 +61,7 @@ MIN_SAVING = 1 / 16
 THREADS = min(4, os.cpu_count() or 1)
 _THREAD_BYTES = 1 << 20
 
-_blosc2: Any = None
+_blosc2: Any = None  # the module once imported; False once its import failed (not retried)
 
 
 def disabled() -> set[str]:
@@ -82,11 +82,23 @@ def blosc2_module():
     if _blosc2 is None:
         try:
             import blosc2
-        except ImportError as exc:
-            raise MissingDependency(f"compression codec blosc2 is not installed; it is needed for "
-                                    f"compress='zstd'/'lz4' and to read blocks written so: {INSTALL}") from exc
-        _blosc2 = blosc2
+        except ImportError:
+            _blosc2 = False
+        else:
+            _blosc2 = blosc2
+    if _blosc2 is False:
+        raise MissingDependency(f"compression codec blosc2 is not installed; it is needed for "
+                                f"compress='zstd'/'lz4' and to read blocks written so: {INSTALL}")
     return _blosc2
+
+
+def blosc2_available() -> bool:
+    """Whether this process can run blosc2 (installed, and not disabled by ``TIEREDKV_DISABLE_CODECS``)."""
+    try:
+        blosc2_module()
+    except MissingDependency:
+        return False
+    return True
 
 
 def choice(value: Any, what: str = "compress") -> str:

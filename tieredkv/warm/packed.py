@@ -46,6 +46,15 @@ def valid_length(lengths: np.ndarray, block_bytes: int) -> np.ndarray:
     return (lengths == block_bytes) | ((lengths > FRAME.size) & (lengths < block_bytes))
 
 
+def servable(lengths: np.ndarray, block_bytes: int) -> np.ndarray:
+    """Bool per record length: a block this process can read. Frames only where blosc2 runs here (the
+    only codec the warm tier writes): a lookup does not promise blocks its load would miss."""
+    raw = lengths == block_bytes
+    if raw.all() or not cd.blosc2_available():
+        return raw
+    return raw | ((lengths > FRAME.size) & (lengths < block_bytes))
+
+
 class Packer:
     """Frames blocks with one codec choice (``tieredkv.codec.CHOICES``, not "none").
 

@@ -372,7 +372,7 @@ class WarmTier(Tier):
         found = np.zeros(n, dtype=bool)
         if m:
             # A damaged slot field must be a miss, never an index past the slabs.
-            found[:m] = (packed.valid_length(recs["length"], self.block_bytes) & (recs["slot"] < self.n_slots)
+            found[:m] = (packed.servable(recs["length"], self.block_bytes) & (recs["slot"] < self.n_slots)
                          & (recs["parent"] == keys.parents[:m]).all(axis=1)
                          & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
         if prefix and not found.all():

@@ -142,7 +142,8 @@ class TieredCache:
             ``warm_dir`` (``None``: no warm tier), ``warm_bytes``, ``demotion`` (when a block reaches
             warm: ``"write_behind"``, ``"write_through"``, ``"on_evict"``, ``"on_nth_hit:N"``),
             ``warm_sync``, ``warm_verify`` (only ``"always"`` protects against media corruption,
-            docs/warm-tier.md), ``warm_queue_bytes``, ``warm_flush_s``, ``remote`` (a URL such as
+            docs/warm-tier.md), ``warm_queue_bytes``, ``warm_flush_s``, ``warm_compress`` (``"zstd"``,
+            ``"lz4"``; off by default), ``remote`` (a URL such as
             ``"valkey://host:6379"`` or a ``Tier``; the cache closes it), ``remote_write``,
             ``remote_queue_blocks`` or ``remote_queue_bytes``, ``remote_flush_s``, ``eviction``,
             ``lock_timeout_s``. Their meaning is documented field by field in ``tieredkv/config.py``.
@@ -602,14 +603,14 @@ class TieredCache:
             missing = np.flatnonzero(~got)
             if not len(missing):
                 break
-            present = missing[level.contains(keys.take(missing))]
+            present = missing[level.contains(keys if len(missing) == len(keys) else keys.take(missing))]
             read = []
-            edges = np.flatnonzero(np.diff(present) != 1) + 1
-            for run in np.split(present, edges) if len(present) else []:
-                a, b = int(run[0]), int(run[-1]) + 1
+            edges = (np.flatnonzero(np.diff(present) != 1) + 1).tolist()
+            for i, j in zip([0, *edges], [*edges, len(present)]) if len(present) else ():
+                a, b = int(present[i]), int(present[j - 1]) + 1  # one run of adjacent keys
                 n = level.read(keys[a:b], rows[a:b], None)
                 got[a:a + n] = True
-                read.append(run[:n])
+                read.append(present[i:i + n])
             if read and level is not levels[0]:
                 promote.append((level, np.concatenate(read)))
         for level, idx in promote:

@@ -1,7 +1,7 @@
 """Writing behind from the top level: a queued write to a lower level carries keys, not bytes.
 
 ```
-store()       model KV --gather, a group at a time--> staging rows --put--> top level (shared memory)
+store()       model KV --gather--> the slots the top level claimed (shared memory): no buffer of its own
               keys --submit--> each written-behind level's BackgroundWriter
 writer thread top level --copy out a group, pinned--> its staging rows --put--> the lower level
 ```
@@ -9,8 +9,8 @@ writer thread top level --copy out a group, pinned--> its staging rows --put--> 
 Once a block is in the top level the process needs no copy of its own for the levels below: their
 writer threads copy it out of the top level's memory when its turn comes, a group of blocks at a
 time. So no payload buffer lives on after ``store`` returns, and what a process keeps for writing is
-bounded (``STAGE_BYTES`` per staging buffer) however large its stores are: a buffer per store in
-flight, one per writer thread.
+bounded however large its stores are: one staging buffer (at most ``STAGE_BYTES``) per writer thread,
+and one for levels written through in the storing thread.
 
 The copy finds a block by its key and checks the slot's key, parent and tokens under a pin, so it never
 reads another block's bytes, whatever happened to the slot meanwhile. Before a put of this process
@@ -37,7 +37,7 @@ from tieredkv.layout import page_aligned_empty
 from tieredkv.levels import Level
 
 #: Bytes of one staging buffer (at least one block): large enough that per-call costs of a put are
-#: spread over several blocks, small enough to stay in the CPU's caches between gather and copy.
+#: spread over several blocks, small enough to stay in the CPU's caches between copy-out and put.
 STAGE_BYTES = 4 << 20
 
 

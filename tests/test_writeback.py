@@ -113,13 +113,20 @@ def test_the_writers_reads_are_not_hits(tmp_path, seg_name):
         cache.close()
 
 
-def test_this_process_evicting_a_queued_block_writes_it_from_a_rescue_copy(tmp_path, seg_name, stuck_first_put):
-    """Hot holds 8 blocks. With the warm write of prompt 1 stuck, prompt 2 is queued; prompt 3's store
-    (8 blocks) evicts prompt 2's blocks from hot (and reuses their slots) before the writer reached
-    them: the queued job copies them out first, so warm gets all three prompts, each block with its
-    own bytes."""
+@pytest.mark.parametrize("evictor, want_held, want_dropped", [
+    ("this", [4, 4, 8], 0),   # this process's store: the queued job copies prompt 2 out first
+    ("other", [4, 0, 0], 4),  # another process's (a handle this one cannot see): dropped, counted
+])
+def test_a_queued_block_evicted_from_hot_is_rescued_or_dropped_never_written_wrong(
+        tmp_path, seg_name, stuck_first_put, evictor, want_held, want_dropped):
+    """Hot holds 8 blocks. With the warm write of prompt 1 stuck (its blocks copied out already),
+    prompt 2 is queued; prompt 3's store (8 blocks) evicts prompt 2's blocks from hot and reuses their
+    slots before the writer reached them. Stored by this cache, the queued job copies them out first
+    and warm gets all three prompts; stored by another handle of the segment (hot only), prompt 2's
+    blocks are dropped and counted. Either way every block in warm holds its own bytes."""
     cache = TieredCache(SPEC, hot_bytes=hot_bytes_for(SPEC, 8), hot_name=seg_name, warm_dir=tmp_path / "warm",
                         warm_bytes=4 * MiB)
+    other = TieredCache(SPEC, hot_bytes=hot_bytes_for(SPEC, 8), hot_name=seg_name)
     started, release = stuck_first_put(cache)
     try:
         for seed in (1, 2):
@@ -127,44 +134,16 @@ def test_this_process_evicting_a_queued_block_writes_it_from_a_rescue_copy(tmp_p
             assert cache.store(tokens, kv_for(SPEC, tokens)) == 4
         assert started.wait(60)
         tokens = prompt(3, 8)
-        assert cache.store(tokens, kv_for(SPEC, tokens)) == 8
+        assert (cache if evictor == "this" else other).store(tokens, kv_for(SPEC, tokens)) == 8
         assert not cache.hot.contains_many(chunk_keys(SPEC, prompt(2)[:16])).any()  # evicted from hot
         release.set()
         assert cache.flush(60)
-        assert warm_blocks_are_right(cache, [1, 2]) + warm_blocks_are_right(cache, [3], 8) == [4, 4, 8]
-        assert cache.stats()["warm_dropped_blocks"] == 0
-    finally:
-        release.set()
-        cache.close()
-
-
-def test_another_process_evicting_a_queued_block_drops_it_and_never_writes_wrong_bytes(tmp_path, seg_name,
-                                                                                       stuck_first_put):
-    """As above, but prompt 3 is stored by another handle of the segment (another process: this one
-    cannot see its eviction coming), whose blocks take prompt 2's slots: prompt 2's queued blocks are
-    dropped and counted; nothing in warm holds another block's bytes (prompt 1's were copied out
-    before the eviction: its write was the stuck one)."""
-    cache = TieredCache(SPEC, hot_bytes=hot_bytes_for(SPEC, 8), hot_name=seg_name, warm_dir=tmp_path / "warm",
-                        warm_bytes=4 * MiB)
-    other = TieredCache(SPEC, hot_bytes=hot_bytes_for(SPEC, 8), hot_name=seg_name)  # hot only
-    started, release = stuck_first_put(cache)
-    try:
-        for seed in (1, 2):
-            tokens = prompt(seed)
-            assert cache.store(tokens, kv_for(SPEC, tokens)) == 4
-        assert started.wait(60)
-        tokens = prompt(3, 8)
-        assert other.store(tokens, kv_for(SPEC, tokens)) == 8
-        assert not cache.hot.contains_many(chunk_keys(SPEC, prompt(2)[:16])).any()  # evicted from hot
-        release.set()
-        assert cache.flush(60)
-        assert warm_blocks_are_right(cache, [1, 2]) + warm_blocks_are_right(cache, [3], 8) == [4, 0, 0]
-        assert cache.stats()["warm_dropped_blocks"] == 4
+        assert warm_blocks_are_right(cache, [1, 2]) + warm_blocks_are_right(cache, [3], 8) == want_held
+        assert cache.stats()["warm_dropped_blocks"] == want_dropped
     finally:
         release.set()
         other.close()
         cache.close()
-
 
 
 @pytest.mark.parametrize("head_dim", [8, 3])  # 128-byte blocks fill their slots; 48-byte ones are padded to 64

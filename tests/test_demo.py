@@ -115,7 +115,7 @@ def test_the_share_of_the_machine_other_programs_used_and_when_that_is_too_much(
     text = "\n".join(demo.load_lines(doc) + demo.where_time_went(doc))
     assert "other programs used 20-70% of them while the configurations served" in text
     assert "load average up to 6.5" in text and "NOTE: the machine was busy" in text and "Too loaded" in text
-    assert "(its write-behind thread used 1.5 ms CPU meanwhile)" in text
+    assert "(its other threads, the write-behind writer's, used 1.5 ms CPU meanwhile)" in text
     doc["rounds"][0]["others_busy"] = {"private": 0.02, "shared": 0.05}
     quiet = "\n".join(demo.load_lines(doc))
     assert "NOTE" not in quiet and "Too loaded" not in quiet

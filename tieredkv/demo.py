@@ -823,7 +823,8 @@ def where_time_went(doc: dict) -> list[str]:
         after = sum(ph[f"{p}_cpu"]["mean"] for p in AFTER_FIRST if f"{p}_cpu" in ph)
         other = ph.get("other_threads_cpu", {}).get("mean", 0.0)
         lines.append(f"  {name:<9} {ph['cpu']['mean']:.1f} ms CPU ({shown}) + {ph['wait']['mean']:.1f} ms waiting"
-                     + (f" (its write-behind thread used {other:.1f} ms CPU meanwhile)" if other >= 0.05 else "")
+                     + (f" (its other threads, the write-behind writer's, used {other:.1f} ms CPU meanwhile)"
+                        if other >= 0.05 and name in ("shared", "restart") else "")
                      + (f"; then {after:.1f} ms CPU storing the new chunks" if after >= 0.05 else ""))
     return lines if len(lines) > 1 else []
 

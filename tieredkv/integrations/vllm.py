@@ -6,11 +6,12 @@ request's keys hold besides its tokens) are the only ones of tieredkv that impor
 ``TieredKVConnector`` (a ``KVConnectorBase_V1``)::
 
     scheduler process                                  worker process (one per TP rank)
-    get_num_new_matched_tokens                         start_load_kv
-      cache.lookup(tokens, salt, per-chunk extras)       cache.load -> host (L, 2, H, T, D)
-      -> whole vLLM blocks, never the whole prompt       -> paged cache at the allocated block ids
-    update_state_after_alloc -> a load plan            wait_for_save
-    build_connector_meta -> loads + saves  ─────────►    paged cache -> host -> cache.store
+    get_num_new_matched_tokens                         start_load_kv (a loader thread, vllm_loads)
+      cache.lookup(tokens, salt, per-chunk extras)       cache.load -> staging (L, 2, H, T, D)
+      -> whole vLLM blocks, never the whole prompt       -> paged cache, layer by layer
+    update_state_after_alloc -> a load plan            wait_for_layer_load(l): layer l is in place
+    build_connector_meta -> loads + saves  ─────────►  wait_for_save: loads done, then
+                                                         paged cache -> host -> cache.store
                                                        get_block_ids_with_load_errors -> recompute
 
 ``TieredKVTier`` (a ``SecondaryTierManager``): the tiers behind vLLM's ``OffloadingConnector`` +
@@ -56,6 +57,7 @@ from tieredkv.integrations.kv_events import ConnectorEvents, TierEvents
 from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_view
 from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
+from tieredkv.integrations.vllm_loads import LOAD_MODES, NULL_BLOCK, LayerLoader, leading_nulls
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec
@@ -65,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 #: ``kv_connector_extra_config`` keys the connector reads itself; every other key must be one of
 #: ``TieredCache``'s keywords (``tieredkv.config.KEYWORDS``; sizes may be "8G").
-CONNECTOR_KEYS = ("chunk_tokens", "model_id")
+CONNECTOR_KEYS = ("chunk_tokens", "model_id", "load_mode")
 
 # ---- configuration -----------------------------------------------------------------------------
 def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> dict[str, Any]:
@@ -205,21 +207,9 @@ class _Tracked:
     extra: list[bytes | None] | None = None
 
 
-#: The block id vLLM hands for positions a group does not keep (outside a sliding window).
-NULL_BLOCK = 0
-
-
 def _group_ids(block_ids: Any) -> list[list[int]]:
     """vLLM's per-group block ids (a tuple of lists, one per KV cache group) as lists."""
     return [list(ids) for ids in block_ids]
-
-
-def _leading_nulls(ids: Any) -> int:
-    """How many of ``ids`` lead with the null block (a sliding window's dropped blocks lead)."""
-    n = 0
-    while n < len(ids) and ids[n] == NULL_BLOCK:
-        n += 1
-    return n
 
 
 def _raw(host: torch.Tensor) -> Any:
@@ -259,8 +249,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     size; default the smallest multiple >= 64), ``model_id`` (default: the model vLLM was given; a
     local directory is named by its files, ``local_model_id``, as ``KVSpec.from_hf_config`` does),
     and any ``TieredCache`` argument (``hot_bytes``, ``warm_dir``, ``warm_bytes``, ``eviction``,
-    ``hot_name``, ...). Loads are synchronous
-    (``start_load_kv`` finishes before the forward); saves happen in ``wait_for_save`` after it.
+    ``hot_name``, ...), and ``load_mode``: ``"layer"`` (default: ``start_load_kv`` starts the step's loads
+    on a background thread and attention layer ``l`` waits only for layer ``l``, so the copies overlap
+    the forward; ``tieredkv.integrations.vllm_loads``) or ``"sync"`` (every load finishes in
+    ``start_load_kv``). Saves happen in ``wait_for_save``, after the forward and the loads.
 
     Cache families (``tieredkv.integrations.vllm_groups``): full attention, MLA (one latent copy per
     host: every TP rank reads it, rank 0 alone writes it), sliding windows (with or without vLLM's
@@ -282,6 +274,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         config = cache_config(extra)
+        self._load_mode = str(extra.get("load_mode", "layer"))
+        if self._load_mode not in LOAD_MODES:
+            raise InvalidInput(f"kv_connector_extra_config load_mode={self._load_mode!r}: choose one of {LOAD_MODES}")
         # With KV events on, the tiers are announced to routers too: the host journal carries them.
         events_on = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
         if events_on and not config.journal:
@@ -312,6 +307,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._recomputed: list[tuple[int, ...]] = []  # invalid-block sets handled, for the next metadata
         # worker side
         self._paged: PagedKV | None = None
+        self._loader: LayerLoader | None = None
         self._load_errors: set[int] = set()
         # Blocks whose load failed, until the scheduler says vLLM recomputes them (one count per step
         # that reported the block): no save computed over them.
@@ -493,7 +489,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         # Blocks a sliding group no longer keeps (e.g. behind vLLM's own prefix-cache hit) lead as the
         # null block: the chunks they touch cannot be read, so the save starts after them.
-        nulls = max(_leading_nulls(g) for g in ids)
+        nulls = max(leading_nulls(g) for g in ids)
         skip = -(-nulls * N // C) * C
         if start + skip >= full:
             return
@@ -580,44 +576,42 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                     num_kv_heads=self.spec.num_kv_heads, block_size=self._block_size,
                                     head_size=self.spec.head_dim))
         self._paged = PagedKV(views, self._block_size)
+        group_of_layer = [0] * len(self._layer_names)
+        for group in self._layout.groups:
+            for layer in group.layers:
+                group_of_layer[layer] = group.index
+        self._loader = LayerLoader(self.cache, self._paged, group_of_layer,
+                                   {name: i for i, name in enumerate(self._layer_names)}, self._load_mode)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Restore this step's planned hits into the paged cache before the forward.
+        """Start this step's planned restores into the paged cache (``load_mode="sync"``: do them).
 
         Each KV cache group's layers go to that group's blocks; a sliding group's null blocks (outside
         its window) are left alone. Blocks that could not be filled (evicted since the lookup, damaged,
         an I/O error) are reported by ``get_block_ids_with_load_errors``; the ones filled are kept.
         """
         meta = self._get_connector_metadata()
-        paged = self._paged
         if not isinstance(meta, TieredKVMetadata):
             return
         for handled in meta.recomputed:
             self._poisoned.subtract(handled)
         self._poisoned = +self._poisoned  # drop counts at or below zero
-        if not meta.loads or paged is None:
-            return
-        N = self._block_size
-        for plan in meta.loads:
-            done = 0
-            try:
-                host = paged.host_buffer(plan.hit.tokens)
-                loaded = self.cache.load(plan.hit, _raw(host))
-                done = max(loaded - plan.skip_tokens, 0) // N
-                for group in self._layout.groups:
-                    ids = plan.block_ids[group.index][:done]
-                    skip = _leading_nulls(ids)
-                    paged.write(ids[skip:], host, plan.skip_tokens + skip * N, layers=group.layers)
-            except Exception:  # any failure becomes a recompute of these blocks, never a crash
-                logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
-                done = 0
-            self._load_errors.update(b for ids in plan.block_ids for b in ids[done:] if b != NULL_BLOCK)
-        self._poisoned.update(self._load_errors)
-        if paged.device.type == "cuda":
-            torch.cuda.current_stream(paged.device).synchronize()  # the host buffer is reused
+        if meta.loads and self._loader is not None:
+            self._loader.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
+        """Block until this step's loads have written layer ``layer_name`` (or failed on it)."""
+        if self._loader is not None:
+            self._loader.wait_layer(layer_name)
+
+    def _finish_loads(self) -> None:
+        """Wait for the step's loads; note the blocks they could not fill (reported to vLLM, and no
+        save computed over them until vLLM took them back)."""
+        if self._loader is None:
+            return
+        errors = self._loader.finish()
+        self._load_errors |= errors
+        self._poisoned.update(errors)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves read all layers at once in ``wait_for_save``, after the forward wrote them."""
@@ -631,6 +625,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         scheduling). The scheduler side plans its save again. With tensor parallelism every rank
         skips what any rank skips.
         """
+        self._finish_loads()  # before any save: they read pages the loads write, and need their failures
         meta = self._get_connector_metadata()
         paged = self._paged
         if not isinstance(meta, TieredKVMetadata) or not meta.saves or paged is None:
@@ -657,11 +652,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()  # vLLM calls wait_for_save first; this holds without it too
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
         """Close this process's handle on the tiers (the shared state stays for other engines)."""
+        if self._loader is not None:
+            self._loader.close()
         if self._events is not None:
             self._events.close()
         self.cache.close()

@@ -86,7 +86,8 @@ class LayerLoader:
         group_of_layer: for each layer index (model order), the index of its KV cache group in a plan's
             ``block_ids``.
         layer_index: layer name -> layer index (the names vLLM passes to ``wait_for_layer_load``).
-        mode: one of ``LOAD_MODES``.
+        mode: one of ``LOAD_MODES``. A loader built for ``layer`` may be set to ``sync`` (``loader.mode``)
+            between steps; a ``sync`` loader has no thread.
     """
 
     def __init__(self, cache: Any, paged: PagedKV, group_of_layer: Sequence[int], layer_index: dict[str, int],
@@ -123,7 +124,7 @@ class LayerLoader:
             self._stream.wait_stream(torch.cuda.current_stream(self.paged.device))
         with self._cond:
             self._job = job
-        if self._thread is None:
+        if self.mode == "sync" or self._thread is None:
             self._run(job)
         else:
             self._jobs.put(job)

@@ -8,14 +8,19 @@ Two engine processes (CPU build, ``demo_llama_config``: 8 layers x 8 KV heads x 
   first time from scratch (**no cache**), the second time with its prefix in vLLM's own cache
   (**prefix caching**, warm).
 - ``tieredkv``: the connector (hot tier only). Per repetition a fresh prompt is served from scratch
-  (**no cache**, plus the store), then twice more with vLLM's local prefix cache emptied before each
+  (**no cache**, plus the store), then from vLLM's own prefix cache (**prefix caching**: the same
+  engine, the connector has nothing to load), then twice more with vLLM's local prefix cache emptied
+  before each
   (``reset_prefix_cache``: the prefix comes from the hot tier): once with ``load_mode="sync"`` (every
   load done before the forward) and once with ``load_mode="layer"`` (loads on a thread, each attention
   layer waits for its own layer), alternating which goes first. The engine runs a connector subclass
   that reads the mode for the next step from a file this script writes, so both modes are measured in
   the same engine, interleaved.
 
-TTFT is the wall time of a one-token ``generate``. Each row is a median over ``--reps`` prompts, with
+The connector subclass also adds up, per step with loads, how long the forward's thread was held
+by them (``start_load_kv`` plus every ``wait_for_layer_load``) and how much of the loads was left
+when the forward ended (waited for in ``wait_for_save``): a steadier view of the overlap than TTFT on a
+loaded machine. TTFT is the wall time of a one-token ``generate``. Each row is a median over ``--reps`` prompts, with
 its ratio to the **no cache** median measured in the same engine (and the load average when the row's
 engine finished). A third, engine-free part checks that the loads' copies release the GIL: how far a
 Python loop gets in the main thread while a thread runs the tier copy + the paged copies of the same
@@ -57,12 +62,34 @@ def _switching_class() -> Any:
     from tieredkv.integrations.vllm import TieredKVConnector
 
     class SwitchingConnector(TieredKVConnector):
-        """The connector, whose load mode for each step is read from a file (benchmark only)."""
+        """The connector, whose load mode for each step is read from a file, and which adds up how long
+        the forward's thread was held in ``start_load_kv`` and ``wait_for_layer_load`` in each step
+        with loads (appended to a file beside it). Benchmark only."""
+
+        _held = 0.0
+        _loading = False
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             if self._loader is not None:
                 self._loader.mode = Path(os.environ[MODE_ENV]).read_text().strip()
+            t0 = time.perf_counter()
             super().start_load_kv(forward_context, **kwargs)
+            self._held = time.perf_counter() - t0
+            self._loading = self._loader is not None and self._loader._job is not None
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            t0 = time.perf_counter()
+            super().wait_for_layer_load(layer_name)
+            self._held += time.perf_counter() - t0
+
+        def wait_for_save(self) -> None:
+            t0 = time.perf_counter()
+            self._finish_loads()  # what the forward did not wait for is still part of the step
+            if self._loading:
+                with open(os.environ[MODE_ENV] + ".held", "a") as f:
+                    f.write(f"{self._held * 1e3:.3f} {(time.perf_counter() - t0) * 1e3:.3f}\n")
+            self._loading = False
+            super().wait_for_save()
 
     return SwitchingConnector
 
@@ -92,10 +119,18 @@ def _engine_main(job: dict) -> None:
               dtype="float32", block_size=BLOCK, max_num_seqs=2, enable_prefix_caching=True, **kwargs)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
+    held_file = Path(str(mode_file) + ".held")
+
     def timed(prompt: list[int]) -> tuple[float, int]:
+        held_file.unlink(missing_ok=True)
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         return time.perf_counter() - t0, int(out.num_cached_tokens)
+
+    def held() -> tuple[float, float]:
+        """ms the forward's thread was held by the step's loads, and ms of them left after the forward."""
+        lines = held_file.read_text().split() if held_file.exists() else ["0", "0"]
+        return float(lines[0]), float(lines[1])
 
     rng = np.random.default_rng(job["seed"])
     timed(rng.integers(1, 2000, 300).tolist())  # warm-up: not timed
@@ -103,13 +138,14 @@ def _engine_main(job: dict) -> None:
     for rep in range(job["reps"]):
         prompt = rng.integers(1, 2000, job["prompt_tokens"]).tolist()
         rows.setdefault("no_cache", []).append(timed(prompt))
+        rows.setdefault("prefix_caching", []).append(timed(prompt))  # vLLM's own cache (the connector: idle)
         if job["extra"] is None:
-            rows.setdefault("prefix_caching", []).append(timed(prompt))
             continue
         for mode in (("sync", "layer") if rep % 2 == 0 else ("layer", "sync")):
             assert llm.reset_prefix_cache()  # vLLM's own copy goes: the prefix comes from the hot tier
             mode_file.write_text(mode)
             rows.setdefault(f"tieredkv_{mode}", []).append(timed(prompt))
+            rows.setdefault(f"held_{mode}", []).append(held())
         mode_file.write_text("layer")
     Path(job["out"]).write_text(json.dumps({"rows": rows, "loadavg": os.getloadavg()}))
 
@@ -154,6 +190,11 @@ def engines(args, work: Path) -> dict:
     table = []
     for name, run in out["engines"].items():
         base = statistics.median(t for t, _ in run["rows"]["no_cache"])
+        for mode in ("sync", "layer"):
+            samples = run["rows"].pop(f"held_{mode}", None)
+            if samples:
+                out[f"forward_held_ms_{mode}"] = statistics.median(h for h, _ in samples)
+                out[f"after_forward_ms_{mode}"] = statistics.median(a for _, a in samples)
         for row, samples in run["rows"].items():
             med = statistics.median(t for t, _ in samples)
             table.append({"engine": name, "row": row, "ttft_p50_ms": med * 1e3, "vs_no_cache": med / base,
@@ -246,6 +287,10 @@ def _print(doc: dict) -> None:
                   f"{str(r['cached_tokens']):>15}  {r['loadavg']}")
         if "layer_vs_sync" in e:
             print(f"layer-wise / sync TTFT (same engine, interleaved): {e['layer_vs_sync']:.3f}")
+        for mode in ("sync", "layer"):
+            if f"forward_held_ms_{mode}" in e:
+                print(f"{mode}: the forward's thread waited {e[f'forward_held_ms_{mode}']:.1f} ms for the step's loads "
+                      f"(median), {e[f'after_forward_ms_{mode}']:.1f} ms of them were left after the forward")
         for r in e["table"]:
             print(f"  {r['engine']} {r['row']}: TTFT ms {r['ttft_ms']}")
 

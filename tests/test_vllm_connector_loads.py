@@ -74,7 +74,7 @@ def worker_for(cfg):
     return worker, caches
 
 
-@pytest.mark.parametrize("mode", [None, "layer", "sync"])
+@pytest.mark.parametrize("mode", [None, "sync"])  # None: the default, layer-wise
 def test_each_layer_is_in_place_when_its_wait_returns(config, mode):
     cfg = config(mode)
     scheduler = make_scheduler(cfg)

@@ -204,3 +204,18 @@ def test_layer_and_sync_modes_fill_the_same_pages(seg_name, device):
 def test_an_unknown_mode_is_refused(cache):
     with pytest.raises(ValueError, match="choose one of"):
         loader_for(cache, "cpu", "async")
+
+
+def test_a_loader_whose_thread_is_gone_loads_in_the_caller(cache):
+    """After ``close`` (or in a process forked from the engine's) there is no loader thread: loads are
+    done in ``start``, never queued for a thread that will not take them."""
+    tokens = np.arange(2, 2 * BLOCK + 3)
+    kv, hit = stored(cache, tokens, 2 * BLOCK)
+    loader, caches = loader_for(cache, "cpu")
+    loader.close()
+    done = threading.Event()
+    caller = threading.Thread(target=lambda: (loader.start([Plan("a", hit, 0, ((8, 9),))]), loader.finish(),
+                                              done.set()), daemon=True)
+    caller.start()
+    assert done.wait(30), "the loads were queued for a thread that is gone"
+    assert expect(caches, 1, 9, kv, BLOCK)

@@ -124,8 +124,8 @@ class LayerLoader:
             self._stream.wait_stream(torch.cuda.current_stream(self.paged.device))
         with self._cond:
             self._job = job
-        if self.mode == "sync" or self._thread is None:
-            self._run(job)
+        if self.mode == "sync" or self._thread is None or not self._thread.is_alive():
+            self._run(job)  # (no thread after a fork: the loads are done here, as in sync mode)
         else:
             self._jobs.put(job)
 

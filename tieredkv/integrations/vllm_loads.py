@@ -175,7 +175,7 @@ class LayerLoader:
                     self._copy(job)
             else:
                 self._copy(job)
-        except BaseException:  # never leave the forward waiting; every block becomes a recompute
+        except Exception:  # every block becomes a recompute (and `finally` never leaves the forward waiting)
             logger.exception("tieredkv: loads failed; vLLM recomputes their blocks")
             job.done = [0] * len(job.plans)
         finally:

@@ -21,13 +21,13 @@ from test_vllm_connector import (
     make_scheduler,
     model_dir,  # noqa: F401 (a fixture)
     request,
+    runner_output,
     same,
     stored_kv,
     vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from tieredkv import InvalidInput
 from tieredkv.integrations import vllm as tv
@@ -56,12 +56,7 @@ def forward_step(scheduler, worker, caches, reqs, kv, block_count):
     worker.wait_for_save()
     errors = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
-    running = [r for r in reqs if r.request_id in out.num_scheduled_tokens]
-    runner = ModelRunnerOutput(req_ids=[r.request_id for r in running],
-                               req_id_to_index={r.request_id: i for i, r in enumerate(running)},
-                               sampled_token_ids=[[0] for _ in running],
-                               kv_connector_output=KVConnectorOutput(invalid_block_ids=errors))
-    scheduler.update_from_output(out, runner)
+    scheduler.update_from_output(out, runner_output(out, reqs, errors))
     return out, seen, errors
 
 

@@ -57,6 +57,7 @@ from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_v
 from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
 from tieredkv.integrations.vllm_state import StateCache, StateSave
+from tieredkv.integrations.vllm_window import WindowHit, first_chunk, window_lookup
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec
@@ -306,6 +307,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.cache = TieredCache(self.spec, config)
         # Hybrid models: recurrent states at chunk boundaries, as extra blocks of the same cache.
         self._states = StateCache(self.cache, self._layout) if self._layout.states else None
+        # Every layer slides (and no recurrent state): hits need a window of chunks, not a prefix.
+        self._window = self._layout.uniform_window if self._states is None else None
         self._declined = ("vLLM does not snapshot this model's recurrent state at block boundaries "
                           "(mamba_cache_mode is not 'align'; enable prefix caching)"
                           if any(not g.cached for g in self._layout.states) else None)
@@ -367,7 +370,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if identity is None:
             return 0, False
         try:
-            hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
+            if self._window is not None:  # every layer slides: a full window of chunks is a hit
+                hit = window_lookup(self.cache, identity.tokens, identity.salt, identity.extra, self._window,
+                                    num_computed_tokens)
+            else:
+                hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: lookup failed, serving request %s without it: %s", request.request_id, e)
             self._lookups.pop(request.request_id, None)
@@ -423,16 +430,20 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         C, N = self.spec.chunk_tokens, self._block_size
         end = local + num_external_tokens
-        first, last = local // C, -(-end // C)
-        if local % N or end % N or end > hit.tokens:
+        # A window hit needs no chunk before its window's first: vLLM holds those blocks as null.
+        first, last = max(local // C, getattr(hit, "first", 0)), -(-end // C)
+        start = max(local, first * C)
+        # (A window hit cut short by vLLM would need chunks before its window, which were not looked up.)
+        short_window = isinstance(hit, WindowHit) and first_chunk(end, self._window or 0, C) < hit.first
+        if local % N or end % N or end > hit.tokens or short_window:
             # Not a range this connector offered: load nothing and let the worker report every
             # block as failed, so vLLM recomputes them rather than reading unfilled pages.
             logger.warning("tieredkv: request %s: vLLM asked for tokens [%d, %d) but the hit covers [0, %d) in "
                            "blocks of %d; recomputing them", req_id, local, end, hit.tokens, N)
             last = first
         self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
-                                       skip_tokens=local - first * C,
-                                       block_ids=tuple(tuple(ids[local // N:-(-end // N)]) for ids in block_ids),
+                                       skip_tokens=start - first * C,
+                                       block_ids=tuple(tuple(ids[start // N:-(-end // N)]) for ids in block_ids),
                                        state_blocks=self._states.targets(block_ids, end) if self._states else ())
 
     def _note_events(self, request: Any, hit: PrefixHit | None) -> None:
@@ -450,7 +461,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         n = len(identity.tokens) // C
         extra = identity.extra[:n] if identity.extra is not None else None
         keys = chunk_keys(self.spec, identity.tokens[:n * C], identity.salt, extra)
-        events.note_request(request, keys, hit.where.tolist() if hit is not None else [])
+        # Announced: the leading run found (a window hit's chunks before its window were not looked up).
+        where = hit.where[:np.argmax(hit.where < 0)] if hit is not None and (hit.where < 0).any() else \
+            (hit.where if hit is not None else np.zeros(0))
+        events.note_request(request, keys, where.tolist())
 
     def take_events(self) -> list:
         """KV events for routers since the last call (vLLM's scheduler publishes them with its own):

@@ -125,6 +125,14 @@ class CacheLayout:
         return sum(g.boundary_bytes for g in self.states)
 
     @property
+    def uniform_window(self) -> int | None:
+        """The window when every attention group slides (a hit then needs only a window of chunks,
+        ``tieredkv.integrations.vllm_window``); None when some layer attends to the whole prefix."""
+        if self.groups and all(g.window is not None for g in self.groups):
+            return self.window
+        return None
+
+    @property
     def window(self) -> int | None:
         """The smallest sliding window of any group that keeps only its window (None: no such group)."""
         windows = [g.window for g in self.groups if g.window is not None]

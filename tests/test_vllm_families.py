@@ -32,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -76,10 +77,16 @@ def runs(tmp_path_factory):
            "hot_name": f"/tieredkv-families-{os.getpid()}", "extra": {"hot_bytes": "64M"},
            "prompts": {f: [main[:SHAPES[f][0]], short[:SHAPES[f][1]]] for f in ALL}}
     (tmp / "job.json").write_text(json.dumps(job))
+    started = time.monotonic()
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_families.py"), str(tmp / "job.json")],
                           capture_output=True, text=True, timeout=2400, check=False)
     assert proc.returncode == 0, f"engines failed:\n{proc.stderr[-6000:]}"
-    return json.loads((tmp / "out.json").read_text())
+    docs = json.loads((tmp / "out.json").read_text())
+    # What each engine start (and its runs) cost, for the suite's time budget (pytest -s shows it).
+    print(f"\nvllm families: {time.monotonic() - started:.0f} s;",
+          ", ".join(f"{f} {d['seconds']} s" + (f" + reference {d['reference_seconds']} s" if "reference_seconds" in d
+                                                else "") for f, d in docs.items()))
+    return docs
 
 
 @pytest.mark.parametrize("family", ALL)
@@ -87,8 +94,12 @@ def test_the_prefix_comes_from_the_tiers(runs, family):
     run, HIT = runs[family], hit(family)
     assert run["miss"]["cached"] == 0 and run["miss-stats"]["stored_blocks"] == stored(family)
     assert run["tier"]["cached"] == HIT  # vLLM reports the connector's tokens as cached
-    assert run["tier-stats"]["hot_hit_tokens"] - run["miss-stats"]["hot_hit_tokens"] == HIT
-    assert run["hot_used_blocks"] == stored(family)  # stored once
+    assert run["tier-stats"]["hit_tokens"] - run["miss-stats"]["hit_tokens"] == HIT
+    # Read from the hot tier: every chunk of the hit, or, when every layer slides, the window's only.
+    read = CHUNK if family == "sliding" else HIT
+    assert run["tier-stats"]["hot_hit_tokens"] - run["miss-stats"]["hot_hit_tokens"] == read
+    last = "no-state" if family == "hybrid-state" else "zeroed"  # the last run (the controls store none)
+    assert run["hot_used_blocks"] == run[last + "-stats"]["stored_blocks"]  # each block stored once
     # S restored from the tiers, then the one-token tail through the decode path: bitwise the
     # computation that produced the first run's second token onwards.
     assert run["short-miss"]["cached"] == 0 and run["short-tier"]["cached"] == SHAPES[family][1]
@@ -142,6 +153,13 @@ def test_mla_over_two_tp_ranks_is_one_copy_that_both_ranks_load(runs):
 def test_a_wrong_prefix_changes_the_output(runs, family):
     run = runs[family]
     assert run["zeroed"]["cached"] == hit(family) and run["zeroed"]["tokens"] != run["miss"]["tokens"]
+
+
+def test_every_layer_sliding_restores_the_window_only(runs):
+    """Mistral-style (every layer a 64-token window): the hit at 256 needs tokens [193, 256), so one
+    chunk is read (above) and written into the window's two 32-token blocks, 6 and 7."""
+    assert runs["sliding"]["restored_blocks"] == {"0": [6, 7]}
+    assert runs["sliding"]["tier"]["cached"] == hit("sliding")
 
 
 def test_hybrid_state_is_restored_and_hits_only_where_a_state_is_stored(runs):

@@ -63,18 +63,23 @@ FAMILIES = {
 def run(job: dict) -> dict:
     """Run each of ``job["families"]`` on its own engine, one after another in this process."""
     import gc
+    import time
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     docs = {}
     for family in job["families"]:
+        started = time.monotonic()
         docs[family] = run_family(family, job)
         gc.collect()
         cleanup_dist_env_and_memory()  # the next engine initialises its own (single-rank) group
+        docs[family]["seconds"] = round(time.monotonic() - started, 1)
         if FAMILIES[family][2].get("tensor_parallel_size", 1) == 1:
+            started = time.monotonic()
             docs[family].update(run_reference(family, job))
             gc.collect()
             cleanup_dist_env_and_memory()
+            docs[family]["reference_seconds"] = round(time.monotonic() - started, 1)
     return docs
 
 
@@ -131,13 +136,14 @@ def watch_pages() -> dict:
     seen: dict = {}
     save, load = worker.wait_for_save, worker.start_load_kv
 
-    def snapshot(plans) -> dict:
-        """Per group, which of the plan's blocks are real (a sliding group's null blocks are not) and
-        their pages' bytes, layers stacked."""
+    def snapshot(plans, first_token: int) -> dict:
+        """Per group, the prompt positions (in blocks) of the plan's real blocks (a sliding group's null
+        blocks are not) and their pages' bytes, layers stacked."""
         paged, plan, out = worker._paged, plans[0], {}
+        first = first_token // worker._block_size
         for g in worker._layout.groups:
-            ids = list(plan.block_ids[g.index])
-            real = [i for i, b in enumerate(ids) if b != 0]
+            ids = {first + i: b for i, b in enumerate(plan.block_ids[g.index])}
+            real = [i for i, b in ids.items() if b != 0]
             out[g.index] = (real, np.stack([np.asarray(paged.views[layer][[ids[i] for i in real]]).view(np.uint8)
                                             for layer in g.layers]))
         return out
@@ -145,14 +151,15 @@ def watch_pages() -> dict:
     def wait_for_save() -> None:
         meta = worker._get_connector_metadata()
         if meta.saves and "saved" not in seen:
-            seen["saved"] = snapshot(meta.saves)
+            seen["saved"] = snapshot(meta.saves, meta.saves[0].start_token)
         save()
 
     def start_load_kv(forward_context, **kwargs) -> None:
         load(forward_context, **kwargs)
         meta = worker._get_connector_metadata()
         if meta.loads and "loaded" not in seen:
-            seen["loaded"] = snapshot(meta.loads)
+            plan = meta.loads[0]  # its hit starts at a chunk (a window hit: the window's first)
+            seen["loaded"] = snapshot(meta.loads, plan.hit.keys.start * worker.spec.chunk_tokens + plan.skip_tokens)
 
     worker.wait_for_save, worker.start_load_kv = wait_for_save, start_load_kv
     return seen
@@ -222,8 +229,10 @@ def run_family(family: str, job: dict) -> dict:
                      "logprobs": {str(t): float(lp.logprob) for t, lp in first.items()}}
         doc[name + "-stats"] = {k: v for k, v in conn.cache.stats().items() if isinstance(v, (int, float))}
     if pages is not None:  # the prompt's chunks as the miss saved them and as the tier run restored them
+        saved = {g: dict(zip(real, np.moveaxis(got, 1, 0))) for g, (real, got) in pages["saved"].items()}
         doc["restored_pages_equal_computed"] = all(
-            np.array_equal(pages["saved"][g][1][:, real], got) for g, (real, got) in pages["loaded"].items())
+            np.array_equal(np.stack([saved[g][i] for i in real], axis=1), got)
+            for g, (real, got) in pages["loaded"].items())
         doc["restored_blocks"] = {str(g): real for g, (real, _) in pages["loaded"].items()}
     doc["hot_used_blocks"] = int(conn.cache.hot.stats().to_dict()["used_blocks"])
     conn.cache.unlink_hot()

@@ -68,11 +68,14 @@ def test_a_full_window_of_chunks_is_a_hit_whatever_came_before(models, seg_name)
     b = request("b", tokens)
     sched2.add_request(b)
     before = w2.cache.stats()["loaded_tokens"]
+    hot_before = sched2.connector.cache.stats()["hot_hit_tokens"]
     out, meta, errors = run_step(sched2, [w2], [b], None, {})
     assert errors == set() and out.num_scheduled_tokens["b"] == 300 - 256
     (plan,) = meta.loads
     assert plan.hit.tokens == 64 and plan.skip_tokens == 0  # one chunk: the window's
     assert w2.cache.stats()["loaded_tokens"] - before == 64
+    # vLLM skips the 192 tokens before the window too: the hot tier is credited with the whole hit.
+    assert sched2.connector.cache.stats()["hot_hit_tokens"] - hot_before == 256
     ids = out.scheduled_new_reqs[0].block_ids[0]
     assert ids[:6] == [tv.NULL_BLOCK] * 6 and tv.NULL_BLOCK not in ids[6:8]
     host = torch.zeros_like(kv)

@@ -390,6 +390,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Count the request's lookup once, crediting the tiers only with the tokens they served:
         ``[local, local + external)``, beyond what vLLM's own prefix cache held."""
         where = hit.where if hit is not None else np.zeros(0, np.int8)
+        if (where < 0).any() and (where >= 0).any():
+            # A window hit: vLLM skips the chunks before the window thanks to the level that held it.
+            where = np.where(where < 0, where[where >= 0][0], where)
         if external <= 0 or local + external > len(where) * self.spec.chunk_tokens:
             where = np.zeros(0, np.int8)  # nothing served (a range the connector did not offer is recomputed)
         served = where[np.arange(local, local + external) // self.spec.chunk_tokens] if len(where) else where

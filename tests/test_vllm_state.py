@@ -153,15 +153,23 @@ def test_a_hybrid_layout_keys_the_state_and_a_pure_mamba_model_is_refused(llama,
 
 def test_without_vllms_boundary_snapshots_every_request_is_declined(llama, seg_name):
     """mamba_cache_mode "none" (vLLM's prefix caching off): one running state per request, no state at
-    any boundary, so no hit point could ever be valid: the engine serves, the connector stays out."""
+    any boundary, so no hit point could ever be valid: the engine serves, the connector stays out.
+    The same with ReplaySSM, whose state blocks are written back only on a flush."""
     n = names(2)
-    cfg = config(llama, extra(seg_name), 2)
-    cfg.cache_config.mamba_cache_mode = "none"
+    for mode, replay in (("none", False), ("align", True)):  # ReplaySSM writes states back only on a flush
+        cfg = config(llama, extra(seg_name), 2)
+        cfg.cache_config.mamba_cache_mode = mode
+        cfg.cache_config.use_replayssm = replay
+        conn = tv.TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_config(([n[0]], mamba()), ([n[1]], full())))
+        try:
+            assert conn._declined
+            req = request("r", list(range(1, 200)))
+            assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+            conn.update_state_after_alloc(req, None, 0)
+            assert "r" not in conn._tracked  # never saved either
+        finally:
+            conn.shutdown()
+    cfg.cache_config.use_replayssm = False
     conn = tv.TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_config(([n[0]], mamba()), ([n[1]], full())))
-    try:
-        req = request("r", list(range(1, 200)))
-        assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
-        conn.update_state_after_alloc(req, None, 0)
-        assert "r" not in conn._tracked  # never saved either
-    finally:
-        conn.shutdown()
+    assert not conn._declined
+    conn.shutdown()

@@ -312,7 +312,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Every layer slides (and no recurrent state): hits need a window of chunks, not a prefix.
         self._window = self._layout.uniform_window if self._states is None else None
         self._declined = ("vLLM does not snapshot this model's recurrent state at block boundaries "
-                          "(mamba_cache_mode is not 'align'; enable prefix caching)"
+                          "(mamba_cache_mode is not 'align' or ReplaySSM is on; enable prefix caching)"
                           if any(not g.cached for g in self._layout.states) else None)
         if self._declined and role == KVConnectorRole.SCHEDULER:
             logger.warning("tieredkv: no request of this engine is cached: %s", self._declined)

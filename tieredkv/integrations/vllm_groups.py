@@ -85,7 +85,7 @@ class StateGroup:
 
     ``layer_names`` in model order; ``state_bytes``: one layer's state at one boundary (the page's
     content, without vLLM's padding); ``cached``: vLLM snapshots the state at block boundaries
-    (``mamba_cache_mode="align"``), so boundary states can be saved and restored.
+    (``mamba_cache_mode="align"``, without ReplaySSM), so boundary states can be saved and restored.
     """
 
     index: int
@@ -278,8 +278,11 @@ def _state_group(vllm_config: Any, index: int, group: Any) -> StateGroup:
     if not getattr(group, "enable_kv_transfer", True):
         raise _refuse("a KV cache group vLLM marks as not transferable", f"layers {layers[:3]}")
     mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", spec.mamba_cache_mode) or "none")
+    # ReplaySSM keeps recent inputs instead of storing the state every step and writes a checkpoint
+    # back only on a flush: a boundary's block need not hold its state when the connector reads it.
+    replay = bool(getattr(vllm_config.cache_config, "use_replayssm", False))
     return StateGroup(index=index, layer_names=tuple(sorted(layers, key=extract_layer_index)),
-                      state_bytes=int(spec.state_content_size_bytes), cached=mode == "align")
+                      state_bytes=int(spec.state_content_size_bytes), cached=mode == "align" and not replay)
 
 
 def _state_descriptor(states: tuple[StateGroup, ...], every: list[Any]) -> str:

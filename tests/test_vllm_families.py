@@ -22,8 +22,9 @@ compared, byte for byte, with the pages vLLM computed.
 - mla-tp2: the MLA model over two TP ranks (two worker processes): one copy, both ranks load it
   (no reference engine: a second two-process start costs more than it shows, the TP=1 runs compare).
 
-Slow: 13 engine starts in one process where AMX is present (7 with the connector, 6 without; the
-reference engines are the cheap part: 10-20 s each), about 6 minutes on two quiet cores.
+Slow: 11 engine starts in one process (6 with the connector, 5 without; 13 where AMX is present): 416 s
+on two cores at load average 10-14, the engines without the connector 14-35 s each (``pytest -s``
+prints each family's time).
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ ghost_remove: Any = None
 ghost_pop: Any = None
 ghost_push: Any = None
 ghost_lookup: Any = None
+#: One refill of CLOCK's walk: the up to ``size`` candidates with the smallest order in ``(after,
+#: below)``, ascending (``_kernels.k_smallest``, bound by ``enable``).
+_ascending_chunk: Any = None
 
 
 def _insert_common(resident, key64, last_access, insert_tick, hits, n_children, position, parent,
@@ -86,43 +89,6 @@ def _remove_common(resident, parent, n_children, slots):
         resident[s] = 0
         parent[s] = -1
         n_children[s] = 0
-
-
-def _oldest(field, n, candidates):
-    """``order.oldest``: the ``n`` candidates smallest by ``(field, slot)``, in that order."""
-    count = 0
-    for s in range(len(candidates)):
-        if candidates[s]:
-            count += 1
-    slots = np.empty(count, dtype=np.int64)
-    k = 0
-    for s in range(len(candidates)):
-        if candidates[s]:
-            slots[k] = s
-            k += 1
-    if n < count:
-        values = np.empty(count, dtype=field.dtype)
-        for i in range(count):
-            values[i] = field[slots[i]]
-        kth = np.partition(values, n - 1)[n - 1]
-        chosen = np.empty(n, dtype=np.int64)
-        k = 0
-        for i in range(count):          # below kth, in slot order
-            if values[i] < kth:
-                chosen[k] = slots[i]
-                k += 1
-        for i in range(count):          # then ties at kth, lowest slots first
-            if k == n:
-                break
-            if values[i] == kth:
-                chosen[k] = slots[i]
-                k += 1
-        slots = chosen
-    keys = np.empty(len(slots), dtype=field.dtype)
-    for i in range(len(slots)):
-        keys[i] = field[slots[i]]
-    order = np.argsort(keys, kind="mergesort")   # stable: equal values keep slot order
-    return slots[order][:n]
 
 
 # ---- ghosts: the ring lists and their probe table (``state.py``; ``tieredkv.hashtable``) -----------
@@ -265,28 +231,6 @@ def _ghost_lookup(w, tk, tr, keys, n_lists, ring, shift):
 
 
 # ---- CLOCK's hand (``clock.Clock.choose``) --------------------------------------------------------
-def _ascending_chunk(order, candidates, after, below, size):
-    """The up to ``size`` candidates with the smallest ``order`` in ``(after, below)``, ascending
-    (orders are distinct): one refill of ``OrderCursor``."""
-    count = 0
-    for s in range(len(candidates)):
-        if candidates[s] and after < order[s] < below:
-            count += 1
-    slots = np.empty(count, dtype=np.int64)
-    vals = np.empty(count, dtype=np.int64)
-    k = 0
-    for s in range(len(candidates)):
-        if candidates[s] and after < order[s] < below:
-            slots[k] = s
-            vals[k] = order[s]
-            k += 1
-    if size < count:
-        kth = np.partition(vals.copy(), size - 1)[size - 1]
-        keep = vals <= kth
-        slots, vals = slots[keep], vals[keep]
-    return slots[np.argsort(vals)]
-
-
 def _clock_choose(ref, order, candidates, n, seq):
     """Walk the candidates in ascending ``order``; a block with a non-zero counter loses one and
     goes behind the hand (order = seq, seq + 1, ...), the first with zero is a victim. Returns
@@ -361,7 +305,6 @@ def enable() -> bool:
     compile_ = module.njit(cache=True, nogil=True)
     insert_common = compile_(_insert_common)
     remove_common = compile_(_remove_common)
-    oldest = compile_(_oldest)
     # Rebind the helpers first: a kernel calls the compiled versions it finds under these names.
     _home, _tinsert, _tdelete_at = compile_(_home), compile_(_tinsert), compile_(_tdelete_at)
     table_find = _tfind = compile_(_tfind)
@@ -370,7 +313,12 @@ def enable() -> bool:
     _ghost_compact = compile_(_ghost_compact)
     ghost_push = compile_(_ghost_push)
     ghost_lookup = compile_(_ghost_lookup)
-    _ascending_chunk = compile_(_ascending_chunk)
+    # The policies' own kernels (they call the ghost kernels above); ``oldest`` and the clock's
+    # refills are their one-pass selection (the up to k smallest values in a range, in order).
+    from . import _kernels
+    _kernels.bind(compile_)
+    oldest = _kernels.oldest
+    _ascending_chunk = _kernels.k_smallest
     clock_choose = compile_(_clock_choose)
     ENABLED = True
     return True

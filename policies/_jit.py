@@ -238,10 +238,10 @@ def _clock_choose(ref, order, candidates, n, seq):
     passed blocks again in the order they were passed (their new orders are larger than any)."""
     count = 0
     room = 0
-    for s in range(len(candidates)):
-        if candidates[s]:
-            count += 1
-            room += max(ref[s], 0)     # a block re-enters at most ref times (one less each pass)
+    for s in range(len(candidates)):    # branch-free: vectorised
+        c = candidates[s]
+        count += c
+        room += c * max(ref[s], 0)     # a block re-enters at most ref times (one less each pass)
     passed = np.empty(room, dtype=np.int64)
     tail = 0
     victims = np.empty(min(n, count), dtype=np.int64)

@@ -22,6 +22,7 @@ from . import _jit
 
 _I64_MIN = np.iinfo(np.int64).min
 _I64_MAX = np.iinfo(np.int64).max
+_RUN = 256  # slots per run in k_smallest's first pass
 GHOST_LIVE, GHOST_MARK = 1, 2        # state.GHOST_LIVE / GHOST_MARK (state imports _jit: no cycle here)
 
 
@@ -42,36 +43,67 @@ def _sift_down(hv, hs, i, m):
             return
 
 
+def _heap_add(hv, hs, m, k, v, s):
+    """Offer ``(v, s)`` to the bounded max-heap of the ``m`` (of at most ``k``) smallest; returns ``m``.
+    Slots are offered in ascending order, so an equal value never beats the top."""
+    if m < k:                           # not full: sift the new entry up
+        i = m
+        m += 1
+        hv[i] = v
+        hs[i] = s
+        while i > 0:
+            p = (i - 1) // 2
+            if hv[p] > hv[i] or (hv[p] == hv[i] and hs[p] > hs[i]):
+                break
+            hv[i], hv[p] = hv[p], hv[i]
+            hs[i], hs[p] = hs[p], hs[i]
+            i = p
+    elif v < hv[0]:
+        hv[0] = v
+        hs[0] = s
+        _sift_down(hv, hs, 0, m)
+    return m
+
+
 def k_smallest(field, mask, after, below, k):
     """The up to ``k`` slots of ``mask`` with ``after < field < below`` smallest by ``(field, slot)``,
-    in that order. One pass over the slots with a bounded max-heap: O(n_slots + k log k)."""
+    in that order.
+
+    Two passes, O(n_slots + k log k): the first takes the minimum of every run of 256 slots
+    (branch-free, so it runs vectorised); the ``k`` smallest values all lie in the runs whose minimum
+    is at most the k-th smallest run minimum (at least k values are at most that), so the second pass
+    offers only those runs' slots, in ascending order, to a bounded max-heap.
+    """
     if k <= 0:
         return np.zeros(0, dtype=np.int64)
+    n = len(mask)
+    n_runs = (n + _RUN - 1) // _RUN
+    mins = np.empty(n_runs, dtype=field.dtype)
+    for c in range(n_runs):
+        mn = below
+        run_f = field[c * _RUN:c * _RUN + _RUN]   # slices: LLVM vectorises this loop, not one over a range
+        run_m = mask[c * _RUN:c * _RUN + _RUN]
+        for i in range(len(run_f)):
+            v = run_f[i]
+            ok = run_m[i] & (v > after)
+            mn = min(mn, v if ok else below)
+        mins[c] = mn
+    bar = below
+    if n_runs > k:
+        bar = np.partition(mins, k - 1)[k - 1]
     hv = np.empty(k, dtype=field.dtype)
     hs = np.empty(k, dtype=np.int64)
     m = 0
-    for s in range(len(mask)):
-        if not mask[s]:
+    top = below                         # values at or above it cannot enter the heap
+    for c in range(n_runs):
+        if mins[c] >= below or mins[c] > bar:
             continue
-        v = field[s]
-        if v <= after or v >= below:
-            continue
-        if m < k:                       # heap not full: sift the new entry up
-            i = m
-            m += 1
-            hv[i] = v
-            hs[i] = s
-            while i > 0:
-                p = (i - 1) // 2
-                if hv[p] > hv[i] or (hv[p] == hv[i] and hs[p] > hs[i]):
-                    break
-                hv[i], hv[p] = hv[p], hv[i]
-                hs[i], hs[p] = hs[p], hs[i]
-                i = p
-        elif v < hv[0]:                 # slots ascend: an equal value never beats the top
-            hv[0] = v
-            hs[0] = s
-            _sift_down(hv, hs, 0, m)
+        for s in range(c * _RUN, min(c * _RUN + _RUN, n)):
+            v = field[s]
+            if v < top and v > after and mask[s]:
+                m = _heap_add(hv, hs, m, k, v, s)
+                if m == k:
+                    top = min(hv[0], below)
     for end in range(m - 1, 0, -1):     # heap sort: ascending by (value, slot)
         hv[0], hv[end] = hv[end], hv[0]
         hs[0], hs[end] = hs[end], hs[0]
@@ -195,9 +227,8 @@ def sieve_choose(visited, order, resident, candidates, n, hand_at):
     """``Sieve.choose``: returns (victims, new ``sieve_hand``)."""
     mask = candidates.copy()
     head = _I64_MIN
-    for s in range(len(resident)):
-        if resident[s] == 1 and order[s] > head:
-            head = order[s]
+    for s in range(len(resident)):      # branch-free: vectorised
+        head = max(head, order[s] if resident[s] == 1 else _I64_MIN)
     buf = np.zeros(0, dtype=np.int64)
     at, after, size = 0, hand_at - 1, 32
     fresh = False
@@ -285,18 +316,15 @@ def s3fifo_choose(queue, freq, order, resident, candidates, n, n_slots, small_ca
     """``S3FIFO.choose``: returns (victims, new ``s3_seq``)."""
     n_small = 0
     n_res = 0
-    small_mask = np.zeros(len(candidates), dtype=np.bool_)
-    main_mask = np.zeros(len(candidates), dtype=np.bool_)
-    for s in range(len(candidates)):
-        if resident[s] == 1:
-            n_res += 1
-            if queue[s] == 0:
-                n_small += 1
-        if candidates[s]:
-            if queue[s] == 0:
-                small_mask[s] = True
-            else:
-                main_mask[s] = True
+    small_mask = np.empty(len(candidates), dtype=np.bool_)
+    main_mask = np.empty(len(candidates), dtype=np.bool_)
+    for s in range(len(candidates)):    # branch-free: vectorised
+        r = resident[s] == 1
+        small = queue[s] == 0
+        n_res += r
+        n_small += r & small
+        small_mask[s] = candidates[s] & small
+        main_mask[s] = candidates[s] & ~small
     n_main = n_res - n_small
     main_cap = n_slots - small_cap
     sbuf = np.zeros(0, dtype=np.int64)
@@ -379,17 +407,16 @@ def arc_miss(w, tk, tr, keys, L, R, shift, p, n_slots):
 
 def arc_insert(lists, resident, key64, slots, w, tk, tr, L, R, shift, p, n_slots):
     """``ARC.on_insert``; returns ``p``."""
-    in_batch = np.zeros(len(resident), dtype=np.bool_)
-    for i in range(len(slots)):
-        in_batch[slots[i]] = True
     t1 = 0
-    t2 = 0
-    for s in range(len(resident)):
-        if resident[s] == 1 and not in_batch[s]:
-            if lists[s] == 1:
-                t1 += 1
-            else:
-                t2 += 1
+    n_res = 0
+    for s in range(len(resident)):      # branch-free: vectorised
+        r = resident[s] == 1
+        n_res += r
+        t1 += r & (lists[s] == 1)
+    for i in range(len(slots)):         # the batch (resident already) is not counted
+        n_res -= 1
+        t1 -= lists[slots[i]] == 1
+    t2 = n_res - t1
     c = n_slots
     for i in range(len(slots)):
         s = slots[i]
@@ -440,16 +467,13 @@ def arc_remove(lists, key64, slots, w, tk, tr, L, R, cap, shift):
 def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_incoming, w, tk, tr, L, R, shift):
     """``ARC.choose``: T1's or T2's least recent candidates, by the paper's rule."""
     t1 = 0
-    m1 = np.zeros(len(candidates), dtype=np.bool_)
-    m2 = np.zeros(len(candidates), dtype=np.bool_)
-    for s in range(len(candidates)):
-        if lists[s] == 1:
-            if resident[s] == 1:
-                t1 += 1
-            if candidates[s]:
-                m1[s] = True
-        elif candidates[s]:
-            m2[s] = True
+    m1 = np.empty(len(candidates), dtype=np.bool_)
+    m2 = np.empty(len(candidates), dtype=np.bool_)
+    for s in range(len(candidates)):    # branch-free: vectorised
+        in_t1 = lists[s] == 1
+        t1 += in_t1 & (resident[s] == 1)
+        m1[s] = candidates[s] & in_t1
+        m2[s] = candidates[s] & ~in_t1
     b1, a1, f1, z1 = np.zeros(0, dtype=np.int64), 0, _I64_MIN, 32
     b2, a2, f2, z2 = np.zeros(0, dtype=np.int64), 0, _I64_MIN, 32
     victims = np.empty(n, dtype=np.int64)
@@ -478,7 +502,7 @@ def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_inc
 
 
 #: Compiled in this order on ``bind`` (a function calls the compiled versions of those before it).
-_ORDER = ("_sift_down", "k_smallest", "oldest", "smallest_lex", "walk_next", "ghost_len", "ghost_find",
+_ORDER = ("_sift_down", "_heap_add", "k_smallest", "oldest", "smallest_lex", "walk_next", "ghost_len", "ghost_find",
           "ghost_mark", "ghost_push", "clock_insert", "saturating_hit", "sieve_insert", "sieve_hit",
           "sieve_choose", "s3fifo_miss", "s3fifo_insert", "s3fifo_remove", "s3fifo_choose", "arc_adapt",
           "arc_miss", "arc_insert", "arc_hit", "arc_remove", "arc_choose")

@@ -103,8 +103,56 @@ def _on_insert(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift):
         gf[gi[0]] = _kernels.arc_insert(f0, resident, key64, slots, w, tk, tr, L, R, shift, gf[gi[0]], len(resident))
 
 
+def _link(kids, parent, slots):
+    """Put each of ``slots`` that has a parent on its parent's child list."""
+    first, nxt, prv = kids[0], kids[1], kids[2]
+    for j in range(len(slots)):
+        s = slots[j]
+        p = parent[s]
+        if p >= 0:
+            nxt[s] = first[p]
+            prv[s] = -1
+            if first[p] >= 0:
+                prv[first[p]] = s
+            first[p] = s
+
+
+def _remove_common(resident, parent, n_children, slots, kids):
+    """``_jit.remove_common`` (``base.remove``'s common fields), word for word, but finding the
+    children of the removed blocks on their child lists (``kids``: first child, next and previous
+    sibling per slot) rather than by a pass over every slot's parent."""
+    first, nxt, prv = kids[0], kids[1], kids[2]
+    for i in range(len(slots)):
+        s = slots[i]
+        p = parent[s]
+        if p >= 0:
+            n_children[p] -= 1
+            if prv[s] >= 0:
+                nxt[prv[s]] = nxt[s]
+            else:
+                first[p] = nxt[s]
+            if nxt[s] >= 0:
+                prv[nxt[s]] = prv[s]
+            nxt[s] = -1
+            prv[s] = -1
+    for i in range(len(slots)):             # the children left lose their parent link
+        c = first[slots[i]]
+        while c >= 0:
+            after = nxt[c]
+            parent[c] = -1
+            nxt[c] = -1
+            prv[c] = -1
+            c = after
+        first[slots[i]] = -1
+    for i in range(len(slots)):
+        s = slots[i]
+        resident[s] = 0
+        parent[s] = -1
+        n_children[s] = 0
+
+
 def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gcap, shift, slot_of, block_at, free,
-           top, cand):
+           top, cand, kids):
     """``base.evict`` of ``need`` victims, never the ``pinned`` slots (the request's hits), then the
     victims' slots back on the free stack; returns (new top, victims)."""
     nh = len(pinned)
@@ -116,7 +164,7 @@ def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gca
         nv = len(victims)
         if nv:                              # base.remove: the policy's hook, then the common fields
             _on_remove(kind, fields[_COMMON], fields[1], victims, w, tk, tr, L, R, gcap, shift)
-            _jit.remove_common(fields[0], fields[5], fields[6], victims)
+            _remove_common(fields[0], fields[5], fields[6], victims, kids)
             g[1] -= nv
             for j in range(nv):
                 v = victims[j]
@@ -131,7 +179,7 @@ def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gca
 
 
 def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, tr, L, R, gcap, shift,
-            slot_of, block_at, free, cand, acc):
+            slot_of, block_at, free, cand, kids, acc):
     """Requests ``r0`` to ``r1``, as ``replay.simulate`` serves them; ``acc`` holds (hits, prefix hits,
     evictions, free-stack top) across calls."""
     resident, key64, last, ins, hits = fields[0], fields[1], fields[2], fields[3], fields[4]
@@ -182,7 +230,7 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
         _on_miss(kind, f0, gf, gi, ids[:m], w, tk, tr, L, R, gcap, shift, n_slots)   # base.evict's on_miss
         if need > 0:
             top, nv = _evict(kind, fields, g, gf, gi, prm, need, hit_slots[:nh], ids[:m], w, tk, tr, L, R, gcap,
-                             shift, slot_of, block_at, free, top, cand)
+                             shift, slot_of, block_at, free, top, cand, kids)
             evictions += nv
         k = min(m, top)
         if k == 0:
@@ -199,6 +247,7 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
         g[0] += k
         _jit.insert_common(resident, key64, last, ins, hits, n_children, position, parent, new[:k], ids[:k],
                            parents[:k], miss_at[:k], first)
+        _link(kids, parent, new[:k])
         g[1] += k
         for j in range(k):
             cand[new[j]] = True
@@ -218,11 +267,11 @@ def _has_repeats(blocks, offsets, n_ids):
 
 
 def _bind() -> None:
-    global _compiled, _on_miss, _on_hit, _choose, _on_remove, _on_insert, _evict, _has_repeats
+    global _compiled, _on_miss, _on_hit, _choose, _on_remove, _on_insert, _link, _remove_common, _evict, _has_repeats
     compile_ = _jit.numba.njit(cache=True, nogil=True)
     _on_miss, _on_hit, _choose = compile_(_on_miss), compile_(_on_hit), compile_(_choose)
     _on_remove, _on_insert, _has_repeats = compile_(_on_remove), compile_(_on_insert), compile_(_has_repeats)
-    _evict = compile_(_evict)
+    _link, _remove_common, _evict = compile_(_link), compile_(_remove_common), compile_(_evict)
     _compiled = compile_(_replay)
 
 
@@ -266,6 +315,9 @@ def run(cache, trace, progress: Callable[[int], None] | None = None) -> tuple[in
     free = np.zeros(cache.capacity, dtype=np.int64)
     free[:len(cache.free)] = cache.free
     cand = st.resident == 1
+    if st.resident.any():
+        raise ValueError("the compiled replay starts from an empty cache")
+    kids = np.full((3, cache.capacity), -1, dtype=np.int64)   # first child, next and previous sibling
     acc = np.array([0, 0, cache.evictions, len(cache.free)], dtype=np.int64)
     g = st.globals_view()
     step = max(trace.n_requests // 100, 1) if progress is not None else trace.n_requests
@@ -273,7 +325,7 @@ def run(cache, trace, progress: Callable[[int], None] | None = None) -> tuple[in
         r1 = min(r0 + step, trace.n_requests)
         _compiled(KINDS[type(policy)], blocks, prev, offsets, r0, r1, tuple(fields), g, st.globals_view(np.float64),
                   gi, np.array(prm, dtype=np.int64), w, tk, tr, L, R, gcap, shift, cache.slot_of, cache.block_at,
-                  free, cand, acc)
+                  free, cand, kids, acc)
         if progress is not None:
             progress(r1 - r0)
     cache.evictions = int(acc[2])

@@ -38,6 +38,8 @@ MODULES: list[tuple[str, list[str] | None, set[str], str]] = [
     ("tieredkv.errors", None, set(), "One exception family: catch `TieredKVError`."),
     ("tieredkv.integrations.hf", ["CachedPrefill", "PrefillResult", "spec_for_model", "cache_keyword"], set(),
      "HuggingFace transformers models ([integration.md](integration.md))."),
+    ("tieredkv.integrations.hf_adapters", ["adapter_identity"], set(),
+     "The identity of the peft adapters a model runs with ([integration.md](integration.md))."),
     ("tieredkv.integrations.vllm", ["TieredKVConnector", "TieredKVTier", "cache_kwargs", "spec_from_vllm"], set(),
      "vLLM: a KV connector and a secondary tier ([vllm.md](vllm.md))."),
     ("tieredkv.integrations.kv_events", ["ConnectorEvents", "TierEvents", "Exporter", "Announcer", "to_kv_events"],

@@ -23,6 +23,19 @@ def tiny_spec() -> KVSpec:
 
 
 @pytest.fixture
+def namespace():
+    """A model id of its own per test (``(tag, made)``): append each spec built under it to ``made``;
+    their hot segments are removed afterwards."""
+    tag = f"test-hf-{secrets.token_hex(5)}"
+    made: list[KVSpec] = []
+    yield tag, made
+    from tieredkv.demo import drop_hot_tier
+
+    for spec in made:
+        drop_hot_tier(spec)
+
+
+@pytest.fixture
 def seg_name():
     """A fresh segment name, unlinked after the test whatever happened."""
     name = f"/tieredkv-test-{os.getpid()}-{secrets.token_hex(4)}"

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import uuid
 import zipfile
 
 import pytest
@@ -45,18 +44,6 @@ def models():
         return built[arch, dtype]
 
     return get
-
-
-@pytest.fixture
-def namespace():
-    """A model id of its own per test: a fresh hot segment, removed afterwards."""
-    tag = f"test-hf-{uuid.uuid4().hex[:10]}"
-    made: list[KVSpec] = []
-    yield tag, made
-    from tieredkv.demo import drop_hot_tier
-
-    for spec in made:
-        drop_hot_tier(spec)
 
 
 def hot_bytes_for(spec: KVSpec, n_blocks: int) -> int:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tieredkv.errors import InvalidInput, SpecMismatch
+from tieredkv.integrations.hf_adapters import adapter_identity
 from tieredkv.spec import KVSpec
 
 try:  # transformers >= 4.56 keeps one layer object per layer
@@ -70,13 +71,20 @@ class PrefillResult:
     pending_store: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
 
+def _forward_params(model: Any) -> Any:
+    """The parameters of the forward that really runs: a peft ``PeftModel`` passes its keywords on to
+    the model it wraps (``get_base_model()``), whose signature names them."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return inspect.signature(inner.forward).parameters
+
+
 def cache_keyword(model: Any) -> str:
     """The keyword ``model.forward`` takes its KV cache by: ``"cache"`` (5.x later) or ``"past_key_values"``.
 
     Raises:
         InvalidInput: ``forward`` takes neither.
     """
-    params = inspect.signature(model.forward).parameters
+    params = _forward_params(model)
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
@@ -223,6 +231,10 @@ class CachedPrefill:
             in use gets a new buffer (kept instead). On CUDA the buffer is pinned (pinning is
             expensive) and carries new chunks to ``store``. ``False``: a new buffer per call.
 
+    A model running peft adapters (a ``PeftModel`` or ``model.load_adapter``) keys every chunk with the
+    active adapters' identity (``hf_adapters.adapter_identity``): KV computed under an adapter is never
+    restored for another adapter or for the base model.
+
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
         InvalidInput: the model has linear-attention or mamba layers, is an MLA model (see
@@ -259,7 +271,7 @@ class CachedPrefill:
         # window), holding the prefix's K/V for every layer while the request runs.
         self._sliding = bool(self.spec.extra and "window=" in self.spec.extra) or "sliding_attention" in layer_types
         self._cache_kw = cache_keyword(model)
-        forward_params = inspect.signature(model.forward).parameters
+        forward_params = _forward_params(model)
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward_params),
                                None)
         self._on_cuda = self.device.type == "cuda"
@@ -405,9 +417,13 @@ class CachedPrefill:
             kv_cache = self._new_cache()
         marks = {"lookup": (t0, cpu0), "load": (t0, cpu0), "adopt": (t0, cpu0)}
         cached, host = 0, None
+        # KV computed under a peft adapter is keyed by the adapter's identity (every chunk), so it
+        # is never restored for the base model or another adapter (``hf_adapters``).
+        adapter = adapter_identity(self.model) if self.cache is not None and n_full else None
+        keyed: dict[str, Any] = {} if adapter is None else {"extra": [adapter] * (n_full // chunk)}
         if self.cache is not None and n_full:
             tokens = ids[0].numpy()
-            hit = self.cache.lookup(tokens, salt=salt)
+            hit = self.cache.lookup(tokens, salt=salt, **keyed)
             marks["lookup"] = marks["load"] = marks["adopt"] = (time.perf_counter(), time.thread_time())
             host = in_place if in_place is not None else self._host_buffer(n_full)
             if hit.tokens:
@@ -450,7 +466,7 @@ class CachedPrefill:
                 b = (time.perf_counter(), time.thread_time())
                 # On CUDA the host buffer's prefix part was never filled: store from the restored end on.
                 n_stored = int(self.cache.store(ids[0, :n_full].numpy(), host[:, :, :, :n_full], salt=salt,
-                                                from_token=cached if self._on_cuda else 0))
+                                                from_token=cached if self._on_cuda else 0, **keyed))
             if host is not None and self.reuse_host_buffer and not self._on_cuda and in_place is None:
                 self._release_if_viewed(kv_cache)
             c = (time.perf_counter(), time.thread_time())

@@ -22,7 +22,7 @@ from . import _jit
 
 _I64_MIN = np.iinfo(np.int64).min
 _I64_MAX = np.iinfo(np.int64).max
-_RUN = 256  # slots per run in k_smallest's first pass
+_RUN = 64  # slots per run in k_smallest's first pass
 GHOST_LIVE, GHOST_MARK = 1, 2        # state.GHOST_LIVE / GHOST_MARK (state imports _jit: no cycle here)
 
 

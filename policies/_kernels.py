@@ -94,7 +94,8 @@ def k_smallest(field, mask, after, below, k):
     hv = np.empty(k, dtype=field.dtype)
     hs = np.empty(k, dtype=np.int64)
     m = 0
-    top = below                         # values at or above it cannot enter the heap
+    # Values at or above ``top`` cannot enter the heap: the k smallest are all at most ``bar``.
+    top = below if bar >= below else bar + 1
     for c in range(n_runs):
         if mins[c] >= below or mins[c] > bar:
             continue
@@ -103,7 +104,7 @@ def k_smallest(field, mask, after, below, k):
             if v < top and v > after and mask[s]:
                 m = _heap_add(hv, hs, m, k, v, s)
                 if m == k:
-                    top = min(hv[0], below)
+                    top = min(hv[0], top)
     for end in range(m - 1, 0, -1):     # heap sort: ascending by (value, slot)
         hv[0], hv[end] = hv[end], hv[0]
         hs[0], hs[end] = hs[end], hs[0]

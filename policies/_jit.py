@@ -14,6 +14,7 @@ segment.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -282,6 +283,30 @@ def _clock_choose(ref, order, candidates, n, seq):
     return victims[:got], seq
 
 
+def compiler(*sources: str):
+    """``numba.njit(cache=True, nogil=True)`` for kernels, keyed by the kernels' sources.
+
+    numba's on-disk cache of a function is checked against its own file only, yet a compiled
+    function carries the code of the kernels it calls from other files: edit ``_kernels.py`` and a
+    cached caller in ``_jit.py`` (or the simulator's loop) would keep running the old kernel. So every
+    kernel's cache entry is named after a digest of this file, ``_kernels.py`` and ``sources`` (the
+    caller's own file): any edit to them compiles afresh.
+    """
+    digest = hashlib.sha1()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "_jit.py"), os.path.join(here, "_kernels.py"), *sources):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    tag = digest.hexdigest()[:12]
+    njit = numba.njit(cache=True, nogil=True)
+
+    def compile_(fn):
+        fn.__qualname__ = f"{fn.__qualname__}_{tag}"   # numba names the cache file after it
+        return njit(fn)
+
+    return compile_
+
+
 def enable() -> bool:
     """Import numba and bind the compiled kernels; return whether they are in use (idempotent).
 
@@ -302,7 +327,7 @@ def enable() -> bool:
     except ImportError:  # the numpy path in base.py runs instead
         return False
     numba = module
-    compile_ = module.njit(cache=True, nogil=True)
+    compile_ = compiler()
     insert_common = compile_(_insert_common)
     remove_common = compile_(_remove_common)
     # Rebind the helpers first: a kernel calls the compiled versions it finds under these names.

@@ -129,3 +129,22 @@ def test_only_policies_with_kernels_for_every_hook_take_the_loop(monkeypatch):
     assert not fastloop.supports(MyLRU())
     monkeypatch.setattr(_jit, "ENABLED", False)
     assert not fastloop.supports(policies.make("lru"))
+
+
+def test_kernel_cache_is_keyed_by_the_kernels_sources(tmp_path):
+    """numba checks a cached function against its own file only, though it carries the code of the
+    kernels it calls from other files; ``_jit.compiler`` names every cache entry after a digest of
+    the kernel sources (and the caller's), so an edit anywhere compiles afresh."""
+    src = tmp_path / "caller.py"
+    names = []
+    for text in ("a = 1\n", "a = 2\n", "a = 1\n"):
+        src.write_text(text)
+
+        def kernel(x):
+            return x + 1
+
+        compiled = _jit.compiler(str(src))(kernel)
+        assert compiled(1) == 2
+        names.append(kernel.__qualname__)
+    assert names[0] != names[1] and names[0] == names[2]
+    assert names[0].startswith("test_kernel_cache_is_keyed_by_the_kernels_sources.<locals>.kernel_")

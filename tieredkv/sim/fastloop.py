@@ -268,7 +268,7 @@ def _has_repeats(blocks, offsets, n_ids):
 
 def _bind() -> None:
     global _compiled, _on_miss, _on_hit, _choose, _on_remove, _on_insert, _link, _remove_common, _evict, _has_repeats
-    compile_ = _jit.numba.njit(cache=True, nogil=True)
+    compile_ = _jit.compiler(__file__)   # cached, and compiled afresh when any kernel's source changes
     _on_miss, _on_hit, _choose = compile_(_on_miss), compile_(_on_hit), compile_(_choose)
     _on_remove, _on_insert, _has_repeats = compile_(_on_remove), compile_(_on_insert), compile_(_has_repeats)
     _link, _remove_common, _evict = compile_(_link), compile_(_remove_common), compile_(_evict)

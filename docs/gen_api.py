@@ -170,12 +170,24 @@ def _docstring_md(doc: str | None) -> str:
     return re.sub(r"\n{3,}", "\n\n", text)
 
 
-def _is_public_member(cls, name: str, value) -> bool:
+def _is_public_member(name: str, value) -> bool:
     if name.startswith("_"):
         return False
-    if name not in vars(cls):
-        return False
     return inspect.isfunction(value) or isinstance(value, (property, classmethod, staticmethod))
+
+
+def _own_members(cls):
+    """``(name, attribute)`` of what ``cls`` defines, then of its implementation bases: the bases from
+    its own subpackage (``HotTier.close`` is written in ``tieredkv.hot.handle``), not the protocols it
+    implements (``tieredkv.tier.Tier``). An attribute a class overrides is taken from the class."""
+    package = cls.__module__.rsplit(".", 1)[0]
+    bases = [b for b in cls.__mro__[1:] if package != "tieredkv" and b.__module__.startswith(package + ".")]
+    seen: set[str] = set()
+    for klass in (cls, *bases):
+        for name, raw in vars(klass).items():
+            if name not in seen:
+                seen.add(name)
+                yield name, raw
 
 
 def _class_md(qual: str, cls) -> list[str]:
@@ -186,8 +198,8 @@ def _class_md(qual: str, cls) -> list[str]:
     if issubclass(cls, enum.Enum):
         out += ["Members: " + ", ".join(f"`{m.name}` = {m.value!r}" for m in cls), ""]
         return out
-    for name, raw in vars(cls).items():
-        if not _is_public_member(cls, name, raw):
+    for name, raw in _own_members(cls):
+        if not _is_public_member(name, raw):
             continue
         if isinstance(raw, property):
             out += [f"#### property `{qual}.{name}`", "", _docstring_md(raw.__doc__)]

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from helpers import flip
 from tieredkv import FormatError, KVSpec, chunk_keys
 from tieredkv.warm import WarmTier, admin
 from tieredkv.warm.testing import check_index, payload_for
@@ -26,14 +27,6 @@ def make_tier(root, n_blocks=16, verify="always"):
 
 def slab(d, i):
     return os.path.join(d, f"slab-{i:04d}.bin")
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def bad_of(report):
@@ -171,9 +164,9 @@ def test_damaged_meta(tmp_path, damage):
 
 def test_flipped_bytes_caught_by_the_grouped_hashing(tmp_path, monkeypatch):
     # Groups of 3 blocks: each group is hashed and handed to the sink right after it is read.
-    from tieredkv.warm import tier as warm_tier
+    from tieredkv.warm import reads as warm_reads
 
-    monkeypatch.setattr(warm_tier, "READ_GROUP_BYTES", 3 * SPEC.block_bytes)
+    monkeypatch.setattr(warm_reads, "READ_GROUP_BYTES", 3 * SPEC.block_bytes)
     k, d = make_tier(tmp_path)
     flip(slab(d, 1), (13 - PER_SLAB) * SLOT + 7)  # slot 13: the fifth group
     with WarmTier(SPEC, tmp_path) as t:
@@ -188,9 +181,9 @@ def test_flipped_bytes_caught_by_the_grouped_hashing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("group_blocks", [3, 1000])  # the grouped path and the one-read one
 def test_sink_gets_every_group_in_order_and_its_errors_surface(tmp_path, monkeypatch, group_blocks):
-    from tieredkv.warm import tier as warm_tier
+    from tieredkv.warm import reads as warm_reads
 
-    monkeypatch.setattr(warm_tier, "READ_GROUP_BYTES", group_blocks * SPEC.block_bytes)
+    monkeypatch.setattr(warm_reads, "READ_GROUP_BYTES", group_blocks * SPEC.block_bytes)
     k, _ = make_tier(tmp_path)
     with WarmTier(SPEC, tmp_path) as t:
         out = np.zeros((16, SPEC.block_bytes), np.uint8)

@@ -230,7 +230,7 @@ class Mapping:
         # mmap keeps a dup of ``fd`` (same open file description) for its whole life. Locks are taken
         # on a second, separate open of the segment (``lock_fd``, opened here unless the caller
         # already holds one), so that dropping the lock descriptor (a forked child does, see
-        # hot/tier.py) really lets go of every lock this handle holds.
+        # hot/handle.py) really lets go of every lock this handle holds.
         if lock_fd < 0:
             try:
                 lock_fd = _reopen(fd, writable)

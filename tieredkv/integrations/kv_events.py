@@ -272,6 +272,7 @@ class _JournalEvents:
             return local + self.announcer.feed(self.reader.poll())
 
     def close(self) -> None:
+        """Close the journal reader (the journal itself belongs to the cache)."""
         self.reader.close()
 
 

@@ -595,7 +595,7 @@ class _SharedEnv:
         try:
             self.env = lmdb.open(path, **kwargs)
         except lmdb.Error as exc:
-            if not readonly or not _is_permission(exc):
+            if not readonly or _lmdb_errno(path, exc) not in NOT_WRITABLE:
                 raise
             # A read-only directory: the lock file cannot be opened for writing. Read without the
             # reader table; safe only because nobody can write here either.
@@ -691,20 +691,56 @@ def _drop_inherited_registrations() -> None:
 os.register_at_fork(after_in_child=_drop_inherited_registrations)
 
 
-def _is_permission(exc: Exception) -> bool:
-    text = str(exc).lower()
-    return "permission" in text or "read-only" in text or "eacces" in text or "erofs" in text
+#: errno values that say this process may not write a file: its mode (EACCES), an immutable file or a
+#: security module (EPERM, root's writes included), a read-only mount (EROFS).
+NOT_WRITABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+#: errno values of a full disk, or of a full quota.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-def _unavailable(path: str, exc: Exception) -> WarmTierUnavailable:
-    if isinstance(exc, lmdb.ReadonlyError) or _is_permission(exc):
+def refuses_writes(exc: BaseException) -> bool:
+    """Whether ``exc``, raised opening or writing the index, says this process may not write its files:
+    py-lmdb's ``ReadonlyError`` (EACCES, or LMDB's own read-only code), or an error that carries one of
+    ``NOT_WRITABLE`` (an ``OSError``; a ``WarmTierUnavailable`` from ``_unavailable`` or the owner
+    registry)."""
+    return isinstance(exc, lmdb.ReadonlyError) or getattr(exc, "errno", None) in NOT_WRITABLE
+
+
+def _lmdb_errno(path: str, exc: lmdb.Error) -> int | None:
+    """The errno behind ``exc`` (an LMDB failure on the index at ``path``), or None if none is known.
+
+    py-lmdb raises a class of its own for EACCES (``ReadonlyError``) and ENOSPC (``DiskError``), and a
+    bare ``lmdb.Error`` carrying only a message for every other errno. For those the files are asked
+    instead: a read-only mount is EROFS; an index file that ``access`` says may not be written (or, for
+    one still to be made, its directory) is EPERM: a mode that forbids it would have been EACCES, a
+    ``ReadonlyError``. Asked, not opened: closing a descriptor of lock.mdb would drop this process's
+    POSIX locks on it, which LMDB holds.
+    """
+    if isinstance(exc, lmdb.ReadonlyError):
+        return errno.EACCES
+    if isinstance(exc, lmdb.DiskError):
+        return errno.ENOSPC
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return errno.EROFS
+    except OSError:
+        return None
+    for name in ("lock.mdb", "data.mdb"):
+        file = os.path.join(path, name)
+        if not os.access(file if os.path.exists(file) else path, os.W_OK):
+            return errno.EPERM
+    return None
+
+
+def _unavailable(path: str, exc: lmdb.Error) -> WarmTierUnavailable:
+    code = _lmdb_errno(path, exc)
+    if code in NOT_WRITABLE:
         why = "the index is read-only here"
-    elif "no space" in str(exc).lower() or getattr(exc, "errno", None) == errno.ENOSPC:
+    elif code in DISK_FULL:
         why = "the disk is full"
     else:
         why = "LMDB error"
-    return WarmTierUnavailable(f"cannot write the warm tier index {path}: {why} ({exc})",
-                               errno=errno.ENOSPC if why == "the disk is full" else None)
+    return WarmTierUnavailable(f"cannot write the warm tier index {path}: {why} ({exc})", errno=code)
 
 
 # ---- small helpers over a transaction ------------------------------------------------------------

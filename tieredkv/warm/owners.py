@@ -98,7 +98,7 @@ class Owners:
                     self.fd = -1  # nobody ever opened the tier for writing: no owner is alive
         except OSError as exc:
             raise WarmTierUnavailable(f"cannot open the warm tier's owner registry {self.path}: "
-                                      f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
+                                      f"{os.strerror(exc.errno) if exc.errno else exc}", errno=exc.errno) from exc
         if self.fd >= 0 and not _is_regular(self.fd):
             os.close(self.fd)
             self.fd = -1

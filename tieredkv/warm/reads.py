@@ -1,0 +1,209 @@
+"""The warm tier's checked reads: records confirmed, slots copied without any lock, then re-checked
+and verified.
+
+``get_many`` (warm/tier.py, whose docstring draws the steps) looks the records up (``_lookup``, read
+transaction 1), copies their slots and re-checks them (``_copy_checked``: the copy, one group of about
+``READ_GROUP_BYTES`` at a time, each group hashed while it is still in the CPU cache; read transaction
+2; the checksums) and removes what failed (``_drop_bad_records``, ``_drop_corrupt``, never waiting
+behind a writer: this is the read path). Copying outside any lock is safe because a slot is rewritten
+only after the record that owned it was deleted in a committed write transaction: if transaction 2,
+begun after the copy ended, still sees the same (slot, gen), no writer touched the slot meanwhile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from tieredkv.errors import TieredKVError
+from tieredkv.keys import ChunkKeys, key_at
+from tieredkv.warm import index as ix
+from tieredkv.warm import packed
+from tieredkv.warm.records import Records
+
+#: A read is split into groups of about this size (at least one block), each read, checksummed and handed
+#: to the caller's sink before the next one is read, all on the caller's thread: the group is still in
+#: the CPU's L2 cache when it is hashed and copied out, so a verified read touches main memory about as
+#: often as a plain read (one pass) instead of three (read, hash, copy). A helper thread hashing one
+#: 32 MiB group while the next was read gave no overlap on 2 cores and hashed out of DRAM (3.9x the
+#: time of hashing in L2, docs/benchmarks.md).
+READ_GROUP_BYTES = 1 << 20
+
+
+def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int]:
+    """Checksum ``rows[which]`` and hand ``rows[b:e]`` to ``sink``; returns the digests."""
+    sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in which.tolist()]
+    if sink is not None:
+        sink(b, rows[b:e])
+    return sums
+
+
+class CheckedReads(Records):
+    """Lookups confirmed against the keys, copies re-checked against the index and verified."""
+
+    def _lookup(self, txn, raw: bytes, keys: ChunkKeys, n: int, prefix: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Records of the first ``n`` keys and a mask of those found *and* confirmed.
+
+        With ``prefix`` the scan stops at the first miss (the mask is False from there on).
+        """
+        get = txn.get
+        db = self._index.blocks
+        size = self._rec.itemsize
+        blank = bytes(size)
+        vals = []
+        # One LMDB call per key is the floor here (LMDB has no batch get); values are joined and
+        # parsed in one numpy pass below, so no per-block Python object outlives this loop.
+        for i in range(n):
+            v = get(key_at(raw, i), db=db)
+            if v is None or len(v) != size:
+                if prefix:
+                    break
+                v = blank
+            vals.append(v)
+        m = len(vals)
+        recs = np.frombuffer(b"".join(vals), dtype=self._rec) if m else np.zeros(0, self._rec)
+        found = np.zeros(n, dtype=bool)
+        if m:
+            # A damaged slot field must be a miss, never an index past the slabs.
+            found[:m] = (packed.servable(recs["length"], self.block_bytes) & (recs["slot"] < self.n_slots)
+                         & (recs["parent"] == keys.parents[:m]).all(axis=1)
+                         & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
+        if prefix and not found.all():
+            found[int(np.argmin(found)):] = False
+        return recs, found
+
+    def _bad_records(self, txn, raw: bytes, keys: ChunkKeys, recs: np.ndarray, n: int) -> np.ndarray:
+        """Among the first ``n`` records (found for ``keys``), those that break an index invariant.
+
+        A record whose key and tokens match but whose slot is out of range, or whose slot's reverse
+        entry names another key, was damaged on disk (one flipped byte in the slot field is enough):
+        serving it would hand out another block's bytes or fail on every load. Returns a bool mask.
+        """
+        m = min(n, len(recs))
+        if not m:
+            return np.zeros(0, dtype=bool)
+        bad = ((recs["slot"][:m] >= self.n_slots) & packed.valid_length(recs["length"][:m], self.block_bytes)
+               & (recs["parent"][:m] == keys.parents[:m]).all(axis=1)
+               & (recs["tokens"][:m] == keys.tokens[:m]).all(axis=1))
+        if self.verify == "always":
+            # Another block's slot fails this block's checksum (dropped and counted there); the
+            # reverse lookups (one LMDB get per block) are needed only where bytes go unchecked.
+            return bad
+        get, db = txn.get, self._index.slots
+        for i in np.flatnonzero(~bad).tolist():
+            if get(ix.slot_key(int(recs["slot"][i])), db=db) != key_at(raw, i):
+                bad[i] = True
+        return bad
+
+    def _drop_bad_records(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
+        """Delete records that break an invariant (if unchanged since read), counting them as corrupt.
+
+        Their slots are left alone: a damaged record cannot say which slot is really its own.
+        """
+        with self._mem:
+            self._counts["corrupt"] += len(which)
+        if self.readonly or not len(which):
+            return
+        entries = [(key_at(raw, i), int(recs["gen"][i])) for i in which.tolist()]
+
+        def drop(txn):
+            dropped = 0
+            for key, gen in entries:
+                v = txn.get(key, db=self._index.blocks)
+                if v is not None and len(v) == self._rec.itemsize \
+                        and int(np.frombuffer(v, dtype=self._rec)[0]["gen"]) == gen:
+                    txn.delete(key, db=self._index.blocks)
+                    dropped += 1
+            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
+            ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, total)
+
+        try:
+            self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
+        except TieredKVError:
+            pass  # dropped by a later read
+
+    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray, sink=None) -> int:
+        """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
+        run = len(recs)
+        slots = recs["slot"].astype(np.int64)
+        check = np.full(run, self.verify != "never")
+        if self.verify == "sampled":
+            with self._mem:  # a Generator is not thread-safe
+                check &= self._rng.random(run) < self.sample_rate
+        failed = lacking = np.zeros(run, dtype=bool)
+        if (recs["length"] == self.block_bytes).all():
+            complete, sums = self._read_hashing(slots, rows, check, sink)
+        else:  # some blocks are stored compressed: always checked, then decompressed
+            complete, sums, check, failed, lacking = packed.read(
+                self._slabs, slots, recs["length"], recs["checksum"], rows, check, sink, self.spec.dtype_bytes,
+                READ_GROUP_BYTES)
+        # Re-check after the copy (module docstring): same slot and gen <=> bytes were stable.
+        again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
+        stable = found.copy()
+        m = len(again)
+        stable[:m] &= (again["slot"] == recs["slot"][:m]) & (again["gen"] == recs["gen"][:m])
+        stable[m:] = False
+        bad = stable & ~complete
+        bad |= stable & complete & check & (sums != recs["checksum"])
+        bad |= stable & failed
+        end = np.flatnonzero(~stable | bad | lacking)  # lacking: this process lacks the codec (a miss)
+        good = int(end[0]) if len(end) else run
+        if bad.any():
+            self._drop_corrupt(raw, recs, np.flatnonzero(bad))
+        return good
+
+    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray,
+                      sink=None) -> tuple[np.ndarray, np.ndarray]:
+        """Read ``slots`` into ``rows`` and checksum the ``check`` rows, one group of about
+        ``READ_GROUP_BYTES`` at a time: each group is hashed and handed to ``sink`` right after it is
+        read, while it is still in the CPU cache.
+
+        Returns:
+            ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
+        """
+        n = len(slots)
+        sums = np.zeros(n, dtype=np.uint64)
+        per_group = max(1, READ_GROUP_BYTES // self.block_bytes)
+        if n <= per_group or not (check.any() or sink is not None):
+            complete = self._slabs.read(slots, rows)
+            which = np.flatnonzero(check & complete)
+            sums[which] = _work(rows, which, sink, 0, n)
+            return complete, sums
+        complete = np.zeros(n, dtype=bool)
+        self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the groups, as for one read
+        for b in range(0, n, per_group):
+            e = min(n, b + per_group)
+            complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
+            todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
+            sums[todo] = _work(rows, todo, sink, b, e)
+        return complete, sums
+
+    def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
+        """Count bad blocks and remove their records (if still the same gen) so they are never served."""
+        with self._mem:
+            self._counts["corrupt"] += len(which)
+        if self.readonly:
+            return  # cannot remove; every later read detects them again (short or checksum)
+        entries = [(key_at(raw, i), int(recs["slot"][i]), int(recs["gen"][i]))
+                   for i in which.tolist()]
+
+        def drop(txn):
+            removed = []
+            dropped = 0
+            for key, slot, gen in entries:
+                rec, owned = self._delete_record(txn, key, expect_gen=gen)
+                dropped += rec is not None
+                if owned:
+                    txn.put(ix.slot_key(slot), b"", db=self._index.free)
+                    removed.append(slot)
+            total = ix.get_u64(txn, self._index.info, ix.INFO_CORRUPT) + dropped
+            ix.put_u64(txn, self._index.info, ix.INFO_CORRUPT, total)
+            return removed
+
+        try:
+            removed = self._index.write(drop, wait_s=0)  # on the read path: never wait behind a writer
+        except TieredKVError:
+            return  # index not writable now: the block stays bad and is detected again on every read
+        with self._mem:
+            self._view.forget(np.asarray(removed, dtype=np.int64))
+

@@ -341,7 +341,7 @@ def enable() -> bool:
     # The policies' own kernels (they call the ghost kernels above); ``oldest`` and the clock's
     # refills are their one-pass selection (the up to k smallest values in a range, in order).
     from . import _kernels
-    _kernels.bind(compile_)
+    _kernels.bind(compile_, _tfind, ghost_push, _ghost_remove, _ghost_pop)
     oldest = _kernels.oldest
     _ascending_chunk = _kernels.k_smallest
     clock_choose = compile_(_clock_choose)

@@ -16,14 +16,20 @@ values returned (the caller stores them); the ghost words are ``_jit``'s (``w``,
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
-from . import _jit
+import numpy as np
 
 _I64_MIN = np.iinfo(np.int64).min
 _I64_MAX = np.iinfo(np.int64).max
+#: The ghost kernels of ``_jit`` (probe, push, remove, pop), handed over by ``bind``: this module
+#: imports nothing of the package, so ``_jit`` imports it without a cycle.
+_tfind: Any = None
+_ghost_push: Any = None
+_ghost_remove: Any = None
+_ghost_pop: Any = None
 _RUN = 64  # slots per run in k_smallest's first pass
-GHOST_LIVE, GHOST_MARK = 1, 2        # state.GHOST_LIVE / GHOST_MARK (state imports _jit: no cycle here)
+GHOST_LIVE, GHOST_MARK = 1, 2        # state.GHOST_LIVE / GHOST_MARK (this module imports none of the package)
 
 
 # ---- selection -----------------------------------------------------------------------------------
@@ -174,7 +180,7 @@ def ghost_len(w, lst):
 
 def ghost_find(w, tk, tr, key, L, R, shift):
     """``SlotState.ghost_find``: ``(list, flags)`` of ``key``, ``(-1, 0)`` if it is no ghost."""
-    i = _jit._tfind(tk, tr, key, shift)
+    i = _tfind(tk, tr, key, shift)
     if i < 0:
         return -1, 0
     ref = tr[i] - 1
@@ -182,7 +188,7 @@ def ghost_find(w, tk, tr, key, L, R, shift):
 
 
 def ghost_mark(w, tk, tr, key, L, R, shift):
-    i = _jit._tfind(tk, tr, key, shift)
+    i = _tfind(tk, tr, key, shift)
     if i >= 0:
         at = 3 * L + L * R + tr[i] - 1
         w[at] = w[at] | GHOST_MARK
@@ -192,7 +198,7 @@ def ghost_push(w, tk, tr, keys, lst, L, R, cap, shift, fresh):
     if L == 0 or len(keys) == 0:      # a state without ghost lists (too small for any)
         return
     flags = np.full(len(keys), GHOST_LIVE, dtype=np.int64)
-    _jit.ghost_push(w, tk, tr, keys, flags, lst, L, R, cap, shift, fresh)
+    _ghost_push(w, tk, tr, keys, flags, lst, L, R, cap, shift, fresh)
 
 
 # ---- CLOCK (``clock.Clock``) ---------------------------------------------------------------------
@@ -265,7 +271,7 @@ def s3fifo_miss(w, tk, tr, keys, L, R, cap, shift):
             found[nf] = keys[i]
             nf += 1
     for i in range(nf):
-        _jit._ghost_remove(w, tk, tr, found[i], L, R, shift)
+        _ghost_remove(w, tk, tr, found[i], L, R, shift)
     ghost_push(w, tk, tr, found[:nf], 1, L, R, cap, shift, False)
 
 
@@ -278,7 +284,7 @@ def s3fifo_insert(queue, freq, order, resident, key64, slots, w, tk, tr, L, R, s
             q[i] = 1
     for i in range(n):
         if q[i] == 1:
-            _jit._ghost_remove(w, tk, tr, key64[slots[i]], L, R, shift)
+            _ghost_remove(w, tk, tr, key64[slots[i]], L, R, shift)
     if warm:
         in_batch = np.zeros(len(resident), dtype=np.bool_)
         for i in range(n):
@@ -426,7 +432,7 @@ def arc_insert(lists, resident, key64, slots, w, tk, tr, L, R, shift, p, n_slots
         if lst >= 0:
             if not flags & GHOST_MARK:
                 p = arc_adapt(w, lst, p, n_slots)
-            _jit._ghost_remove(w, tk, tr, key, L, R, shift)
+            _ghost_remove(w, tk, tr, key, L, R, shift)
             lists[s] = 2
             t2 += 1
             continue
@@ -434,9 +440,9 @@ def arc_insert(lists, resident, key64, slots, w, tk, tr, L, R, shift, p, n_slots
         b2 = ghost_len(w, 1)
         if t1 + b1 >= c:
             if b1:
-                _jit._ghost_pop(w, tk, tr, 0, L, R, shift)
+                _ghost_pop(w, tk, tr, 0, L, R, shift)
         elif t1 + t2 + b1 + b2 >= 2 * c and b2:
-            _jit._ghost_pop(w, tk, tr, 1, L, R, shift)
+            _ghost_pop(w, tk, tr, 1, L, R, shift)
         lists[s] = 1
         t1 += 1
     return p
@@ -509,8 +515,10 @@ _ORDER = ("_sift_down", "_heap_add", "k_smallest", "oldest", "smallest_lex", "wa
           "arc_miss", "arc_insert", "arc_hit", "arc_remove", "arc_choose")
 
 
-def bind(compile_) -> None:
-    """Replace every function above by its compiled version (``_jit.enable`` calls this once)."""
+def bind(compile_, tfind, ghost_push, ghost_remove, ghost_pop) -> None:
+    """Replace every function above by its compiled version, over ``_jit``'s compiled ghost kernels
+    (``_jit.enable`` calls this once)."""
     g = globals()
+    g.update(_tfind=tfind, _ghost_push=ghost_push, _ghost_remove=ghost_remove, _ghost_pop=ghost_pop)
     for name in _ORDER:
         g[name] = compile_(g[name])

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import xxhash
 
+from tieredkv.errors import InvalidInput
+
 __all__ = ["adapter_identity"]
 
 
@@ -54,6 +56,23 @@ def _feed(h: Any, value: bytes) -> None:
     h.update(value)
 
 
+def _refuse_unkeyable(model: Any) -> None:
+    """Raise if ``model`` runs a peft adapter that injects no tuner layer: prompt learning (prompt,
+    prefix, p-tuning: virtual tokens ahead of every prompt, which the chunk keys never see) or an
+    adaption prompt (extra attention over learnt prompts). Such KV has no weights here to key it by,
+    so it is not cached (it would be restored for the base model and the base model's for it)."""
+    configs = getattr(model, "peft_config", None)
+    active = getattr(model, "active_adapter", None)  # a PeftModel's: a name (transformers': a method)
+    if not isinstance(configs, dict) or not isinstance(active, str) or getattr(model, "_adapters_disabled", False):
+        return
+    config = configs.get(active)
+    if getattr(config, "is_prompt_learning", False) or getattr(config, "is_adaption_prompt", False):
+        kind = getattr(getattr(config, "peft_type", None), "value", type(config).__name__)
+        raise InvalidInput(f"peft adapter {active!r} ({kind}) changes the KV through virtual tokens or "
+                           f"prompts no chunk key can name: CachedPrefill does not cache it (run it "
+                           f"without a cache, or inside `with model.disable_adapter():` for the base model)")
+
+
 def adapter_identity(model: Any) -> bytes | None:
     """Bytes naming the adapters active in ``model`` and their weights, or ``None`` for none.
 
@@ -67,7 +86,12 @@ def adapter_identity(model: Any) -> bytes | None:
 
     Args:
         model: a transformers model, a ``PeftModel`` or anything with ``named_modules``.
+
+    Raises:
+        InvalidInput: the active adapter is a prompt-learning or adaption-prompt one (its KV cannot be
+            keyed; ``_refuse_unkeyable``).
     """
+    _refuse_unkeyable(model)
     h = xxhash.xxh3_128()
     acting = 0
     for path, layer in _adapter_layers(model):

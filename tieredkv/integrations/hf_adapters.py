@@ -80,9 +80,10 @@ def adapter_identity(model: Any) -> bytes | None:
     peft layer disabled (``with model.disable_adapter():``). Otherwise a 16-byte
     digest over, for each peft layer in module order: its path, the adapters that act in its forward
     (the active ones, and the merged ones, which live in the base weights), and for each of those the
-    bytes, dtype and shape of every tensor the adapter holds there plus its scalar settings (rank,
-    alpha, scaling, ...). Merged or not, an adapter has one identity: merging adds the same product
-    to the base weights that the unmerged forward adds to its output (up to rounding).
+    bytes, dtype and shape of every tensor the adapter holds there plus its other settings (rank,
+    alpha, scaling, ...; tensors among them, such as VeRA's shared projections, by their bytes).
+    Merged or not, an adapter has one identity: merging adds the same product to the base weights
+    that the unmerged forward adds to its output (up to rounding).
 
     Args:
         model: a transformers model, a ``PeftModel`` or anything with ``named_modules``.
@@ -94,6 +95,7 @@ def adapter_identity(model: Any) -> bytes | None:
     _refuse_unkeyable(model)
     h = xxhash.xxh3_128()
     acting = 0
+    seen: dict[tuple, int] = {}  # tensors of other_param_names already hashed in this call
     for path, layer in _adapter_layers(model):
         # A disabled layer runs its base weights (peft unmerges merged adapters before such a forward).
         merged = list(getattr(layer, "merged_adapters", []) or [])
@@ -115,7 +117,27 @@ def adapter_identity(model: Any) -> bytes | None:
                     _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
                     h.update(_tensor_bytes(t))
             for attr in layer.other_param_names:
-                holder = getattr(layer, attr, None)
-                if isinstance(holder, dict) and adapter in holder:
-                    _feed(h, f"{attr}={holder[adapter]!r}".encode())
+                settings = getattr(layer, attr, None)  # a dict, or a BufferDict/ModuleDict/ParameterDict
+                if not isinstance(settings, (dict, torch.nn.Module)):
+                    continue
+                table: Any = settings
+                if adapter not in table:
+                    continue
+                value = table[adapter]
+                if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    # Tensors here change the KV too (VeRA's shared projections, a BufferDict; index
+                    # tensors, whose repr would abbreviate): hashed by their bytes, once per call.
+                    tensors = value.state_dict() if isinstance(value, torch.nn.Module) else {"": value}
+                    for key in sorted(tensors):
+                        t = tensors[key]
+                        _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
+                        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()),
+                                 tuple(t.shape), t.dtype)
+                        if where in seen:  # the same tensor in another layer (shared): its bytes once
+                            _feed(h, f"={seen[where]}".encode())
+                        else:
+                            seen[where] = len(seen)
+                            h.update(_tensor_bytes(t))
+                else:
+                    _feed(h, f"{attr}={value!r}".encode())
     return h.digest() if acting else None

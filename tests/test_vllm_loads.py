@@ -219,3 +219,30 @@ def test_a_loader_whose_thread_is_gone_loads_in_the_caller(cache):
     caller.start()
     assert done.wait(30), "the loads were queued for a thread that is gone"
     assert expect(caches, 1, 9, kv, BLOCK)
+
+
+@pytest.mark.parametrize("verdict", ["no", "raise"])
+def test_a_plan_its_after_copy_hook_rejects_is_recomputed(cache, verdict):
+    """A hybrid model restores its recurrent state after the KV tier copy: no state (or a failure
+    restoring it) fails the plan, whose KV alone cannot be continued from."""
+    tokens = np.arange(4, 2 * BLOCK + 5)
+    kv, hit = stored(cache, tokens, 2 * BLOCK)
+    other_kv, other_hit = stored(cache, tokens + 1000, 2 * BLOCK)
+    seen = []
+
+    def after_copy(plan, loaded):
+        seen.append((plan.req_id, loaded))
+        if plan.req_id == "a" and verdict == "raise":
+            raise OSError("injected: the state's pieces could not be read")
+        return plan.req_id != "a"
+
+    caches = paged_caches("LBHNC", "cpu")
+    loader = LayerLoader(cache, PagedKV(view_all(caches, "LBHNC", "halves"), BLOCK), [0, 0],
+                         {n: i for i, n in enumerate(NAMES)}, "layer", after_copy=after_copy)
+    try:
+        loader.start([Plan("a", hit, 0, ((3, 4),)), Plan("b", other_hit, 0, ((5, 6),))])
+        assert loader.finish() == {3, 4}
+        assert seen == [("a", 2 * BLOCK), ("b", 2 * BLOCK)]
+        assert not pages_of(caches, 0, 3).any() and expect(caches, 1, 6, other_kv, BLOCK)
+    finally:
+        loader.close()

@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,15 +88,19 @@ class LayerLoader:
         layer_index: layer name -> layer index (the names vLLM passes to ``wait_for_layer_load``).
         mode: one of ``LOAD_MODES``. A loader built for ``layer`` may be set to ``sync`` (``loader.mode``)
             between steps; a ``sync`` loader has no thread.
+        after_copy: called as ``after_copy(plan, loaded_tokens)`` after each plan's tier copy (on the
+            loader's thread); False fails the plan (every block recomputed). A hybrid model restores
+            its recurrent state there.
     """
 
     def __init__(self, cache: Any, paged: PagedKV, group_of_layer: Sequence[int], layer_index: dict[str, int],
-                 mode: str = "layer"):
+                 mode: str = "layer", *, after_copy: Callable[[Any, int], bool] | None = None):
         if mode not in LOAD_MODES:
             raise ValueError(f"load mode {mode!r}: choose one of {LOAD_MODES}")
         self.cache = cache
         self.paged = paged
         self.mode = mode
+        self._after_copy = after_copy
         self._group_of_layer = list(group_of_layer)
         self._layer_index = dict(layer_index)
         self._cuda = paged.device.type == "cuda"
@@ -192,7 +196,10 @@ class LayerLoader:
         for i, (plan, host) in enumerate(zip(job.plans, staged)):  # the tier copies
             try:
                 loaded = self.cache.load(plan.hit, _cache_out(host, self.cache.spec.dtype))
-                job.done[i] = max(loaded - plan.skip_tokens, 0) // N
+                done = max(loaded - plan.skip_tokens, 0) // N
+                if self._after_copy is not None and not self._after_copy(plan, loaded):
+                    done = 0
+                job.done[i] = done  # (set last: a raise above leaves the plan at 0, all recomputed)
             except Exception:  # this plan is recomputed; the others still load
                 logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
         for layer, group in enumerate(self._group_of_layer):  # the paged copies, in the forward's order

@@ -5,6 +5,12 @@ host buffer: one host-to-device copy per layer, then one index copy on the devic
 blocks. ``PagedKV.read`` is the save side (gather on the device, one device-to-host copy per layer).
 The baseline is one pinned host-to-device copy of the same bytes, measured in the same run.
 
+The whole restore from the hot tier, two ways: ``staged`` is the connector before layer-wise loads
+(``TieredCache.load`` into the pinned host buffer, a CPU copy, then ``PagedKV.write``); ``dma`` is
+``LayerLoader`` (``tieredkv.integrations.vllm_loads``, in its ``sync`` mode so the time is the load's
+alone): the hot segment's rows DMA'd into device staging by ``tieredkv.cuda.DeviceRestore``, then
+device-to-device paged copies.
+
 The KV is Llama-3.1-8B's (32 layers, 8 KV heads, head_dim 128, bfloat16) in FlashAttention's paged
 layout (block 16, ``LBNHC``, K and V split in the last axis). Needs torch with CUDA; vLLM is not
 needed (``tieredkv.integrations.paged`` does not import it).
@@ -23,11 +29,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+import posix_ipc
 import torch
 
+from tieredkv import KVSpec, TieredCache
 from tieredkv.integrations.paged import PagedKV, paged_view
+from tieredkv.integrations.vllm_loads import LayerLoader
 
-LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+LAYERS, HEADS, HEAD_DIM, BLOCK, CHUNK = 32, 8, 128, 16, 64
+
+
+class _Plan:
+    """What the connector's ``LoadPlan`` carries to the loader."""
+
+    def __init__(self, hit, block_ids):
+        self.req_id, self.hit, self.skip_tokens, self.block_ids = "bench", hit, 0, (tuple(block_ids),)
 
 
 class _LBNHC:
@@ -68,8 +85,32 @@ def measure(tokens: int, reps: int) -> dict:
     h2d = _median_ms(lambda: dev.copy_(flat, non_blocking=True), reps)
     write = _median_ms(lambda: paged.write(block_ids, host), reps)
     read = _median_ms(lambda: paged.read(block_ids, host), reps)
+    spec = KVSpec(model_id="bench/vllm-gpu-restore", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                  dtype="bfloat16", chunk_tokens=CHUNK)
+    hot_name = f"/tieredkv-bench-gpur-{tokens}"
+    ids = np.arange(tokens + 1) % 30000
+    try:
+        with TieredCache(spec, hot_bytes=tokens * spec.bytes_per_token + (64 << 20), hot_name=hot_name) as cache:
+            cache.store(ids[:tokens], host)
+            hit = cache.lookup(ids)
+            assert hit.tokens == tokens, hit
+            staged = _median_ms(lambda: (cache.load(hit, host), paged.write(block_ids, host)), reps)
+            loader = LayerLoader(cache, paged, [0] * LAYERS, {}, "sync")
+
+            def dma() -> None:
+                loader.start([_Plan(hit, block_ids)])
+                assert not loader.finish()
+
+            dma_ms = _median_ms(dma, reps)
+            cache.unlink_hot()
+    finally:
+        try:
+            posix_ipc.unlink_shared_memory(hot_name)
+        except posix_ipc.ExistentialError:
+            pass
     return {"tokens": tokens, "bytes": host.numel() * 2, "pinned_h2d_ms": h2d, "paged_write_ms": write,
-            "paged_read_ms": read, "write_vs_h2d": write / h2d, "read_vs_h2d": read / h2d}
+            "paged_read_ms": read, "write_vs_h2d": write / h2d, "read_vs_h2d": read / h2d,
+            "restore_staged_ms": staged, "restore_dma_ms": dma_ms, "dma_vs_staged": dma_ms / staged}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"{r['tokens']:>7}{r['bytes'] / 1e6:>7.0f}{r['pinned_h2d_ms']:>15.2f}{r['paged_write_ms']:>10.2f}"
               f"{r['write_vs_h2d']:>7.2f}{r['paged_read_ms']:>9.2f}{r['read_vs_h2d']:>7.2f}")
+    print("whole restore from the hot tier (ms): staged through pinned host memory vs DMA into device staging")
+    for r in rows:
+        print(f"{r['tokens']:>7}  staged {r['restore_staged_ms']:.2f}  dma {r['restore_dma_ms']:.2f}  "
+              f"dma/staged {r['dma_vs_staged']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2) + "\n")
 

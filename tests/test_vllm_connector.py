@@ -232,14 +232,18 @@ def step(scheduler: Scheduler, worker: tv.TieredKVConnector, reqs, *, before_sav
         before_save(out)
     worker.wait_for_save()
     worker.clear_connector_metadata()
-    running = [r for r in reqs if r.request_id in out.num_scheduled_tokens]
-    runner = ModelRunnerOutput(req_ids=[r.request_id for r in running],
-                               req_id_to_index={r.request_id: i for i, r in enumerate(running)},
-                               sampled_token_ids=[[0] for _ in running],
-                               kv_connector_output=KVConnectorOutput(invalid_block_ids=errors if invalid is None
-                                                                     else invalid))
-    scheduler.update_from_output(out, runner)
+    scheduler.update_from_output(out, runner_output(out, reqs, errors if invalid is None else invalid))
     return out, meta, errors
+
+
+def runner_output(out, reqs, invalid: set[int]) -> ModelRunnerOutput:
+    """What the model runner hands back for scheduler output ``out``: one token per running request,
+    and the blocks the connector reported as failed loads."""
+    running = [r for r in reqs if r.request_id in out.num_scheduled_tokens]
+    return ModelRunnerOutput(req_ids=[r.request_id for r in running],
+                             req_id_to_index={r.request_id: i for i, r in enumerate(running)},
+                             sampled_token_ids=[[0] for _ in running],
+                             kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid))
 
 
 def test_scheduler_plans_whole_blocks_and_the_worker_restores_them(cfg):

@@ -4,9 +4,11 @@ Three engine processes run one after another on one host, sharing a hot segment 
 
 - A computes prompts p1, p2 (salt "tenant-a") and p3 from scratch: the reference outputs;
 - B, a separate process, gets p1's prefix from the hot tier A filled (shared memory, no server) and
-  must produce A's tokens; p2 under salt "tenant-b" gets nothing, under "tenant-a" it hits;
+  must produce A's tokens; p2 under salt "tenant-b" gets nothing, under "tenant-a" it hits. B loads
+  layer by layer (``load_mode="layer"``, the default) and records how the engine waited for each layer;
 - then the hot segment is removed (a reboot) and one warm block of p3 is damaged on disk: C gets p1
-  from the warm tier, and p3's damaged block is recomputed, not served (same tokens as A).
+  from the warm tier, and p3's damaged block is recomputed, not served (same tokens as A). C loads
+  synchronously (``load_mode="sync"``): both modes run in a real engine.
 
 Slow (three engine starts); CI runs it.
 """
@@ -32,8 +34,9 @@ PROMPT_TOKENS, CHUNK = 300, 64
 HIT = (PROMPT_TOKENS - 1) // CHUNK * CHUNK  # 256: whole chunks, never the whole prompt
 
 
-def engine(tmp, name: str, model: str, extra: dict | None, steps: list[dict]) -> dict[str, dict]:
-    job = {"model": model, "extra": extra, "steps": steps, "out": str(tmp / f"{name}.json")}
+def engine(tmp, name: str, model: str, extra: dict | None, steps: list[dict], trace: str | None = None
+           ) -> dict[str, dict]:
+    job = {"model": model, "extra": extra, "steps": steps, "out": str(tmp / f"{name}.json"), "trace": trace}
     (tmp / f"{name}-job.json").write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_engine.py"), str(tmp / f"{name}-job.json")],
                           capture_output=True, text=True, timeout=900, check=False)
@@ -100,15 +103,18 @@ def world(tmp_path_factory):
                                                    {"name": "p2", "tokens": p2, "salt": "tenant-a"},
                                                    {"name": "p3", "tokens": p3}])
         before, inode = stats(), segment_inode(hot_name)
+        trace = tmp / "B-loads.jsonl"
         doc["B"] = engine(tmp, "B", model, extra, [{"name": "p1", "tokens": p1},
                                                    {"name": "p2-b", "tokens": p2, "salt": "tenant-b"},
-                                                   {"name": "p2-a", "tokens": p2, "salt": "tenant-a"}])
+                                                   {"name": "p2-a", "tokens": p2, "salt": "tenant-a"}], str(trace))
+        doc["B-loads"] = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
         doc["B-stats"] = {k: stats()[k] - before[k] for k in ("hot_hit_tokens", "warm_hit_tokens", "loaded_tokens")}
         # A delta is only meaningful over one segment: record whether B saw the segment A filled.
         doc["B-stats"]["same_segment"] = segment_inode(hot_name) == inode
         posix_ipc.unlink_shared_memory(hot_name)  # every engine has exited: the reboot
         damage_warm_block(warm_dir, spec, chunk_keys(spec, p3[:HIT])[2])
-        doc["C"] = engine(tmp, "C", model, extra, [{"name": "p1", "tokens": p1}, {"name": "p3", "tokens": p3}])
+        doc["C"] = engine(tmp, "C", model, dict(extra, load_mode="sync"),
+                          [{"name": "p1", "tokens": p1}, {"name": "p3", "tokens": p3}])
         doc["C-stats"] = stats()
         yield doc
     finally:
@@ -135,6 +141,15 @@ def test_second_engine_gets_the_prefix_through_shared_memory_with_identical_outp
     assert world["B"]["p1"]["tokens"] == world["A"]["p1"]["tokens"]
     # The message says which tier served B and whether the segment A filled was still there.
     assert world["B-stats"]["hot_hit_tokens"] >= HIT and world["B-stats"]["loaded_tokens"] >= HIT, world["B-stats"]
+
+
+def test_the_engine_waits_for_each_layer_of_a_layerwise_load(world):
+    # One step with loads per hit (p1, p2 under tenant-a); in each, the forward asked for every layer,
+    # in model order, before the step's saves; what the loader had written by then is timing (recorded).
+    loads = world["B-loads"]
+    assert [(r["mode"], r["tokens"]) for r in loads] == [("layer", HIT), ("layer", HIT)], loads
+    for r in loads:
+        assert [name for name, _ in r["waits"]] == r["layers"], r
 
 
 def test_cache_salts_never_see_each_others_blocks(world):

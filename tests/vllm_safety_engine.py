@@ -37,19 +37,28 @@ def _flaky_class() -> Any:
             if not (flag and planned and os.path.exists(flag)):
                 return super().start_load_kv(forward_context, **kwargs)
             os.unlink(flag)
+            # What the failed load leaves in the pages it does not fill: garbage, not zeros or stale KV.
+            # Written into all of the plans' blocks first; the load overwrites the ones it fills (with
+            # load_mode="layer" on its thread, while the forward runs).
+            planned = sorted({b for plan in meta.loads for ids in plan.block_ids for b in ids if b})
+            N = self._block_size
+            junk = torch.full((self.spec.num_layers, 2, self.spec.num_kv_heads, len(planned) * N,
+                               self.spec.head_dim), 3.0, dtype=self._paged.dtype)
+            self._paged.write(planned, junk, 0)
             for plan in meta.loads:
                 lost = plan.hit.keys[1:]
                 self.cache.hot.remove(lost)
                 if self.cache.warm is not None:
                     self.cache.warm.remove(lost)
+            self._fault_fired = True
             super().start_load_kv(forward_context, **kwargs)
-            # What the failed load left in the pages it did not fill: garbage, not zeros or stale KV.
-            failed = sorted(self._load_errors)
-            assert failed, "the injected fault made no load fail"
-            N = self._block_size
-            junk = torch.full((self.spec.num_layers, 2, self.spec.num_kv_heads, len(failed) * N,
-                               self.spec.head_dim), 3.0, dtype=self._paged.dtype)
-            self._paged.write(failed, junk, 0)
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            errors = super().get_block_ids_with_load_errors()
+            if getattr(self, "_fault_fired", False):
+                self._fault_fired = False
+                assert errors, "the injected fault made no load fail"
+            return errors
 
     return FlakyConnector
 

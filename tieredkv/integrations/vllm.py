@@ -6,11 +6,12 @@ request's keys hold besides its tokens) are the only ones of tieredkv that impor
 ``TieredKVConnector`` (a ``KVConnectorBase_V1``)::
 
     scheduler process                                  worker process (one per TP rank)
-    get_num_new_matched_tokens                         start_load_kv
-      cache.lookup(tokens, salt, per-chunk extras)       cache.load -> host (L, 2, H, T, D)
-      -> whole vLLM blocks, never the whole prompt       -> paged cache at the allocated block ids
-    update_state_after_alloc -> a load plan            wait_for_save
-    build_connector_meta -> loads + saves  ─────────►    paged cache -> host -> cache.store
+    get_num_new_matched_tokens                         start_load_kv (a loader thread, vllm_loads)
+      cache.lookup(tokens, salt, per-chunk extras)       cache.load -> staging (L, 2, H, T, D)
+      -> whole vLLM blocks, never the whole prompt       -> paged cache, layer by layer
+    update_state_after_alloc -> a load plan            wait_for_layer_load(l): layer l is in place
+    build_connector_meta -> loads + saves  ─────────►  wait_for_save: loads done, then
+                                                         paged cache -> host -> cache.store
                                                        get_block_ids_with_load_errors -> recompute
 
 ``TieredKVTier`` (a ``SecondaryTierManager``): the tiers behind vLLM's ``OffloadingConnector`` +
@@ -56,6 +57,9 @@ from tieredkv.integrations.kv_events import ConnectorEvents, TierEvents
 from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_view
 from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
+from tieredkv.integrations.vllm_loads import LOAD_MODES, NULL_BLOCK, LayerLoader, leading_nulls
+from tieredkv.integrations.vllm_state import StateCache, StateSave
+from tieredkv.integrations.vllm_window import WindowHit, first_chunk, window_lookup
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec
@@ -65,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 #: ``kv_connector_extra_config`` keys the connector reads itself; every other key must be one of
 #: ``TieredCache``'s keywords (``tieredkv.config.KEYWORDS``; sizes may be "8G").
-CONNECTOR_KEYS = ("chunk_tokens", "model_id")
+CONNECTOR_KEYS = ("chunk_tokens", "model_id", "load_mode")
 
 # ---- configuration -----------------------------------------------------------------------------
 def cache_kwargs(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] = CONNECTOR_KEYS) -> dict[str, Any]:
@@ -161,6 +165,8 @@ class LoadPlan:
     hit: PrefixHit
     skip_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
+    #: per state group (hybrid models), the blocks that receive the state at the hit's end
+    state_blocks: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +185,8 @@ class SavePlan:
     block_ids: tuple[tuple[int, ...], ...]
     prefix_block_ids: tuple[int, ...] = ()
     extra: tuple[bytes | None, ...] | None = None
+    #: hybrid models: the chunk boundaries whose recurrent state is saved, and its blocks
+    states: tuple[StateSave, ...] = ()
 
 
 @dataclasses.dataclass
@@ -205,21 +213,9 @@ class _Tracked:
     extra: list[bytes | None] | None = None
 
 
-#: The block id vLLM hands for positions a group does not keep (outside a sliding window).
-NULL_BLOCK = 0
-
-
 def _group_ids(block_ids: Any) -> list[list[int]]:
     """vLLM's per-group block ids (a tuple of lists, one per KV cache group) as lists."""
     return [list(ids) for ids in block_ids]
-
-
-def _leading_nulls(ids: Any) -> int:
-    """How many of ``ids`` lead with the null block (a sliding window's dropped blocks lead)."""
-    n = 0
-    while n < len(ids) and ids[n] == NULL_BLOCK:
-        n += 1
-    return n
 
 
 def _raw(host: torch.Tensor) -> Any:
@@ -259,13 +255,17 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     size; default the smallest multiple >= 64), ``model_id`` (default: the model vLLM was given; a
     local directory is named by its files, ``local_model_id``, as ``KVSpec.from_hf_config`` does),
     and any ``TieredCache`` argument (``hot_bytes``, ``warm_dir``, ``warm_bytes``, ``eviction``,
-    ``hot_name``, ...). Loads are synchronous
-    (``start_load_kv`` finishes before the forward); saves happen in ``wait_for_save`` after it.
+    ``hot_name``, ...), and ``load_mode``: ``"layer"`` (default: ``start_load_kv`` starts the step's loads
+    on a background thread and attention layer ``l`` waits only for layer ``l``, so the copies overlap
+    the forward; ``tieredkv.integrations.vllm_loads``) or ``"sync"`` (every load finishes in
+    ``start_load_kv``). Saves happen in ``wait_for_save``, after the forward and the loads.
 
     Cache families (``tieredkv.integrations.vllm_groups``): full attention, MLA (one latent copy per
     host: every TP rank reads it, rank 0 alone writes it), sliding windows (with or without vLLM's
-    hybrid KV cache manager: blocks outside a request's window are neither loaded nor saved) and
-    per-tensor fp8 KV; anything else is refused at start-up with the feature named.
+    hybrid KV cache manager: blocks outside a request's window are neither loaded nor saved; when
+    every layer slides, a hit needs only its window's chunks, ``vllm_window``), hybrid models'
+    recurrent state at the chunk boundaries vLLM snapshots (``vllm_state``) and per-tensor fp8 KV;
+    anything else is refused at start-up with the feature named.
 
     A lookup, load or save failure never fails a request: a lookup failure is a miss; blocks a load
     could not fill are reported by ``get_block_ids_with_load_errors`` (run vLLM with
@@ -282,6 +282,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         config = cache_config(extra)
+        self._load_mode = str(extra.get("load_mode", "layer"))
+        if self._load_mode not in LOAD_MODES:
+            raise InvalidInput(f"kv_connector_extra_config load_mode={self._load_mode!r}: choose one of {LOAD_MODES}")
         # With KV events on, the tiers are announced to routers too: the host journal carries them.
         events_on = bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False))
         if events_on and not config.journal:
@@ -299,6 +302,15 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._writer = not self._layout.replicated or tp_rank == 0
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.cache = TieredCache(self.spec, config)
+        # Hybrid models: recurrent states at chunk boundaries, as extra blocks of the same cache.
+        self._states = StateCache(self.cache, self._layout) if self._layout.states else None
+        # Every layer slides (and no recurrent state): hits need a window of chunks, not a prefix.
+        self._window = self._layout.uniform_window if self._states is None else None
+        self._declined = ("vLLM does not snapshot this model's recurrent state at block boundaries "
+                          "(mamba_cache_mode is not 'align' or ReplaySSM is on; enable prefix caching)"
+                          if any(not g.cached for g in self._layout.states) else None)
+        if self._declined and role == KVConnectorRole.SCHEDULER:
+            logger.warning("tieredkv: no request of this engine is cached: %s", self._declined)
         self._events = (ConnectorEvents(self.cache, self._block_size)
                         if role == KVConnectorRole.SCHEDULER and events_on and self.cache.journal is not None else None)
         # scheduler side
@@ -312,6 +324,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._recomputed: list[tuple[int, ...]] = []  # invalid-block sets handled, for the next metadata
         # worker side
         self._paged: PagedKV | None = None
+        self._loader: LayerLoader | None = None
         self._load_errors: set[int] = set()
         # Blocks whose load failed, until the scheduler says vLLM recomputes them (one count per step
         # that reported the block): no save computed over them.
@@ -330,6 +343,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if req_id in self._identities:
             return self._identities[req_id]
         identity: _Identity | None
+        if self._declined:
+            self._identities[req_id] = None
+            return None
         try:
             tokens = request_tokens(request)
             extra = chunk_extras(request, len(tokens) // self.spec.chunk_tokens, self.spec.chunk_tokens)
@@ -352,11 +368,17 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if identity is None:
             return 0, False
         try:
-            hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
+            if self._window is not None:  # every layer slides: a full window of chunks is a hit
+                hit = window_lookup(self.cache, identity.tokens, identity.salt, identity.extra, self._window,
+                                    num_computed_tokens)
+            else:
+                hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: lookup failed, serving request %s without it: %s", request.request_id, e)
             self._lookups.pop(request.request_id, None)
             return 0, False
+        if self._states is not None:  # a hybrid model's hit ends where a recurrent state is stored
+            hit = self._states.usable(hit, num_computed_tokens)
         self._lookups[request.request_id] = (hit, num_computed_tokens)
         return max(hit.tokens - num_computed_tokens, 0), False
 
@@ -364,6 +386,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Count the request's lookup once, crediting the tiers only with the tokens they served:
         ``[local, local + external)``, beyond what vLLM's own prefix cache held."""
         where = hit.where if hit is not None else np.zeros(0, np.int8)
+        if (where < 0).any() and (where >= 0).any():
+            # A window hit: vLLM skips the chunks before the window thanks to the level that held it.
+            where = np.where(where < 0, where[where >= 0][0], where)
         if external <= 0 or local + external > len(where) * self.spec.chunk_tokens:
             where = np.zeros(0, np.int8)  # nothing served (a range the connector did not offer is recomputed)
         served = where[np.arange(local, local + external) // self.spec.chunk_tokens] if len(where) else where
@@ -406,16 +431,21 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         C, N = self.spec.chunk_tokens, self._block_size
         end = local + num_external_tokens
-        first, last = local // C, -(-end // C)
-        if local % N or end % N or end > hit.tokens:
+        # A window hit needs no chunk before its window's first: vLLM holds those blocks as null.
+        first, last = max(local // C, getattr(hit, "first", 0)), -(-end // C)
+        start = max(local, first * C)
+        # (A window hit cut short by vLLM would need chunks before its window, which were not looked up.)
+        short_window = isinstance(hit, WindowHit) and first_chunk(end, self._window or 0, C) < hit.first
+        if local % N or end % N or end > hit.tokens or short_window:
             # Not a range this connector offered: load nothing and let the worker report every
             # block as failed, so vLLM recomputes them rather than reading unfilled pages.
             logger.warning("tieredkv: request %s: vLLM asked for tokens [%d, %d) but the hit covers [0, %d) in "
                            "blocks of %d; recomputing them", req_id, local, end, hit.tokens, N)
             last = first
         self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
-                                       skip_tokens=local - first * C,
-                                       block_ids=tuple(tuple(ids[local // N:-(-end // N)]) for ids in block_ids))
+                                       skip_tokens=start - first * C,
+                                       block_ids=tuple(tuple(ids[start // N:-(-end // N)]) for ids in block_ids),
+                                       state_blocks=self._states.targets(block_ids, end) if self._states else ())
 
     def _note_events(self, request: Any, hit: PrefixHit | None) -> None:
         """Describe the prompt's full chunks in the host journal (vLLM's hashes for whichever process
@@ -432,7 +462,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         n = len(identity.tokens) // C
         extra = identity.extra[:n] if identity.extra is not None else None
         keys = chunk_keys(self.spec, identity.tokens[:n * C], identity.salt, extra)
-        events.note_request(request, keys, hit.where.tolist() if hit is not None else [])
+        # Announced: the leading run found (a window hit's chunks before its window were not looked up).
+        where = hit.where[:np.argmax(hit.where < 0)] if hit is not None and (hit.where < 0).any() else \
+            (hit.where if hit is not None else np.zeros(0))
+        events.note_request(request, keys, where.tolist())
 
     def take_events(self) -> list:
         """KV events for routers since the last call (vLLM's scheduler publishes them with its own):
@@ -492,8 +525,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if any(len(g) < (full - start) // N for g in ids):
             return
         # Blocks a sliding group no longer keeps (e.g. behind vLLM's own prefix-cache hit) lead as the
-        # null block: the chunks they touch cannot be read, so the save starts after them.
-        nulls = max(_leading_nulls(g) for g in ids)
+        # null block: the chunks they touch cannot be read, so the save starts after them. (State
+        # groups are null between the boundaries vLLM snapshots: they never hold chunks back.)
+        nulls = max(leading_nulls(ids[g.index]) for g in self._layout.groups)
         skip = -(-nulls * N // C) * C
         if start + skip >= full:
             return
@@ -503,7 +537,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                    block_ids=tuple(tuple(g[skip // N:]) for g in ids),
                                    prefix_block_ids=tuple(b for g in tracked.block_ids for b in g[:full // N]
                                                           if b != NULL_BLOCK),
-                                   extra=extra))
+                                   extra=extra,
+                                   states=self._states.saves(tracked.block_ids, start + skip, full)
+                                   if self._states else ()))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Plan again the saves of requests that hold a block whose load failed.
@@ -580,44 +616,56 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                     num_kv_heads=self.spec.num_kv_heads, block_size=self._block_size,
                                     head_size=self.spec.head_dim))
         self._paged = PagedKV(views, self._block_size)
+        after_copy = None
+        if self._states is not None:
+            self._states.register(kv_caches)
+            after_copy = self._load_state
+        group_of_layer = [0] * len(self._layer_names)
+        for group in self._layout.groups:
+            for layer in group.layers:
+                group_of_layer[layer] = group.index
+        # A hybrid model's state layers read their state without asking wait_for_layer_load (vLLM asks
+        # in attention layers only): their loads must be done before the forward.
+        mode = "sync" if self._states is not None else self._load_mode
+        self._loader = LayerLoader(self.cache, self._paged, group_of_layer,
+                                   {name: i for i, name in enumerate(self._layer_names)}, mode, after_copy=after_copy)
+
+    def _load_state(self, plan: LoadPlan, loaded: int) -> bool:
+        """After a plan's KV tier copy (hybrid models): restore the recurrent state at the hit's end.
+        False (the plan's blocks are recomputed): the KV is short of the hit, or the state is gone;
+        the KV alone cannot be continued from."""
+        assert self._states is not None
+        return loaded == plan.hit.tokens and self._states.load(plan.hit, plan.state_blocks)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Restore this step's planned hits into the paged cache before the forward.
+        """Start this step's planned restores into the paged cache (``load_mode="sync"``: do them).
 
         Each KV cache group's layers go to that group's blocks; a sliding group's null blocks (outside
         its window) are left alone. Blocks that could not be filled (evicted since the lookup, damaged,
         an I/O error) are reported by ``get_block_ids_with_load_errors``; the ones filled are kept.
         """
         meta = self._get_connector_metadata()
-        paged = self._paged
         if not isinstance(meta, TieredKVMetadata):
             return
         for handled in meta.recomputed:
             self._poisoned.subtract(handled)
         self._poisoned = +self._poisoned  # drop counts at or below zero
-        if not meta.loads or paged is None:
-            return
-        N = self._block_size
-        for plan in meta.loads:
-            done = 0
-            try:
-                host = paged.host_buffer(plan.hit.tokens)
-                loaded = self.cache.load(plan.hit, _raw(host))
-                done = max(loaded - plan.skip_tokens, 0) // N
-                for group in self._layout.groups:
-                    ids = plan.block_ids[group.index][:done]
-                    skip = _leading_nulls(ids)
-                    paged.write(ids[skip:], host, plan.skip_tokens + skip * N, layers=group.layers)
-            except Exception:  # any failure becomes a recompute of these blocks, never a crash
-                logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
-                done = 0
-            self._load_errors.update(b for ids in plan.block_ids for b in ids[done:] if b != NULL_BLOCK)
-        self._poisoned.update(self._load_errors)
-        if paged.device.type == "cuda":
-            torch.cuda.current_stream(paged.device).synchronize()  # the host buffer is reused
+        if meta.loads and self._loader is not None:
+            self._loader.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
+        """Block until this step's loads have written layer ``layer_name`` (or failed on it)."""
+        if self._loader is not None:
+            self._loader.wait_layer(layer_name)
+
+    def _finish_loads(self) -> None:
+        """Wait for the step's loads; note the blocks they could not fill (reported to vLLM, and no
+        save computed over them until vLLM took them back)."""
+        if self._loader is None:
+            return
+        errors = self._loader.finish()
+        self._load_errors |= errors
+        self._poisoned.update(errors)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Saves read all layers at once in ``wait_for_save``, after the forward wrote them."""
@@ -631,6 +679,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         scheduling). The scheduler side plans its save again. With tensor parallelism every rank
         skips what any rank skips.
         """
+        self._finish_loads()  # before any save: they read pages the loads write, and need their failures
         meta = self._get_connector_metadata()
         paged = self._paged
         if not isinstance(meta, TieredKVMetadata) or not meta.saves or paged is None:
@@ -653,15 +702,20 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                     paged.read(plan.block_ids[group.index], host[:, :, :, plan.start_token:], layers=group.layers)
                 self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token,
                                  extra=None if plan.extra is None else list(plan.extra))
+                if self._states is not None:  # after the KV: a stored state implies its chunks were
+                    self._states.store(plan.token_ids, plan.salt, plan.extra, plan.states)
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()  # vLLM calls wait_for_save first; this holds without it too
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
         """Close this process's handle on the tiers (the shared state stays for other engines)."""
+        if self._loader is not None:
+            self._loader.close()
         if self._events is not None:
             self._events.close()
         self.cache.close()

@@ -372,7 +372,26 @@ class TieredCache:
         started = time.perf_counter()
         keys = check_keys(self.spec, keys)
         rows = out_rows(self.spec, out, len(keys))
-        got = self._loader.read_blocks(keys, rows, self._open_levels())
+        got = np.zeros(len(keys), dtype=bool)
+        levels = self._open_levels()
+        promote: list[tuple[Level, np.ndarray]] = []
+        for level in levels:
+            missing = np.flatnonzero(~got)
+            if not len(missing):
+                break
+            present = missing[level.contains(keys.take(missing))]
+            read = []
+            edges = np.flatnonzero(np.diff(present) != 1) + 1
+            for run in np.split(present, edges) if len(present) else []:
+                a, b = int(run[0]), int(run[-1]) + 1
+                n = level.read(keys[a:b], rows[a:b], None)
+                got[a:a + n] = True
+                read.append(run[:n])
+            if read and level is not levels[0]:
+                promote.append((level, np.concatenate(read)))
+        for level, idx in promote:
+            if len(idx):
+                self._loader.promote(levels, level, keys.take(idx), rows[idx])
         n = int(np.count_nonzero(got))
         self._counting.add(loaded_tokens=n * self.spec.chunk_tokens, lost_blocks=len(keys) - n)
         self._counting.observe("load", time.perf_counter() - started)

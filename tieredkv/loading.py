@@ -1,11 +1,11 @@
 """Reading blocks out of a cache's levels into the caller's memory, and promoting what came from below.
 
-``TieredCache.load`` and ``get_blocks`` hand the work to a ``Loader``. It reads each run of blocks from
-the level that holds it: the top level's straight from the tier's memory into place (one copy), a lower
-level's into a kept staging buffer, each group copied into place while the level reads the next. Only
-once all is in place are the blocks read below the top level promoted into the levels above: promoting
-mid-load could evict this very hit's top-level blocks before they were read (a full hot tier), cutting
-the restore short. The promotion rule answers from each block's count of hits below the top level, this
+``TieredCache.load`` hands the work to a ``Loader`` (``get_blocks`` its promotions). It reads each run
+of blocks from the level that holds it: the top level's straight from the tier's memory into place (one
+copy), a lower level's into a kept staging buffer, each group copied into place while the level reads the
+next. Only once all is in place are the blocks read below the top level promoted into the levels above:
+promoting mid-load could evict this very hit's top-level blocks before they were read (a full hot tier),
+cutting the restore short. The promotion rule answers from each block's count of hits below the top level, this
 process's memory of the last ``HIT_MEMORY`` keys.
 
 A loader never refers to the cache: it is handed the levels, and the cache counts what it returns.
@@ -128,30 +128,6 @@ class Loader:
                 self._lower_hits.popitem(last=False)
         return np.flatnonzero(self.promotion.should_promote(counts))
 
-    def read_blocks(self, keys: ChunkKeys, rows: np.ndarray, levels: list[Level]) -> np.ndarray:
-        """Read blocks wherever they are into ``rows`` (``TieredCache.get_blocks``): each level, top first,
-        reads the blocks the levels above miss, in runs of adjacent keys; what came from below is then
-        promoted. Returns a bool per key: read (and verified)."""
-        got = np.zeros(len(keys), dtype=bool)
-        promote: list[tuple[Level, np.ndarray]] = []
-        for level in levels:
-            missing = np.flatnonzero(~got)
-            if not len(missing):
-                break
-            present = missing[level.contains(keys.take(missing))]
-            read = []
-            edges = np.flatnonzero(np.diff(present) != 1) + 1
-            for run in np.split(present, edges) if len(present) else []:
-                a, b = int(run[0]), int(run[-1]) + 1
-                n = level.read(keys[a:b], rows[a:b], None)
-                got[a:a + n] = True
-                read.append(run[:n])
-            if read and level is not levels[0]:
-                promote.append((level, np.concatenate(read)))
-        for level, idx in promote:
-            if len(idx):
-                self.promote(levels, level, keys.take(idx), rows[idx])
-        return got
     def release(self) -> None:
         """Drop the staging buffer (at ``close``)."""
         self._staging = None

@@ -1,4 +1,5 @@
-"""kv_aware: the per-class reuse odds it learns, the ghost tags they rely on, and what it buys."""
+"""kv_aware: the per-class reuse odds it learns, the ghost tags they rely on, the prefix-tree rules
+(superseded branches and stranded blocks go first), and what it buys."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from tieredkv import policies
-from tieredkv.policies.kv_aware import N_SIZE
+from tieredkv.policies.kv_aware import HIT_BUCKETS, N_SIZE, N_START
 from tieredkv.policies.state import GHOST_TAG_SHIFT
 from tieredkv.sim import Trace, read_trace, simulate
 
@@ -71,9 +72,12 @@ def test_learns_that_the_last_chunk_of_a_prompt_is_not_reused():
         requests.append(body)
     trace = Trace.from_requests(requests)
     policy, st, ours = _replay_state(trace, 300)
-    logodds = policy._tables(st)[2].reshape(-1, 2, N_SIZE)   # hits bucket x last x store size
+    hits, evicted, logodds = (t.reshape(HIT_BUCKETS, N_START, 2, N_SIZE) for t in policy._tables(st))
+    seen = (hits + evicted)[0] > 20          # hits bucket 0: start x last x store size
+    both = seen[:, 0, :] & seen[:, 1, :]
+    assert both.any()
     fresh = logodds[0]
-    assert (fresh[1] < fresh[0] - 1).all(), "last chunks should look far less reusable"
+    assert (fresh[:, 1, :][both] < fresh[:, 0, :][both] - 1).all(), "last chunks should look far less reusable"
     assert ours["block_hit_ratio"] > simulate(trace, "lru", 300)["block_hit_ratio"]
 
 
@@ -82,6 +86,61 @@ def test_beats_lru_on_a_slice_of_the_conversation_trace():
     trace = Trace.from_requests(full.request(i).tolist() for i in range(2000))
     cap = round(0.05 * trace.unique_blocks)
     assert simulate(trace, "kv_aware", cap)["block_hit_ratio"] > simulate(trace, "lru", cap)["block_hit_ratio"]
+
+
+def test_the_most_observed_class_keeps_lru_order():
+    """Log-odds are measured against the most observed class, so its blocks get no shift at all."""
+    rng = np.random.default_rng(1)
+    trace = Trace.from_requests([rng.integers(0, 400, size=8).tolist() for _ in range(1500)])
+    policy, st, _ = _replay_state(trace, 100)
+    hits, evicted, logodds = policy._tables(st)
+    assert logodds[int(np.argmax(hits + evicted))] == 0.0
+    assert (logodds != 0).any()
+
+
+def _chain(policy, st, slots, keys, parent, start):
+    """Insert ``slots`` as one store: a chain under ``parent`` (a slot or -1) at prompt ``start``."""
+    slots = np.asarray(slots)
+    parents = np.concatenate([[parent], slots[:-1]])
+    policies.insert(policy, st, slots, np.asarray(keys), parents, np.arange(start, start + len(slots)))
+
+
+@pytest.mark.parametrize("supersede", [True, False])
+def test_a_superseded_branch_goes_first(supersede):
+    """The next turn extends x with a new child: x's older child (the previous turn's partial last
+    chunk) goes before older blocks. Without the rule it is plain recency."""
+    policy = policies.make("kv_aware", supersede=supersede)
+    st = policies.SlotState.private(policy, 10)
+    _chain(policy, st, [0, 1], [10, 11], -1, 0)          # other conversation, least recent
+    _chain(policy, st, [2, 3, 4], [20, 21, 22], -1, 0)    # r, x, partial last chunk (slot 4)
+    policies.hit(policy, st, np.array([2, 3]))
+    _chain(policy, st, [5, 6], [23, 24], 3, 2)            # next turn: x gets a second child
+    victims = policies.evict(policy, st, 1)
+    assert victims.tolist() == ([4] if supersede else [0])
+
+
+def test_a_block_with_many_children_demotes_none():
+    """A shared system prompt has many children (conversations): a new one supersedes nothing."""
+    policy = policies.make("kv_aware")
+    st = policies.SlotState.private(policy, 10)
+    _chain(policy, st, [1], [2], -1, 0)                   # an unrelated, least recent block
+    _chain(policy, st, [0], [1], -1, 0)                   # the shared prefix
+    _chain(policy, st, [2], [3], 0, 1)
+    _chain(policy, st, [3], [4], 0, 1)                    # second child: the first is demoted...
+    policies.hit(policy, st, np.array([0, 2, 3]))         # ...until its next hit
+    _chain(policy, st, [4], [5], 0, 1)                    # a third child demotes neither
+    assert policies.evict(policy, st, 1).tolist() == [1]
+
+
+@pytest.mark.parametrize("orphans", [True, False])
+def test_children_of_an_evicted_block_go_next(orphans):
+    policy = policies.make("kv_aware", orphans=orphans)
+    st = policies.SlotState.private(policy, 10)
+    _chain(policy, st, [0, 1, 2], [1, 2, 3], -1, 0)
+    _chain(policy, st, [3, 4], [7, 8], -1, 0)
+    policies.hit(policy, st, np.array([1, 2]))            # the chain's tail is now most recent
+    assert policies.evict(policy, st, 1).tolist() == [0]  # the least recent: the chain's head
+    assert policies.evict(policy, st, 1).tolist() == ([1] if orphans else [3])
 
 
 @pytest.mark.parametrize("bad", [{"horizon_factor": -1}, {"ghost_ratio": -0.5}, {"decay": 0}, {"decay": 1.5},

@@ -11,14 +11,14 @@ import os
 import sys
 
 from tieredkv import policies
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import InvalidInput, TieredKVError
 
 from .plot import plot_mrc
 from .replay import run_simulation
 from .synthetic import synthetic_trace
-from .trace import read_trace
+from .trace import Trace, read_trace
 
-__all__ = ["add_arguments", "main", "format_table"]
+__all__ = ["add_arguments", "main", "format_table", "request_slice"]
 
 
 def _csv(text: str) -> list[str]:
@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="generate N synthetic requests (system prompts, sessions, one-offs) instead")
     parser.add_argument("--seed", type=int, default=0, help="seed of --synthetic (default 0)")
     parser.add_argument("--format", choices=["jsonl", "csv"], help="trace format (default: from the suffix)")
+    parser.add_argument("--requests", metavar="A:B",
+                        help="replay only requests A to B-1 (Python slice, e.g. :6015 or 6015:), from a cold "
+                             "cache: a tuning split and a held-out split; N%% then counts the slice's unique "
+                             "blocks, so give blocks to compare splits at one size")
     parser.add_argument("--policy", default="lru",
                         help=f"comma-separated eviction policies (valid: {', '.join(policies.names())}; "
                              "prefix_aware:BASE wraps BASE; package.module:Class imports your own, from the "
@@ -54,6 +58,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip Belady's MIN (the optimum) and the gap-closed column")
     parser.add_argument("--baseline", default="lru",
                         help="policy the gap to the optimum is measured from (default lru)")
+
+
+def request_slice(trace: Trace, spec: str) -> Trace:
+    """Requests ``A:B`` of ``trace`` (Python slice syntax, steps refused) as a trace of their own.
+
+    Raises:
+        InvalidInput: ``spec`` is not ``A:B`` with integer (or empty) bounds, or selects no request.
+    """
+    a, sep, b = spec.partition(":")
+    try:
+        if not sep or ":" in b:
+            raise ValueError
+        bounds = slice(int(a) if a.strip() else None, int(b) if b.strip() else None)
+    except ValueError:
+        raise InvalidInput(f"--requests takes A:B (e.g. :6015 or 6015:), got {spec!r}") from None
+    picked = range(trace.n_requests)[bounds]
+    if not len(picked):
+        raise InvalidInput(f"--requests {spec} selects no request of the {trace.n_requests:,} in {trace.name}")
+    ts = None if trace.timestamps_ms is None else trace.timestamps_ms[picked.start:picked.stop].tolist()
+    return Trace.from_requests((trace.request(i).tolist() for i in picked), name=f"{trace.name}[{spec}]",
+                               timestamps_ms=ts)
 
 
 def format_table(result: dict) -> str:
@@ -122,6 +147,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         trace = (read_trace(args.trace, fmt=args.format) if args.trace
                  else synthetic_trace(args.synthetic, seed=args.seed))
+        if args.requests:
+            trace = request_slice(trace, args.requests)
         if trace.n_accesses == 0:
             print(f"tieredkv simulate: {trace.name} holds no block accesses; nothing to replay", file=sys.stderr)
             return 2

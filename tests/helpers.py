@@ -36,6 +36,15 @@ def kv_for(spec: KVSpec, tokens, salt: bytes = b"") -> np.ndarray:
     return kv
 
 
+def flip(path, offset: int) -> None:
+    """Invert one byte of a file in place (damage on disk)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
 

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from helpers import flip
 from tieredkv import FormatError, KVSpec, chunk_keys
 from tieredkv.warm import WarmTier, admin
 from tieredkv.warm.testing import check_index, payload_for
@@ -26,14 +27,6 @@ def make_tier(root, n_blocks=16, verify="always"):
 
 def slab(d, i):
     return os.path.join(d, f"slab-{i:04d}.bin")
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def bad_of(report):

@@ -8,7 +8,8 @@ a byte of it reaches a KV cache::
     offset  size  field
          0     4  magic b"TKVR"
          4     2  format version (2)
-         6     1  codec: 0 = raw payload, 1 = byte-plane split + zlib (others: refused, reserved)
+         6     1  codec (``tieredkv.codec``): 0 = raw payload, 1 = byte planes + zlib, 2 = a blosc2
+                  chunk (shuffle + ZSTD or LZ4); others are refused
          7     1  flags (0; reserved)
          8     4  chunk tokens
         12     4  zero
@@ -24,73 +25,46 @@ it from the prompt it holds), so a reader of the store learns no token ids from 
 
 A value that fails any check (magic, version, codec, lengths, name digest, MAC, decompression) is
 refused: the reader counts a corruption and treats the block as a miss. The MAC is checked before the
-payload is copied or inflated, and inflation is bounded by the raw length (no zlib bomb).
+payload is copied or decompressed, and decompression is bounded by the raw length (no zlib bomb; a blosc2
+chunk's claimed sizes are checked before it is touched). A sound value whose codec this process cannot
+run (blosc2 not installed) is not a corruption: ``decode_into`` raises ``MissingDependency`` and the
+tier counts a miss, leaving the value for the hosts that can read it.
 
-Byte-plane compression: bf16/fp16 elements split into a plane of low bytes and a plane of high bytes
-(sign + exponent + top mantissa bits), which zlib compresses well where the mixed stream does not. The
-split is lossless; whether it pays depends on the link (see docs/fleet.md).
+Compression (``tieredkv.codec``): bf16/fp16 elements split into byte planes, which an entropy coder
+compresses well (about 1.45x with blosc2's shuffle + ZSTD) where the mixed stream does not. It is
+lossless; whether it pays depends on the link (docs/fleet.md, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import hmac
 import struct
-import zlib
 
 import numpy as np
 
+from tieredkv import codec as cd
+from tieredkv.codec import inflate, join_planes, split_planes  # noqa: F401 - the names this module had
+from tieredkv.errors import MissingDependency
 from tieredkv.keys import ChunkKeys
 from tieredkv.remote.auth import MAC_BYTES, NAME_DIGEST_BYTES, FleetKey
 from tieredkv.spec import KVSpec
 
 MAGIC = b"TKVR"
 FORMAT_VERSION = 2
-CODEC_RAW = 0
-CODEC_PLANES_ZLIB = 1
+CODEC_RAW = cd.RAW
+CODEC_PLANES_ZLIB = cd.ZLIB
+CODEC_BLOSC2 = cd.BLOSC2
 #: Codecs this version reads (a value with another is refused, never guessed at).
-CODECS = (CODEC_RAW, CODEC_PLANES_ZLIB)
+CODECS = cd.KNOWN
 HEADER = struct.Struct(f"<4sHBBIIQQ{NAME_DIGEST_BYTES}s")
 _MAC_AT = HEADER.size  # 48
 HEADER_BYTES = _MAC_AT + MAC_BYTES  # 80
-#: zlib level for byte-plane compression: level 1 is several times faster than the default and gives
-#: most of the ratio on exponent planes.
-ZLIB_LEVEL = 1
+ZLIB_LEVEL = cd.ZLIB_LEVEL
 
 
 def value_bytes(spec: KVSpec) -> int:
     """Size of an uncompressed value (the most a value of this spec may take)."""
     return HEADER_BYTES + spec.block_bytes
-
-
-def split_planes(raw: np.ndarray, width: int) -> bytes:
-    """Byte planes of ``raw`` (uint8, length a multiple of ``width``): all first bytes, then all second..."""
-    if width == 1:
-        return raw.tobytes()
-    return np.ascontiguousarray(raw.reshape(-1, width).T).tobytes()
-
-
-def join_planes(planes: bytes | memoryview, width: int, out: np.ndarray) -> None:
-    """Inverse of ``split_planes``, written into ``out`` (uint8, ``len(planes)`` bytes)."""
-    src = np.frombuffer(planes, dtype=np.uint8)
-    if width == 1:
-        out[:] = src
-    else:
-        out.reshape(-1, width)[:] = src.reshape(width, -1).T
-
-
-def inflate(body, raw_len: int) -> bytes | None:
-    """``body`` decompressed, or None unless it is one complete zlib stream of exactly ``raw_len`` bytes.
-
-    Never holds more than ``raw_len + 1`` inflated bytes, whatever ``body`` claims (a zlib bomb stops
-    there)."""
-    d = zlib.decompressobj()
-    try:
-        out = d.decompress(body, raw_len + 1)
-    except zlib.error:
-        return None
-    if len(out) != raw_len or not d.eof or d.unused_data or d.unconsumed_tail:
-        return None
-    return out
 
 
 class Codec:
@@ -99,13 +73,21 @@ class Codec:
     Args:
         spec: the namespace every value must belong to.
         key: the fleet key (``tieredkv.remote.auth.load_key``).
-        compress: byte-plane split + zlib on write (reads accept both forms regardless).
+        compress: the codec values are written with (``tieredkv.codec.CHOICES``; True: "zstd"). Reads
+            accept every codec whatever this says.
+
+    Raises:
+        MissingDependency: ``compress`` needs blosc2, which is not installed.
+        InvalidInput: an unknown ``compress``.
     """
 
-    def __init__(self, spec: KVSpec, key: FleetKey, compress: bool = False):
+    def __init__(self, spec: KVSpec, key: FleetKey, compress: bool | str | None = False):
         self.spec = spec
         self.key = key
-        self.compress = bool(compress)
+        #: the codec choice ("none", "zstd", "lz4", "zlib")
+        self.compression = cd.choice(compress)
+        self.compress = self.compression != "none"
+        self._compressor = cd.Compressor(self.compression, spec.dtype_bytes) if self.compress else None
         self.max_bytes = value_bytes(spec)
         self.width = spec.dtype_bytes
         self._ns = spec.fingerprint.encode()
@@ -128,10 +110,10 @@ class Codec:
         raw = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
         codec = CODEC_RAW
         body: bytes | np.ndarray = raw
-        if self.compress:
-            packed = zlib.compress(split_planes(raw, self.width), ZLIB_LEVEL)
-            if len(packed) < len(raw):  # incompressible blocks travel raw
-                codec, body = CODEC_PLANES_ZLIB, packed
+        if self._compressor is not None:
+            packed = self._compressor.compress(raw)
+            if packed is not None:  # None: incompressible blocks travel raw
+                codec, body = self._compressor.id, packed
         n_body = len(body)
         total = HEADER_BYTES + n_body
         buf = np.empty(total, dtype=np.uint8) if into is None else into[:total]
@@ -146,23 +128,21 @@ class Codec:
 
     def decode_into(self, value, digest: bytes, out: np.ndarray) -> bool:
         """Check ``value`` against the block named by ``digest`` and, only if every check holds, write its
-        payload into ``out`` (uint8, ``block_bytes``). Returns False, leaving ``out`` untouched, if any
-        check fails."""
+        payload into ``out`` (uint8, ``block_bytes``). Returns False if any check fails: ``out`` is
+        untouched when the framing, MAC or name fail; a (MAC-valid) payload that does not decompress to
+        its length may have written part of ``out``.
+
+        Raises:
+            MissingDependency: the value is sound but its codec's library is not installed here: a miss
+                for this process, not a damaged value.
+        """
         mv = memoryview(value).cast("B")
         head = parse(mv, self.key)
         if head is None or head["raw_len"] != self.spec.block_bytes or head["chunk_tokens"] != self.spec.chunk_tokens:
             return False
         if not hmac.compare_digest(head["digest"], digest):
             return False
-        body = mv[HEADER_BYTES:]
-        if head["codec"] == CODEC_PLANES_ZLIB:
-            planes = inflate(body, head["raw_len"])
-            if planes is None:
-                return False
-            join_planes(planes, self.width, out)
-        else:
-            out[:] = np.frombuffer(body, dtype=np.uint8)
-        return True
+        return cd.decompress_into(head["codec"], mv[HEADER_BYTES:], out, self.width)
 
 
 def parse(mv: memoryview, key: FleetKey) -> dict | None:
@@ -199,6 +179,20 @@ def check_value(value, digest_hex: str, key: FleetKey) -> str | None:
         return "bad framing or MAC (not a tieredkv value of this fleet, forged, or damaged)"
     if head["digest"].hex() != digest_hex:
         return "the value carries another block's name"
-    if head["codec"] == CODEC_PLANES_ZLIB and inflate(mv[HEADER_BYTES:], head["raw_len"]) is None:
-        return "compressed payload does not decompress to its length"
+    if head["codec"] != CODEC_RAW:
+        try:
+            sound = cd.decompress_into(head["codec"], mv[HEADER_BYTES:], np.empty(head["raw_len"], np.uint8),
+                                       _width_of(head["raw_len"]))
+        except MissingDependency:
+            return None  # the MAC holds: sound as far as this host can tell (it cannot run the codec)
+        if not sound:
+            return "compressed payload does not decompress to its length"
     return None
+
+
+def _width_of(raw_len: int) -> int:
+    """A dtype width that divides the payload (the byte-plane join needs one; blosc2 ignores it)."""
+    for w in (2, 4, 1):
+        if raw_len % w == 0:
+            return w
+    return 1

@@ -14,7 +14,7 @@ import numpy as np
 import xxhash
 
 from tieredkv.errors import FormatError, TieredKVError
-from tieredkv.warm import files
+from tieredkv.warm import files, packed
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
 from tieredkv.warm.slabs import slab_name
@@ -184,17 +184,19 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
                 rec = np.frombuffer(val, dtype=rec_dtype)[0]
                 slot, gen = int(rec["slot"]), int(rec["gen"])
                 slab = slot // per
-                if slot >= n_slots or rec["length"] != block_bytes \
+                length = int(rec["length"])  # less than block_bytes: a compressed frame (warm/packed.py)
+                if slot >= n_slots or not packed.valid_length(np.int64(length), block_bytes) \
                         or txn.get(ix.slot_key(slot), db=index.slots) != key:
                     suspects.append((key, slot, gen, "bad record"))
                     continue
                 if slab not in fds:
                     suspects.append((key, slot, gen, "missing slab"))
                     continue
-                got = os.preadv(fds[slab], [buf], (slot % per) * slot_bytes)
-                if got < block_bytes:
+                stored = memoryview(buf)[:length]
+                got = os.preadv(fds[slab], [stored], (slot % per) * slot_bytes)
+                if got < length:
                     suspects.append((key, slot, gen, "short read"))
-                elif xxhash.xxh3_64_intdigest(buf) != int(rec["checksum"]):
+                elif xxhash.xxh3_64_intdigest(stored) != int(rec["checksum"]):
                     suspects.append((key, slot, gen, "checksum"))
                 else:
                     report["blocks_ok"] += 1

@@ -18,6 +18,7 @@ import xxhash
 from tieredkv.errors import TieredKVError
 from tieredkv.keys import ChunkKeys, key_at
 from tieredkv.warm import index as ix
+from tieredkv.warm import packed
 from tieredkv.warm.records import Records
 
 #: A read is split into groups of about this size (at least one block), each read, checksummed and handed
@@ -64,7 +65,7 @@ class CheckedReads(Records):
         found = np.zeros(n, dtype=bool)
         if m:
             # A damaged slot field must be a miss, never an index past the slabs.
-            found[:m] = ((recs["length"] == self.block_bytes) & (recs["slot"] < self.n_slots)
+            found[:m] = (packed.servable(recs["length"], self.block_bytes) & (recs["slot"] < self.n_slots)
                          & (recs["parent"] == keys.parents[:m]).all(axis=1)
                          & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
         if prefix and not found.all():
@@ -81,7 +82,7 @@ class CheckedReads(Records):
         m = min(n, len(recs))
         if not m:
             return np.zeros(0, dtype=bool)
-        bad = ((recs["slot"][:m] >= self.n_slots) & (recs["length"][:m] == self.block_bytes)
+        bad = ((recs["slot"][:m] >= self.n_slots) & packed.valid_length(recs["length"][:m], self.block_bytes)
                & (recs["parent"][:m] == keys.parents[:m]).all(axis=1)
                & (recs["tokens"][:m] == keys.tokens[:m]).all(axis=1))
         if self.verify == "always":
@@ -129,7 +130,13 @@ class CheckedReads(Records):
         if self.verify == "sampled":
             with self._mem:  # a Generator is not thread-safe
                 check &= self._rng.random(run) < self.sample_rate
-        complete, sums = self._read_hashing(slots, rows, check, sink)
+        failed = lacking = np.zeros(run, dtype=bool)
+        if (recs["length"] == self.block_bytes).all():
+            complete, sums = self._read_hashing(slots, rows, check, sink)
+        else:  # some blocks are stored compressed: always checked, then decompressed
+            complete, sums, check, failed, lacking = packed.read(
+                self._slabs, slots, recs["length"], recs["checksum"], rows, check, sink, self.spec.dtype_bytes,
+                READ_GROUP_BYTES)
         # Re-check after the copy (module docstring): same slot and gen <=> bytes were stable.
         again, found = self._index.read(lambda txn: self._lookup(txn, raw, keys, run, True))
         stable = found.copy()
@@ -138,7 +145,8 @@ class CheckedReads(Records):
         stable[m:] = False
         bad = stable & ~complete
         bad |= stable & complete & check & (sums != recs["checksum"])
-        end = np.flatnonzero(~stable | bad)
+        bad |= stable & failed
+        end = np.flatnonzero(~stable | bad | lacking)  # lacking: this process lacks the codec (a miss)
         good = int(end[0]) if len(end) else run
         if bad.any():
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))

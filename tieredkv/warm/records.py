@@ -43,6 +43,7 @@ class Records:
     _rec: np.dtype  # the record layout (ix.record_dtype)
     _index: ix.Index
     _slabs: Slabs
+    _packer: Any  # warm.packed.Packer framing blocks on write, or None (blocks written raw)
     _view: PolicyView  # this process's policy state and its unwritten hits
     _counts: dict[str, int]  # this process's counters since open
     _rng: np.random.Generator  # sampling for verify="sampled"

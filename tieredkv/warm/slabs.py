@@ -249,10 +249,13 @@ class Slabs:
                         raise OSError(errno.EIO, "pwrite wrote nothing")
                     done += n
             except OSError as exc:
-                raise WarmTierUnavailable(f"cannot write to {self.path(slab)}: "
-                                          f"{os.strerror(exc.errno) if exc.errno else exc}", errno=exc.errno) from exc
+                raise self._write_failed(slab, exc) from exc
             touched.add(slab)
         return touched
+
+    def _write_failed(self, slab: int, exc: OSError) -> WarmTierUnavailable:
+        return WarmTierUnavailable(f"cannot write to {self.path(slab)}: "
+                                   f"{os.strerror(exc.errno) if exc.errno else exc}", errno=exc.errno)
 
     def sync(self, slabs: set[int]) -> None:
         """fdatasync the given slabs (their data reaches the disk before the index points at it)."""
@@ -262,3 +265,63 @@ class Slabs:
             except OSError as exc:
                 raise WarmTierUnavailable(f"cannot sync {self.path(i)}: {exc.strerror or exc}",
                                           errno=exc.errno) from exc
+
+    # ---- variable-length slot contents (compressed blocks: tieredkv.warm.packed) ---------------------
+    def _where(self, slot: int) -> tuple[int, int]:
+        return self.fds[slot // self.slots_per_slab], (slot % self.slots_per_slab) * self.slot_bytes
+
+    def prefetch_parts(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """``prefetch`` of only the first ``lengths[j]`` bytes of each slot (a compressed block's
+        frame), so that the disk does not read the slot's unused tail. Best effort."""
+        for s, n in zip(slots.tolist(), lengths.tolist()):
+            fd, offset = self._where(s)
+            if fd >= 0:
+                try:
+                    os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass  # only a hint
+
+    def read_parts(self, slots: np.ndarray, bufs: list) -> np.ndarray:
+        """Read the first ``len(bufs[j])`` bytes of ``slots[j]`` into ``bufs[j]`` (writable uint8
+        arrays), one ``preadv`` per slot: only the bytes a block occupies are read. Returns a bool
+        mask of the slots read in full (False: the slab is short or missing there).
+
+        Raises:
+            WarmTierUnavailable: the read failed (EIO and friends).
+        """
+        ok = np.ones(len(slots), dtype=bool)
+        for j, s in enumerate(slots.tolist()):
+            fd, offset = self._where(s)
+            if fd < 0:
+                ok[j] = False
+                continue
+            try:
+                ok[j] = os.preadv(fd, [bufs[j]], offset) == len(bufs[j])
+            except OSError as exc:
+                raise WarmTierUnavailable(f"reading slab {s // self.slots_per_slab}: "
+                                          f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
+        return ok
+
+    def write_parts(self, slots: np.ndarray, parts: list) -> set[int]:
+        """Write ``parts[j]`` (uint8 arrays, at most ``block_bytes`` each) at the start of ``slots[j]``;
+        only those bytes are written. Returns the slab numbers written.
+
+        Raises:
+            WarmTierUnavailable: the write failed (disk full, I/O error, read-only file).
+        """
+        touched = set()
+        for s, part in zip(slots.tolist(), parts):
+            slab = s // self.slots_per_slab
+            fd, offset = self._where(s)
+            view = memoryview(part).cast("B")
+            done = 0
+            try:
+                while done < len(view):
+                    n = os.pwrite(fd, view[done:], offset + done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "pwrite wrote nothing")
+                    done += n
+            except OSError as exc:
+                raise self._write_failed(slab, exc) from exc
+            touched.add(slab)
+        return touched

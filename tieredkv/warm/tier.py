@@ -51,14 +51,15 @@ import numpy as np
 import xxhash
 from numpy.random import default_rng  # at import: imported lazily, numpy.random would slow the first open
 
-from tieredkv import forksafe, policies
+from tieredkv import codec, forksafe, policies
 from tieredkv.errors import InvalidInput, LockTimeout, TieredKVError
 from tieredkv.keys import KEY_BYTES, ChunkKeys, key_at
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, out_rows
 from tieredkv.warm import index as ix
-from tieredkv.warm.reads import CheckedReads
+from tieredkv.warm import packed
+from tieredkv.warm.reads import READ_GROUP_BYTES, CheckedReads
 from tieredkv.warm.recovery import OWN_CLAIMS, OWN_CLAIMS_LOCK
 from tieredkv.warm.writes import Writes
 
@@ -97,6 +98,10 @@ class WarmTier(Writes, CheckedReads, Tier):
         on_evict: called with an ``Evicted`` (keys, verified bytes, hits) for the blocks ``put_many``
             evicts to make room, before their slots are rewritten: the hook that passes blocks leaving
             the warm tier on to a lower tier (a remote store). Costs one slab read per evicted block.
+        compress: write blocks compressed (``tieredkv.codec.CHOICES``: "none", "zstd", "lz4"; True:
+            "zstd"): fewer bytes to and from the disk, the same capacity (tieredkv.warm.packed). Pays
+            when the disk is slower than the codec (docs/warm-tier.md). Reads decode every block
+            whatever this says; a block in a codec not installed here is a miss.
 
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
@@ -113,6 +118,7 @@ class WarmTier(Writes, CheckedReads, Tier):
             inside a write).
         InvalidInput: bad arguments (unknown sync/verify mode, no capacity for a new tier, a
             directory that is not a non-empty path).
+        MissingDependency: ``compress`` needs blosc2, which is not installed.
 
     A ``WarmTier`` may be used from several threads and survives ``fork`` (the child opens its own
     LMDB environment on its first call). Writes are serialised; lookups and loads never wait for a
@@ -124,7 +130,7 @@ class WarmTier(Writes, CheckedReads, Tier):
                  sample_rate: float = 1 / 16, flush_every: int = 1024,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
                  map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0,
-                 on_evict: Callable[[Evicted], None] | None = None):
+                 on_evict: Callable[[Evicted], None] | None = None, compress: str | bool | None = None):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         if sync not in SYNC_MODES:
@@ -143,6 +149,11 @@ class WarmTier(Writes, CheckedReads, Tier):
         self.spec = spec
         self.sync = sync
         self.verify = verify
+        name = codec.choice(compress)
+        if name == "zlib":
+            raise InvalidInput("compress='zlib' is too slow for the warm tier (tens of MB/s); use 'zstd' or 'lz4'")
+        #: frames blocks on write (None: blocks are written raw)
+        self._packer = packed.Packer(name, spec.block_bytes, spec.dtype_bytes) if name != "none" else None
         self.sample_rate = float(sample_rate)
         self.flush_every = max(1, int(flush_every))
         try:
@@ -308,11 +319,10 @@ class WarmTier(Writes, CheckedReads, Tier):
                         self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
                     else:
                         self.on_evict(self._evicted(victims, None, np.ones(len(victims), dtype=bool)))
-                sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in idx.tolist()]
-                touched = self._slabs.write(slot_arr, rows, idx)
+                sums, lengths, touched = packed.write(self._slabs, self._packer, slot_arr, rows, idx)
                 if self.sync != "none":
                     self._slabs.sync(touched)  # data reaches the disk before the index points at it
-                stored = self._commit(raw, keys, idx, slot_arr, sums, owner, token)
+                stored = self._commit(raw, keys, idx, slot_arr, sums, owner, token, lengths)
             except BaseException:
                 self._release(raw, idx, slot_arr, owner, token)
                 raise
@@ -449,7 +459,14 @@ class WarmTier(Writes, CheckedReads, Tier):
         """Read the victims' slots into ``rows``; bool per victim: complete and its checksum holds."""
         keep = np.ones(len(victims), dtype=bool)
         if victims:
-            complete = self._slabs.read(np.asarray([v[0] for v in victims], dtype=np.int64), rows)
+            slots = np.asarray([v[0] for v in victims], dtype=np.int64)
+            recs = np.array([v[2] for v in victims], dtype=self._rec).reshape(len(victims))
+            if (recs["length"] != self.block_bytes).any():  # some are compressed frames
+                complete, sums, _, failed, lacking = packed.read(
+                    self._slabs, slots, recs["length"], recs["checksum"], rows, keep, None,
+                    self.spec.dtype_bytes, READ_GROUP_BYTES)
+                return complete & (sums == recs["checksum"]) & ~failed & ~lacking
+            complete = self._slabs.read(slots, rows)
             for j, (_, _, rec) in enumerate(victims):
                 keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
         return keep
@@ -489,6 +506,7 @@ class WarmTier(Writes, CheckedReads, Tier):
                                 "policy": self.policy.name, "readonly": self.readonly,
                                 "inflight": int(inflight), "corrupt_total": int(corrupt_total),
                                 "pending_hits": pending_n, "slot_bytes": self.slot_bytes,
+                                "compress": self._packer.name if self._packer is not None else "none",
                                 "map_size": self._index.map_size()})
 
     def close(self) -> None:

@@ -60,12 +60,13 @@ class Writes(Recovery):
         return slots
 
     def _commit(self, raw: bytes, keys: ChunkKeys, idx: np.ndarray, slots: np.ndarray, sums: list[int],
-                owner: int, token: int) -> np.ndarray:
-        """Publish the written blocks: records in, claims out, one transaction. Return a stored mask."""
+                owner: int, token: int, lengths: np.ndarray | None = None) -> np.ndarray:
+        """Publish the written blocks: records in, claims out, one transaction. Return a stored mask.
+        ``lengths``: the bytes each block occupies in its slot (None: all raw, ``block_bytes``)."""
         m = len(idx)
         recs = np.zeros(m, dtype=self._rec)
         recs["slot"] = slots
-        recs["length"] = self.block_bytes
+        recs["length"] = self.block_bytes if lengths is None else lengths
         recs["checksum"] = np.asarray(sums, dtype=np.uint64)
         recs["parent"] = keys.parents[idx]
         t = ix.now_us()

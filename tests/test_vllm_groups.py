@@ -232,7 +232,8 @@ def test_mla_is_one_latent_for_every_tp_rank(models, seg_name, monkeypatch):
 
 
 @pytest.mark.parametrize("group, feature", [
-    (MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,)), "mamba / linear-attention state"),
+    (MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,), num_speculative_blocks=1),
+     "mamba / linear-attention state with speculative decoding"),
     (full(torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD), "the quantised KV cache .int8_per_token_head"),
     (FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, head_size_v=32, dtype=torch.float32),
      "K and V of different head sizes"),

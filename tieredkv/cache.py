@@ -280,11 +280,12 @@ class TieredCache:
                 todo = todo[~level.contains(keys.take(todo))]
         return todo
 
-    def _put_new(self, new: ChunkKeys, payloads: np.ndarray) -> np.ndarray:
+    def _put_new(self, new: ChunkKeys, payloads: np.ndarray, *, give_back: bool = True) -> np.ndarray:
         """Store blocks no level holds: into the top level, then into each lower level that admits
         them at store; blocks the top level has no room for go to the level below it if that one
-        admits evicted blocks. ``payloads`` is this call's own (queued writes keep it). Returns the
-        top level's ``PutResult`` codes."""
+        admits evicted blocks. ``payloads`` is this call's own (queued writes keep it; then it is
+        kept for a later store unless ``give_back`` is False). Returns the top level's ``PutResult``
+        codes."""
         levels = self._open_levels()
         top = levels[0]
         codes = top.put(new, payloads)  # the top level raises rather than return None
@@ -292,7 +293,7 @@ class TieredCache:
             codes = np.full(len(new), PutResult.NO_SPACE, dtype=np.int8)
         # ``payloads`` is this call's own copy (never the caller's kv, which it may reuse): queued jobs
         # keep it until their writes are done; the last one hands it back for reuse.
-        lease = BufferLease(payloads, self._give_back)
+        lease = BufferLease(payloads, self._give_back if give_back else _keep_nothing)
         try:
             for i, level in enumerate(levels[1:], start=1):
                 if level.at_store:
@@ -330,11 +331,17 @@ class TieredCache:
         todo = self._new_blocks(keys, 0)
         if not len(todo):
             return codes
-        if owned and len(todo) == len(keys):
+        whole = len(todo) == len(keys)
+        if whole and len(self._open_levels()) == 1:
+            # One level: it copies the rows into its slots before put returns and nothing queues
+            # them, so the caller's rows serve as they are (and never become a spare buffer).
+            codes[:] = self._put_new(keys, rows, give_back=owned)
+            return codes
+        if owned and whole:
             mine = rows
-        else:  # a copy of our own: the caller may reuse its rows once this returns
+        else:  # a copy of our own (one pass): the caller may reuse its rows once this returns
             mine = self._payload_rows(len(todo))
-            mine.reshape(len(todo), -1).view(np.uint8)[:] = rows[todo]
+            np.take(rows, todo, axis=0, out=mine.reshape(len(todo), -1).view(np.uint8))
         codes[todo] = self._put_new(keys.take(todo), mine)
         return codes
 
@@ -380,14 +387,14 @@ class TieredCache:
             missing = np.flatnonzero(~got)
             if not len(missing):
                 break
-            present = missing[level.contains(keys.take(missing))]
+            present = missing[level.contains(keys if len(missing) == len(keys) else keys.take(missing))]
             read = []
-            edges = np.flatnonzero(np.diff(present) != 1) + 1
-            for run in np.split(present, edges) if len(present) else []:
-                a, b = int(run[0]), int(run[-1]) + 1
+            edges = (np.flatnonzero(np.diff(present) != 1) + 1).tolist()
+            for i, j in zip([0, *edges], [*edges, len(present)]) if len(present) else ():
+                a, b = int(present[i]), int(present[j - 1]) + 1  # one run of adjacent keys
                 n = level.read(keys[a:b], rows[a:b], None)
                 got[a:a + n] = True
-                read.append(run[:n])
+                read.append(present[i:i + n])
             if read and level is not levels[0]:
                 promote.append((level, np.concatenate(read)))
         for level, idx in promote:
@@ -497,6 +504,10 @@ class TieredCache:
     def __repr__(self) -> str:
         inner = ", ".join(f"{level.name}={level.tier!r}" for level in getattr(self, "_levels", []))
         return f"TieredCache({self.spec.namespace}, {inner})"
+
+
+def _keep_nothing(rows: np.ndarray) -> None:
+    """A ``BufferLease``'s give-back for rows that are not the cache's to keep (the caller's own)."""
 
 
 def _flush_at_exit(ref: weakref.ref[TieredCache]) -> None:

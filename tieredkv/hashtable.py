@@ -29,6 +29,9 @@ import numpy as np
 
 _M64 = (1 << 64) - 1
 _FIB = 0x9E3779B97F4A7C15  # 2**64 / golden ratio
+#: When no more than this many keys of a batch still probe on, a Python loop over them (a few word
+#: reads each) is cheaper than one more numpy pass per probe distance (about 5 calls per pass).
+_SCALAR_TAIL = 8
 
 
 class ProbeTable:
@@ -66,8 +69,10 @@ class ProbeTable:
     # ---- scalar ---------------------------------------------------------------------------------
     def find(self, key: int) -> int:
         """Position of the first entry holding ``key``, or -1."""
+        return self._find_from(self.home(key), key)
+
+    def _find_from(self, i: int, key: int) -> int:
         k, r, mask = self._k, self._r, self.mask
-        i = self.home(key)
         for _ in range(self.size):
             if not r[i]:
                 return -1
@@ -78,8 +83,10 @@ class ProbeTable:
 
     def find_value(self, key: int, value: int) -> int:
         """Position of the entry holding exactly ``(key, value)``, or -1."""
+        return self._find_value_from(self.home(key), key, value)
+
+    def _find_value_from(self, i: int, key: int, value: int) -> int:
         k, r, mask, ref = self._k, self._r, self.mask, value + 1
-        i = self.home(key)
         for _ in range(self.size):
             if not r[i]:
                 return -1
@@ -151,17 +158,25 @@ class ProbeTable:
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)
         if not len(keys):
             return np.full(0, -1, dtype=np.int64)
-        # Distance 0 for every key at once (most keys end here at a low load), then the rest.
+        # Distance 0 for every key at once (at a low load most keys end here). An empty entry's ref
+        # is 0, so ``ref - 1`` already answers -1 for it; only entries held by another key probe on.
         pos = self.homes(keys)
         ref = self.refs[pos]
-        live = ref != 0
-        hit = live & (self.keys[pos] == keys)
-        out = np.where(hit, ref - 1, -1)
-        active = np.flatnonzero(live ^ hit)  # occupied by another key: probe on
-        if not len(active):
+        out = ref - 1
+        go_on = ref != 0
+        go_on &= self.keys[pos] != keys
+        if not go_on.any():
             return out
+        out[go_on] = -1
+        active = np.flatnonzero(go_on)
         pos = (pos[active] + 1) & self.mask
         for _ in range(self.size - 1):
+            if len(active) <= _SCALAR_TAIL:
+                for a, i in zip(active.tolist(), pos.tolist()):
+                    at = self._find_from(i, int(keys[a]))
+                    if at >= 0:
+                        out[a] = self._r[at] - 1
+                break
             ref = self.refs[pos]
             live = ref != 0
             hit = live & (self.keys[pos] == keys[active])
@@ -172,28 +187,113 @@ class ProbeTable:
             active, pos = active[go_on], (pos[go_on] + 1) & self.mask
         return out
 
+    def positions_of(self, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Position of the entry holding exactly ``(keys[i], values[i])`` for each i, or -1 (the
+        vectorised ``find_value``)."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        want = np.asarray(values, dtype=np.int64).reshape(-1) + 1
+        out = np.full(len(keys), -1, dtype=np.int64)
+        active = np.arange(len(keys))
+        pos = self.homes(keys)
+        for _ in range(self.size):
+            if len(active) <= _SCALAR_TAIL:
+                for a, i in zip(active.tolist(), pos.tolist()):
+                    out[a] = self._find_value_from(i, int(keys[a]), int(want[a]) - 1)
+                break
+            ref = self.refs[pos]
+            hit = (ref == want[active]) & (self.keys[pos] == keys[active])
+            out[active[hit]] = pos[hit]
+            go_on = (ref != 0) & ~hit
+            active, pos = active[go_on], (pos[go_on] + 1) & self.mask
+        return out
+
+    def insert_many(self, keys: np.ndarray, values: np.ndarray) -> bool:
+        """Add every ``(keys[i], values[i])``, vectorised: in pass ``d`` every entry not placed yet tries
+        the position ``d`` after its home and takes it if empty (the first of several contenders
+        wins), so every entry stays reachable from its home without crossing an empty one. Within a
+        pass the keys are stored before the refs that make them visible. False if the table filled up
+        first (the entries placed so far stay).
+        """
+        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        values = np.asarray(values, dtype=np.int64).reshape(-1)
+        pos = self.homes(keys)
+        idx = np.arange(len(keys))
+        for _ in range(self.size):
+            if not len(idx):
+                return True
+            empty = np.flatnonzero(self.refs[pos] == 0)
+            if len(empty):
+                taken = pos[empty]
+                if _distinct(taken):  # no two entries contend for one position (the common case)
+                    placed = empty
+                else:
+                    taken, first = np.unique(taken, return_index=True)
+                    placed = empty[first]
+                self.keys[taken] = keys[idx[placed]]
+                self.refs[taken] = values[idx[placed]] + 1
+                if len(placed) == len(idx):
+                    return True
+                keep = np.ones(len(idx), dtype=bool)
+                keep[placed] = False
+                idx, pos = idx[keep], pos[keep]
+            pos = (pos + 1) & self.mask
+        return not len(idx)
+
+    def delete_many(self, keys: np.ndarray, values: np.ndarray) -> int:
+        """Remove every entry holding exactly ``(keys[i], values[i])`` (pairs not in the table are
+        skipped); returns how many were removed. Vectorised, and with no tombstones: the entries
+        after each hole up to the end of its run are taken out and inserted again (``insert_many``),
+        which leaves every run as an insertion would have. A lock-free reader may miss a re-inserted
+        entry meanwhile (see the module docstring), never find a wrong one.
+        """
+        holes = np.unique(self.positions_of(keys, values))
+        holes = holes[holes >= 0]
+        if not len(holes):
+            return 0
+        # The rest of each hole's run: walk on from every hole to the first empty entry.
+        moved = []
+        pos = (holes + 1) & self.mask
+        for _ in range(self.size):
+            if len(pos) <= _SCALAR_TAIL:
+                r, mask, tail = self._r, self.mask, []
+                for i in pos.tolist():
+                    for _ in range(self.size):
+                        if not r[i]:
+                            break
+                        tail.append(i)
+                        i = (i + 1) & mask
+                moved.append(np.asarray(tail, dtype=np.int64))
+                break
+            live = self.refs[pos] != 0
+            pos = pos[live]
+            moved.append(pos)
+            pos = (pos + 1) & self.mask
+        if moved:
+            after = np.unique(np.concatenate(moved))
+            after = after[~np.isin(after, holes, assume_unique=True)]
+        else:
+            after = np.zeros(0, dtype=np.int64)
+        keys_after, values_after = self.keys[after].copy(), self.refs[after] - 1
+        self.refs[holes] = 0
+        self.refs[after] = 0
+        if not self.insert_many(keys_after, values_after):  # pragma: no cover - fewer entries than before
+            raise ValueError("a probe table lost entries while deleting")
+        return len(holes)
+
     def clear(self) -> None:
         """Empty every entry."""
         self.refs[:] = 0
         self.keys[:] = 0
 
     def rebuild(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Empty the table and insert every ``(keys[i], values[i])``, vectorised: in pass ``d`` every
-        entry not placed yet tries the position ``d`` after its home (the first of several contenders
-        wins), so every entry stays reachable from its home without crossing an empty one."""
+        """Empty the table and insert every ``(keys[i], values[i])`` (``insert_many``)."""
+        if len(values) > self.size:
+            raise ValueError(f"{len(values)} entries do not fit in a table of {self.size}")
         self.clear()
-        pending = np.asarray(values, dtype=np.int64)
-        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
-        if len(pending) > self.size:
-            raise ValueError(f"{len(pending)} entries do not fit in a table of {self.size}")
-        pos = self.homes(keys)
-        idx = np.arange(len(pending))
-        while len(idx):
-            empty = self.refs[pos] == 0
-            uniq, first = np.unique(pos[empty], return_index=True)
-            placed = np.flatnonzero(empty)[first]
-            self.keys[uniq] = keys[idx[placed]]
-            self.refs[uniq] = pending[idx[placed]] + 1
-            keep = np.ones(len(idx), dtype=bool)
-            keep[placed] = False
-            idx, pos = idx[keep], (pos[keep] + 1) & self.mask
+        self.insert_many(keys, values)
+
+
+def _distinct(values: np.ndarray) -> bool:
+    """Whether no value of the 1-D array ``values`` appears twice."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] != ordered[:-1]).all())

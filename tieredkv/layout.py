@@ -145,7 +145,10 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int, int]]:
     if n == 1:
         return [(0, 1, int(slots[0]), 1)]
     d = np.diff(np.asarray(slots, dtype=np.int64))
-    unit = (d == 1) | (d == -1)
+    up = d == 1
+    if up.all():  # one ascending run: a prompt stored in one call
+        return [(0, n, int(slots[0]), 1)]
+    unit = up | (d == -1)
     start = np.ones(n, dtype=bool)
     start[1:] = ~unit  # element i starts a run unless it is one step from i-1 ...
     start[2:] |= unit[:-1] & (d[1:] != d[:-1])  # ... in the direction the run already goes

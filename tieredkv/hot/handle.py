@@ -21,7 +21,7 @@ import posix_ipc
 
 from tieredkv import counters, policies
 from tieredkv.errors import CorruptState, FormatError, InvalidInput
-from tieredkv.hot import locks
+from tieredkv.hot import batch, locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.index import HotIndex
 from tieredkv.hot.recovery import Recovery
@@ -132,6 +132,8 @@ class SegmentHandle(Recovery):
         self._h = h = self._map.header
         self._owners, self._slots, self._tokens, region, self._free, self._data = self._map.views()
         self._index = HotIndex(region, self._slots["key"], self.name)
+        self._words = batch.slot_words(self._slots)
+        self._pin_lists, self._n_pins = self._owners["pins"], self._owners["n_pins"]
         self.n_slots = int(h["n_slots"])
         self._state = policies.SlotState.over(self._policy, self.n_slots, self._map.mm, int(h["policy_off"]))
         if self._state.layout.nbytes != int(h["policy_bytes"]):
@@ -217,6 +219,7 @@ class SegmentHandle(Recovery):
         # Drop every view before closing the mmap: a view over a closed mapping would segfault. The
         # attributes are typed for an open handle; a closed one refuses every call (_check) first.
         self._owners = self._slots = self._tokens = self._free = self._data = None  # type: ignore[assignment]
+        self._words = self._pin_lists = self._n_pins = None  # type: ignore[assignment]
         self._index = self._state = self._h = self._stats = self.counters = None  # type: ignore[assignment]
         self._map.close()
 

@@ -48,6 +48,17 @@ class HotIndex:
     def clear(self) -> None:
         self.table.clear()
 
+    def hint(self, keys: np.ndarray) -> np.ndarray:
+        """Slot indexed under the first word of each ``(n, 2)`` uint64 key, or -1, unchecked: the
+        slot may hold another key sharing that word (the caller compares whole records, see
+        hot/batch.py). Lock-free."""
+        slots = self.table.lookup(np.asarray(keys, dtype=np.uint64).reshape(-1, 2)[:, 0].view(np.int64))
+        wild = slots >= len(self.slot_keys)  # lookup never returns below -1; past the slot table is damage
+        if wild.any():
+            self.damaged = True
+            slots[wild] = -1
+        return slots
+
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Slot indexed under each ``(n, 2)`` uint64 key, or -1. Lock-free; confirm what it returns.
 
@@ -57,17 +68,13 @@ class HotIndex:
         the common path.
         """
         keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)
-        lo = keys[:, 0].view(np.int64)
-        slots = self.table.lookup(lo)
+        slots = self.hint(keys)
         n = len(self.slot_keys)
-        wild = slots >= n  # lookup never returns below -1; a value past the slot table is damage
-        if wild.any():
-            self.damaged = True
-            slots[wild] = -1
         differ = self.slot_keys[slots] != keys  # slot -1 reads the last row: masked out below
         differ = (differ[:, 0] | differ[:, 1]) & (slots >= 0)
         if not differ.any():
             return slots
+        lo = keys[:, 0].view(np.int64)
         for i in np.flatnonzero(differ).tolist():
             want = keys[i]
             found = [s for s in self.table.values_of(int(lo[i])) if 0 <= s < n]
@@ -75,26 +82,22 @@ class HotIndex:
         return slots
 
     def insert(self, slots: np.ndarray, keys: np.ndarray) -> None:
-        """Index each ``slots[i]`` under ``keys[i]`` (``(n, 2)`` uint64). Under the lock.
+        """Index each ``slots[i]`` under ``keys[i]`` (``(n, 2)`` uint64), all at once. Under the lock.
 
         Raises:
             CorruptState: the table is full (impossible at a load of 1/4 unless the segment is damaged).
         """
-        lo = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)[:, 0].view(np.int64).tolist()
-        for s, k in zip(np.asarray(slots).tolist(), lo):
-            if not self.table.insert(k, s):
-                raise CorruptState(f"segment {self.name}: hash index is full")
+        lo = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)[:, 0].view(np.int64)
+        if not self.table.insert_many(lo, np.asarray(slots, dtype=np.int64)):
+            raise CorruptState(f"segment {self.name}: hash index is full")
 
     def remove(self, slots: np.ndarray, keys: np.ndarray) -> None:
-        """Drop the entries of ``slots`` indexed under ``keys`` (``(n, 2)`` uint64). Under the lock.
-
-        A slot that is not indexed (a detached victim being freed, say) is skipped.
+        """Drop the entries of ``slots`` indexed under ``keys`` (``(n, 2)`` uint64), all at once. Under
+        the lock. A slot that is not indexed (a detached victim being freed, say) is skipped.
         """
-        lo = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)[:, 0].view(np.int64).tolist()
-        for s, k in zip(np.asarray(slots).tolist(), lo):
-            pos = self.table.find_value(k, s)
-            if pos >= 0:
-                self.table.delete_at(pos)
+        if len(slots):
+            lo = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)[:, 0].view(np.int64)
+            self.table.delete_many(lo, np.asarray(slots, dtype=np.int64))
 
     def rebuild(self, slots: np.ndarray) -> None:
         """Index exactly ``slots`` under the keys the slot table holds for them. Under the lock."""

@@ -21,7 +21,7 @@ from typing import TypeVar
 import numpy as np
 
 from tieredkv import policies
-from tieredkv.hot import locks
+from tieredkv.hot import batch, locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.damage import POLICY_FAULTS, Damage
 from tieredkv.hot.segment import FREE, READY, WRITING
@@ -183,7 +183,7 @@ class Recovery(SlotTable):
             if n_pins > seg.MAX_PINS or (listed < 0).any() or (listed >= self.n_slots).any():
                 self._h["repin"] = 1  # a damaged pin list: count again from every row
             else:
-                np.subtract.at(self._slots["pins"], listed, 1)
+                batch.drop_pins(self._words, listed, batch.one_run(listed))
             me["n_pins"] = 0
 
     # ---- repair ----------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from tieredkv import policies
+from tieredkv.hot import batch
 from tieredkv.hot.damage import POLICY_FAULTS, Damage
 from tieredkv.hot.index import HotIndex
-from tieredkv.hot.segment import FREE, READY, STAT_FIELDS, WRITING
+from tieredkv.hot.segment import FREE, STAT_FIELDS
 from tieredkv.keys import ChunkKeys
 from tieredkv.spec import KVSpec
 
@@ -34,6 +35,9 @@ class SlotTable:
     _h: Any  # the segment header (one record of segment.HEADER_DTYPE)
     _owners: np.ndarray  # owner registry: token, pid, pin list and counters of each open handle
     _slots: np.ndarray  # the slot table: state, generation, key, parent, owner of each slot
+    _words: np.ndarray  # the same records as rows of uint64 words (hot/batch.py)
+    _pin_lists: np.ndarray  # every owner row's pin list, ``(MAX_OWNERS, MAX_PINS)``
+    _n_pins: np.ndarray  # every owner row's pin count
     _tokens: np.ndarray  # each slot's chunk tokens (confirm a hash match)
     _free: np.ndarray  # the free stack; ``_h["free_top"]`` entries are live
     _data: np.ndarray  # the blocks, one row per slot
@@ -54,13 +58,12 @@ class SlotTable:
     def _confirmed(self, keys: ChunkKeys, found: np.ndarray) -> np.ndarray:
         """Bool per key: slot ``found`` (from ``_find``: it held the key) holds it READY with the same
         parent and chunk tokens."""
-        ok = found >= 0
-        s = np.where(ok, found, 0)
-        rec = self._slots
-        ok &= (rec["state"][s] == READY) & (rec["gen"][s] % 2 == 0)
-        ok &= (rec["parent"][s] == keys.parents).all(axis=1)
-        ok &= (self._tokens[s] == keys.tokens).all(axis=1)
-        return ok
+        return batch.check(self._words, self._tokens, found, keys)[1]
+
+    def _held(self, keys: ChunkKeys) -> np.ndarray:
+        """Bool per key: a slot holds it READY with the same parent and chunk tokens (``_find`` and
+        ``_confirmed`` in one pass over the batch). Lock-free."""
+        return batch.confirmed(self._index, self._words, self._tokens, keys)[2]
 
     def _indexed_slots(self) -> np.ndarray:
         """Slots the index must hold: READY or WRITING with a key. Victims detached from their old
@@ -101,7 +104,7 @@ class SlotTable:
         k = min(n, top)
         got = self._free[top - k:top][::-1].copy()
         # Every entry must name a FREE slot, once: handing out a READY slot would overwrite a block.
-        if k and ((got < 0).any() or (got >= self.n_slots).any() or len(np.unique(got)) != k
+        if k and ((got < 0).any() or (got >= self.n_slots).any() or not _distinct(got)
                   or (self._slots["state"][got] != FREE).any()):
             raise Damage("the free stack names a slot that is not free")
         self._h["free_top"] = top - k
@@ -119,9 +122,10 @@ class SlotTable:
 
     def _claim(self, slots: np.ndarray, claim: int) -> None:
         """Slots -> WRITING by this handle, for the call whose id is ``claim``. Under the lock."""
-        rec = self._slots
-        rec["claim"][slots] = claim
-        rec["gen"][slots] += 1  # odd: readers treat the slot as being rewritten
-        rec["state"][slots] = WRITING
-        rec["owner"][slots] = self._owner
-        rec["owner_token"][slots] = self._token
+        batch.claim(self._words, slots, claim, self._owner, self._token)
+
+
+def _distinct(values: np.ndarray) -> bool:
+    """Whether no value of ``values`` (1-D) appears twice."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] != ordered[:-1]).all())

@@ -34,6 +34,7 @@ import numpy as np
 
 from tieredkv import counters, forksafe, numa, policies
 from tieredkv.errors import InvalidInput, require_positive_int, require_positive_seconds
+from tieredkv.hot import batch
 from tieredkv.hot import segment as seg
 from tieredkv.hot.allocation import Allocation
 from tieredkv.hot.damage import POLICY_FAULTS, Damage, survives_damage
@@ -125,14 +126,13 @@ class HotTier(SegmentHandle, Allocation, Tier):
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
         self._check()
         self._check_keys(keys)
-        return self._confirmed(keys, self._find(keys.keys))
+        return self._held(keys)
 
     @survives_damage
     def match(self, keys: ChunkKeys) -> int:
         self._check()
         self._check_keys(keys)
-        ok = self._confirmed(keys, self._find(keys.keys))
-        n = int(np.argmin(ok)) if not ok.all() else len(ok)
+        n = batch.leading(self._held(keys))
         self._stats[STAT["lookups"]] += 1
         return n
 
@@ -210,11 +210,11 @@ class HotTier(SegmentHandle, Allocation, Tier):
         n = len(keys)
         done = 0
         while done < n:
-            batch = min(n - done, seg.MAX_PINS)
+            size = min(n - done, seg.MAX_PINS)
             with self._read_lock:  # one pin list per handle: threads sharing a handle take turns
-                got = self._read_batch(keys[done:done + batch], done, copy)
+                got = self._read_batch(keys[done:done + size], done, copy)
             done += got
-            if got < batch:
+            if got < size:
                 break
         st = self._stats
         st[STAT["hits"]] += done
@@ -223,35 +223,35 @@ class HotTier(SegmentHandle, Allocation, Tier):
         return done
 
     def _read_batch(self, keys: ChunkKeys, first: int, copy) -> int:
-        found = self._find(keys.keys)
-        ok = self._confirmed(keys, found)
-        n = int(np.argmin(ok)) if not ok.all() else len(ok)
-        if n == 0:
+        # Checked once per batch (hot/batch.py): lock-free, every record of the batch in one pass;
+        # under the lock, only that the generation and key seen are still there.
+        words = self._words
+        slots, seen = batch.read_run(self._index, words, self._tokens, keys)
+        if not len(slots):
             return 0
-        slots = found[:n]
-        rec = self._slots
-        def pin() -> tuple[int, np.ndarray, np.ndarray]:
+        run = batch.one_run(slots)
+        owner = self._owner
+
+        def pin() -> int:
             # Re-check under the lock and pin in the same critical section (invariant 3). The pin
             # list goes into our owner row before the counts: whatever interrupts this, the row says
-            # at least what the counts hold (a scrub recounts from rows).
-            ok = (rec["state"][slots] == READY) & (rec["key"][slots] == keys.keys[:n]).all(axis=1)
-            m = int(np.argmin(ok)) if not ok.all() else n
-            pinned = slots[:m]
-            gens = rec["gen"][pinned].copy()
-            me = self._owners[self._owner]
-            me["pins"][:m] = pinned
-            me["n_pins"] = m
-            np.add.at(rec["pins"], pinned, 1)  # not pins[slots] += 1: a key twice in a batch pins twice
-            return m, pinned, gens
+            # at least what the counts hold (a scrub recounts from rows). A key twice in a batch
+            # pins its slot twice (batch.add_pins).
+            m = batch.still_seen(words, slots, seen)
+            self._pin_lists[owner, :m] = slots[:m]
+            self._n_pins[owner] = m
+            batch.add_pins(words, slots[:m], run)
+            return m
 
         try:
-            n, slots, gens = self._locked(pin)
+            n = self._locked(pin)
+            slots, seen = slots[:n], seen[:n]
             copy(first, slots)
             # Seqlock check while still pinned: a pinned slot is never recycled, so this only fires
             # on a broken invariant (checked after unpinning, a legitimate eviction would trip it).
-            same = rec["gen"][slots] == gens
-            if not same.all():
-                n = int(np.argmin(same))
+            torn = batch.torn(words, slots, seen)
+            if torn < n:
+                n = torn
                 self._stats[STAT["torn_reads"]] += 1
             # Still pinned: the hit lands on the blocks we read, not on a recycled slot.
             try:
@@ -288,8 +288,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
         codes = np.full(n, _EXISTS, dtype=np.int8)
         if n == 0:
             return codes
-        _, first = np.unique(keys.keys, axis=0, return_index=True)
-        todo = np.sort(first)
+        todo = batch.distinct(keys.keys)
         # Lock-free pre-check, re-checked below: skip keys already READY. A key found WRITING still
         # goes to the locked path, which frees it if its writer died (else that prefix would answer
         # EXISTS, and be prefilled again, on every request for as long as the segment lives).
@@ -300,7 +299,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
         if not len(todo):
             self._stats[STAT["exists"]] += n
             return codes
-        rec = self._slots
+        rec, words = self._slots, self._words
         claim = next(self._claim_ids)
 
         def claim_slots() -> tuple[np.ndarray, Any, np.ndarray, np.ndarray, np.ndarray]:
@@ -318,16 +317,18 @@ class HotTier(SegmentHandle, Allocation, Tier):
             use = np.sort(np.concatenate([slots, by_slot[:need]]))
             stored = new[: len(use)]
             codes[new[len(use):]] = _NO_SPACE
-            rec["key"][use] = keys.keys[stored]
-            rec["parent"][use] = keys.parents[stored]
-            rec["position"][use] = keys.positions[stored]
-            rec["length"][use] = self.spec.block_bytes
-            self._index.insert(use, keys.keys[stored])
+            run = batch.one_run(use)
+            named = np.concatenate((keys.keys[stored], keys.parents[stored]), axis=1)
+            batch.set_words(words, use, run, slice(batch.KEY, batch.PARENT + 2), named)
+            batch.set_words(words, use, run, batch.POSITION, keys.positions[stored])
+            batch.set_words(words, use, run, batch.LENGTH, self.spec.block_bytes)
+            self._index.insert(use, named[:, :2])
             return victims, old, spare, use, stored
 
         def publish() -> None:
-            rec["gen"][use] += 1  # even again: published
-            rec["state"][use] = READY
+            run = batch.one_run(use)
+            batch.bump(words, use, run)  # even again: published
+            batch.set_words(words, use, run, batch.STATE, READY)
             parents = self._find(keys.parents[stored])
             try:
                 policies.insert(self._policy, self._state, use, keys.keys[stored, 0], parents,
@@ -382,6 +383,11 @@ class HotTier(SegmentHandle, Allocation, Tier):
         dst0, src0, sstride, rstride = address(data), address(src), data.strides[0], src.strides[0]
         uniform = rstride % 64 == 0
         skew0 = (dst0 - src0) % 64 != 0
+        if batch.one_run(slots) and batch.one_run(rows):  # a prompt stored in one call: one copy
+            s, r = int(slots[0]), int(rows[0])
+            skew = skew0 if uniform else (dst0 + s * sstride - src0 - r * rstride) % 64 != 0
+            copy_rows(data[s:s + len(slots)], src[r:r + len(rows)], skew)
+            return
         edges = np.flatnonzero((np.diff(slots) != 1) | (np.diff(rows) != 1)) + 1
         begins = np.concatenate(([0], edges)).tolist()
         ends = np.concatenate((edges, [len(slots)])).tolist()

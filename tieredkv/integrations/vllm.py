@@ -56,6 +56,8 @@ from tieredkv.integrations.kv_events import ConnectorEvents, TierEvents
 from tieredkv.integrations.paged import KV_SPLIT, MLA_BACKENDS, PagedKV, paged_view
 from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
+from tieredkv.integrations.vllm_state import StateCache, StateSave
+from tieredkv.integrations.vllm_window import WindowHit, first_chunk, window_lookup
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec
@@ -161,6 +163,8 @@ class LoadPlan:
     hit: PrefixHit
     skip_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
+    #: per state group (hybrid models), the blocks that receive the state at the hit's end
+    state_blocks: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +183,8 @@ class SavePlan:
     block_ids: tuple[tuple[int, ...], ...]
     prefix_block_ids: tuple[int, ...] = ()
     extra: tuple[bytes | None, ...] | None = None
+    #: hybrid models: the chunk boundaries whose recurrent state is saved, and its blocks
+    states: tuple[StateSave, ...] = ()
 
 
 @dataclasses.dataclass
@@ -264,8 +270,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     Cache families (``tieredkv.integrations.vllm_groups``): full attention, MLA (one latent copy per
     host: every TP rank reads it, rank 0 alone writes it), sliding windows (with or without vLLM's
-    hybrid KV cache manager: blocks outside a request's window are neither loaded nor saved) and
-    per-tensor fp8 KV; anything else is refused at start-up with the feature named.
+    hybrid KV cache manager: blocks outside a request's window are neither loaded nor saved; when
+    every layer slides, a hit needs only its window's chunks, ``vllm_window``), hybrid models'
+    recurrent state at the chunk boundaries vLLM snapshots (``vllm_state``) and per-tensor fp8 KV;
+    anything else is refused at start-up with the feature named.
 
     A lookup, load or save failure never fails a request: a lookup failure is a miss; blocks a load
     could not fill are reported by ``get_block_ids_with_load_errors`` (run vLLM with
@@ -299,6 +307,15 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._writer = not self._layout.replicated or tp_rank == 0
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.cache = TieredCache(self.spec, config)
+        # Hybrid models: recurrent states at chunk boundaries, as extra blocks of the same cache.
+        self._states = StateCache(self.cache, self._layout) if self._layout.states else None
+        # Every layer slides (and no recurrent state): hits need a window of chunks, not a prefix.
+        self._window = self._layout.uniform_window if self._states is None else None
+        self._declined = ("vLLM does not snapshot this model's recurrent state at block boundaries "
+                          "(mamba_cache_mode is not 'align' or ReplaySSM is on; enable prefix caching)"
+                          if any(not g.cached for g in self._layout.states) else None)
+        if self._declined and role == KVConnectorRole.SCHEDULER:
+            logger.warning("tieredkv: no request of this engine is cached: %s", self._declined)
         self._events = (ConnectorEvents(self.cache, self._block_size)
                         if role == KVConnectorRole.SCHEDULER and events_on and self.cache.journal is not None else None)
         # scheduler side
@@ -330,6 +347,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if req_id in self._identities:
             return self._identities[req_id]
         identity: _Identity | None
+        if self._declined:
+            self._identities[req_id] = None
+            return None
         try:
             tokens = request_tokens(request)
             extra = chunk_extras(request, len(tokens) // self.spec.chunk_tokens, self.spec.chunk_tokens)
@@ -352,11 +372,17 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if identity is None:
             return 0, False
         try:
-            hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
+            if self._window is not None:  # every layer slides: a full window of chunks is a hit
+                hit = window_lookup(self.cache, identity.tokens, identity.salt, identity.extra, self._window,
+                                    num_computed_tokens)
+            else:
+                hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
         except (TieredKVError, OSError) as e:
             logger.warning("tieredkv: lookup failed, serving request %s without it: %s", request.request_id, e)
             self._lookups.pop(request.request_id, None)
             return 0, False
+        if self._states is not None:  # a hybrid model's hit ends where a recurrent state is stored
+            hit = self._states.usable(hit, num_computed_tokens)
         self._lookups[request.request_id] = (hit, num_computed_tokens)
         return max(hit.tokens - num_computed_tokens, 0), False
 
@@ -364,6 +390,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Count the request's lookup once, crediting the tiers only with the tokens they served:
         ``[local, local + external)``, beyond what vLLM's own prefix cache held."""
         where = hit.where if hit is not None else np.zeros(0, np.int8)
+        if (where < 0).any() and (where >= 0).any():
+            # A window hit: vLLM skips the chunks before the window thanks to the level that held it.
+            where = np.where(where < 0, where[where >= 0][0], where)
         if external <= 0 or local + external > len(where) * self.spec.chunk_tokens:
             where = np.zeros(0, np.int8)  # nothing served (a range the connector did not offer is recomputed)
         served = where[np.arange(local, local + external) // self.spec.chunk_tokens] if len(where) else where
@@ -406,16 +435,21 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return
         C, N = self.spec.chunk_tokens, self._block_size
         end = local + num_external_tokens
-        first, last = local // C, -(-end // C)
-        if local % N or end % N or end > hit.tokens:
+        # A window hit needs no chunk before its window's first: vLLM holds those blocks as null.
+        first, last = max(local // C, getattr(hit, "first", 0)), -(-end // C)
+        start = max(local, first * C)
+        # (A window hit cut short by vLLM would need chunks before its window, which were not looked up.)
+        short_window = isinstance(hit, WindowHit) and first_chunk(end, self._window or 0, C) < hit.first
+        if local % N or end % N or end > hit.tokens or short_window:
             # Not a range this connector offered: load nothing and let the worker report every
             # block as failed, so vLLM recomputes them rather than reading unfilled pages.
             logger.warning("tieredkv: request %s: vLLM asked for tokens [%d, %d) but the hit covers [0, %d) in "
                            "blocks of %d; recomputing them", req_id, local, end, hit.tokens, N)
             last = first
         self._loads[req_id] = LoadPlan(req_id=req_id, hit=_slice_hit(hit, first, last, C),
-                                       skip_tokens=local - first * C,
-                                       block_ids=tuple(tuple(ids[local // N:-(-end // N)]) for ids in block_ids))
+                                       skip_tokens=start - first * C,
+                                       block_ids=tuple(tuple(ids[start // N:-(-end // N)]) for ids in block_ids),
+                                       state_blocks=self._states.targets(block_ids, end) if self._states else ())
 
     def _note_events(self, request: Any, hit: PrefixHit | None) -> None:
         """Describe the prompt's full chunks in the host journal (vLLM's hashes for whichever process
@@ -432,7 +466,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         n = len(identity.tokens) // C
         extra = identity.extra[:n] if identity.extra is not None else None
         keys = chunk_keys(self.spec, identity.tokens[:n * C], identity.salt, extra)
-        events.note_request(request, keys, hit.where.tolist() if hit is not None else [])
+        # Announced: the leading run found (a window hit's chunks before its window were not looked up).
+        where = hit.where[:np.argmax(hit.where < 0)] if hit is not None and (hit.where < 0).any() else \
+            (hit.where if hit is not None else np.zeros(0))
+        events.note_request(request, keys, where.tolist())
 
     def take_events(self) -> list:
         """KV events for routers since the last call (vLLM's scheduler publishes them with its own):
@@ -492,8 +529,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if any(len(g) < (full - start) // N for g in ids):
             return
         # Blocks a sliding group no longer keeps (e.g. behind vLLM's own prefix-cache hit) lead as the
-        # null block: the chunks they touch cannot be read, so the save starts after them.
-        nulls = max(_leading_nulls(g) for g in ids)
+        # null block: the chunks they touch cannot be read, so the save starts after them. (State
+        # groups are null between the boundaries vLLM snapshots: they never hold chunks back.)
+        nulls = max(_leading_nulls(ids[g.index]) for g in self._layout.groups)
         skip = -(-nulls * N // C) * C
         if start + skip >= full:
             return
@@ -503,7 +541,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                    block_ids=tuple(tuple(g[skip // N:]) for g in ids),
                                    prefix_block_ids=tuple(b for g in tracked.block_ids for b in g[:full // N]
                                                           if b != NULL_BLOCK),
-                                   extra=extra))
+                                   extra=extra,
+                                   states=self._states.saves(tracked.block_ids, start + skip, full)
+                                   if self._states else ()))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Plan again the saves of requests that hold a block whose load failed.
@@ -580,6 +620,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                     num_kv_heads=self.spec.num_kv_heads, block_size=self._block_size,
                                     head_size=self.spec.head_dim))
         self._paged = PagedKV(views, self._block_size)
+        if self._states is not None:
+            self._states.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Restore this step's planned hits into the paged cache before the forward.
@@ -604,6 +646,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 host = paged.host_buffer(plan.hit.tokens)
                 loaded = self.cache.load(plan.hit, _raw(host))
                 done = max(loaded - plan.skip_tokens, 0) // N
+                if self._states is not None and not (loaded == plan.hit.tokens and
+                                                     self._states.load(plan.hit, plan.state_blocks)):
+                    done = 0  # no state for the hit's end: the KV alone cannot be continued from
                 for group in self._layout.groups:
                     ids = plan.block_ids[group.index][:done]
                     skip = _leading_nulls(ids)
@@ -653,6 +698,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                     paged.read(plan.block_ids[group.index], host[:, :, :, plan.start_token:], layers=group.layers)
                 self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token,
                                  extra=None if plan.extra is None else list(plan.extra))
+                if self._states is not None:  # after the KV: a stored state implies its chunks were
+                    self._states.store(plan.token_ids, plan.salt, plan.extra, plan.states)
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
 

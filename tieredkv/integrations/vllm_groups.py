@@ -29,9 +29,18 @@ slide, the KV dtype's quantisation and scale scheme and the compute dtype it was
 vLLM happens to group layers (HMA on or off) changes no byte and is left out, so engines with and
 without the hybrid KV cache manager share blocks.
 
-Anything else (mamba / linear-attention state, chunked local attention, sparse MLA index caches,
-per-token or packed quantisation, cross or encoder-only attention, unequal head geometry across
-groups) raises ``InvalidInput`` naming the feature, so such a model is never served through tieredkv.
+``MambaSpec`` groups (linear attention, mamba: Qwen3-Next, Nemotron-H, Granite 4) hold no per-token
+K/V but one recurrent state per request, which vLLM's prefix caching (``mamba_cache_mode="align"``)
+snapshots at block boundaries: the state after tokens ``[0, (i+1)*block_size)`` lives in the group's
+block ``i``, and only the boundaries vLLM materialised have a non-null block. They are described by
+``StateGroup`` and cached apart from the KV blocks, one state per chunk boundary
+(``tieredkv.integrations.vllm_state``); the KV block holds the attention layers only. The namespace
+then adds ``state=<pattern>:<state kind>:<shapes and dtypes>:conv=<layout>``.
+
+Anything else (chunked local attention, sparse MLA index caches, per-token or packed quantisation,
+cross or encoder-only attention, unequal head geometry across groups, a model without attention
+layers, mamba state with speculative decoding) raises ``InvalidInput`` naming the feature, so such a
+model is never served through tieredkv.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from typing import Any
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVQuantMode,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -70,11 +80,32 @@ class Group:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateGroup:
+    """One vLLM ``MambaSpec`` group: layers whose cache is a recurrent state per block boundary.
+
+    ``layer_names`` in model order; ``state_bytes``: one layer's state at one boundary (the page's
+    content, without vLLM's padding); ``cached``: vLLM snapshots the state at block boundaries
+    (``mamba_cache_mode="align"``, without ReplaySSM), so boundary states can be saved and restored.
+    """
+
+    index: int
+    layer_names: tuple[str, ...]
+    state_bytes: int
+    cached: bool
+
+    @property
+    def boundary_bytes(self) -> int:
+        """The group's state at one boundary, all its layers."""
+        return self.state_bytes * len(self.layer_names)
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """How one engine's paged cache maps onto tieredkv blocks (the same on every TP rank).
 
     ``replicated``: every TP rank holds the same bytes (MLA), so one namespace serves all ranks and
-    only rank 0 writes. ``extra`` is the namespace descriptor (``KVSpec.extra``).
+    only rank 0 writes. ``extra`` is the namespace descriptor (``KVSpec.extra``). ``states``: the
+    mamba / linear-attention groups, cached apart from the KV blocks (empty for attention-only models).
     """
 
     family: str
@@ -86,6 +117,20 @@ class CacheLayout:
     dtype: str
     replicated: bool
     extra: str
+    states: tuple[StateGroup, ...] = ()
+
+    @property
+    def state_bytes(self) -> int:
+        """The recurrent state at one boundary, every state group and layer (0: attention only)."""
+        return sum(g.boundary_bytes for g in self.states)
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every attention group slides (a hit then needs only a window of chunks,
+        ``tieredkv.integrations.vllm_window``); None when some layer attends to the whole prefix."""
+        if self.groups and all(g.window is not None for g in self.groups):
+            return self.window
+        return None
 
     @property
     def window(self) -> int | None:
@@ -145,16 +190,24 @@ def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise _refuse("pipeline parallelism", "each rank would hold a part of the layers; use tensor parallelism")
-    groups = [g for g in (getattr(kv_cache_config, "kv_cache_groups", None) or [])]
-    if not groups:
+    every = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not every:
         raise InvalidInput("the engine has no KV cache groups")
+    # Group indices are positions in vLLM's per-group block-id tuples: keep them for every group.
+    state_groups = [(i, g) for i, g in enumerate(every) if type(g.kv_cache_spec) is MambaSpec]
+    indexed = [(i, g) for i, g in enumerate(every) if type(g.kv_cache_spec) is not MambaSpec]
+    if not indexed:
+        raise _refuse("a model without attention layers (pure mamba / linear attention)",
+                      "tieredkv keys and stores attention KV chunks; a recurrent state alone has none")
+    groups = [g for _, g in indexed]
+    states = tuple(_state_group(vllm_config, i, g) for i, g in state_groups)
     families = []
     for g in groups:
         spec = g.kv_cache_spec
         family = FAMILY.get(type(spec))
         if family is None:
             name = type(spec).__name__
-            feature = {"MambaSpec": "mamba / linear-attention state (MambaSpec)",
+            feature = {"MambaSpec": "mamba / linear-attention state of a MambaSpec subclass",
                        "ChunkedLocalAttentionSpec": "chunked local attention"}.get(name, f"the KV cache type {name}")
             raise _refuse(feature, f"layers {list(g.layer_names)[:3]}")
         if not getattr(g, "enable_kv_transfer", True):
@@ -199,10 +252,53 @@ def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:
     sliding = _sliding_descriptor(vllm_config, len(names))
     if family == "sliding" and not sliding:
         sliding = f"window={groups[families.index('sliding')].kv_cache_spec.sliding_window}:{'s' * len(names)}"
-    parts += [p for p in (sliding, quant) if p]
+    parts += [p for p in (sliding, quant, _state_descriptor(states, every)) if p]
     out = tuple(Group(index=i, family=f, layers=tuple(sorted(position[n] for n in g.layer_names)),
                       window=int(g.kv_cache_spec.sliding_window) if f == "sliding" else None)
-                for i, (g, f) in enumerate(zip(groups, families)))
+                for (i, g), f in zip(indexed, families))
+    if states and any(int(g.kv_cache_spec.block_size) != int(first.block_size) for _, g in state_groups):
+        raise _refuse("mamba state blocks of another size than the attention blocks",
+                      f"{[int(g.kv_cache_spec.block_size) for _, g in state_groups]} vs {first.block_size}")
     return CacheLayout(family=family, groups=out, layer_names=tuple(names), block_size=int(first.block_size),
                        num_kv_heads=heads, head_dim=head_dim, dtype=dtype, replicated=family == "mla",
-                       extra=";".join(parts))
+                       extra=";".join(parts), states=states)
+
+
+def _state_group(vllm_config: Any, index: int, group: Any) -> StateGroup:
+    """A ``MambaSpec`` group as a ``StateGroup``, or a refusal naming what cannot be cached."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    spec = group.kv_cache_spec
+    layers = list(group.layer_names)
+    if spec.num_speculative_blocks:
+        raise _refuse("mamba / linear-attention state with speculative decoding",
+                      f"{spec.num_speculative_blocks} speculative state blocks per request")
+    if spec.tp_replicated:
+        raise _refuse("a mamba state replicated on every TP rank", f"layers {layers[:3]}")
+    if not getattr(group, "enable_kv_transfer", True):
+        raise _refuse("a KV cache group vLLM marks as not transferable", f"layers {layers[:3]}")
+    mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", spec.mamba_cache_mode) or "none")
+    # ReplaySSM keeps recent inputs instead of storing the state every step and writes a checkpoint
+    # back only on a flush: a boundary's block need not hold its state when the connector reads it.
+    replay = bool(getattr(vllm_config.cache_config, "use_replayssm", False))
+    return StateGroup(index=index, layer_names=tuple(sorted(layers, key=extract_layer_index)),
+                      state_bytes=int(spec.state_content_size_bytes), cached=mode == "align" and not replay)
+
+
+def _state_descriptor(states: tuple[StateGroup, ...], every: list[Any]) -> str:
+    """``state=<one letter per model layer, m state, a attention>:<kind>:<shapes>:conv=<layout>``: what
+    changes a boundary state's bytes (which layers carry one, the state kernel, each state tensor's
+    shape and dtype, vLLM's conv-state layout); empty without state groups."""
+    if not states:
+        return ""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    kinds = {n: "m" for g in states for n in g.layer_names}
+    every_name = sorted((n for g in every for n in g.layer_names), key=extract_layer_index)
+    pattern = "".join(kinds.get(n, "a") for n in every_name)
+    specs = sorted({(str(g.kv_cache_spec.mamba_type.name),
+                     "+".join(f"{'x'.join(map(str, shape))}{normalize_dtype(dt)}"
+                              for shape, dt in zip(g.kv_cache_spec.shapes, g.kv_cache_spec.dtypes)))
+                    for g in every if type(g.kv_cache_spec) is MambaSpec})
+    return f"state={pattern}:" + ",".join(f"{k}:{shapes}" for k, shapes in specs) + f":conv={get_conv_state_layout()}"

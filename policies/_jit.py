@@ -14,6 +14,7 @@ segment.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -34,6 +35,9 @@ ghost_remove: Any = None
 ghost_pop: Any = None
 ghost_push: Any = None
 ghost_lookup: Any = None
+#: One refill of CLOCK's walk: the up to ``size`` candidates with the smallest order in ``(after,
+#: below)``, ascending (``_kernels.k_smallest``, bound by ``enable``).
+_ascending_chunk: Any = None
 
 
 def _insert_common(resident, key64, last_access, insert_tick, hits, n_children, position, parent,
@@ -86,43 +90,6 @@ def _remove_common(resident, parent, n_children, slots):
         resident[s] = 0
         parent[s] = -1
         n_children[s] = 0
-
-
-def _oldest(field, n, candidates):
-    """``order.oldest``: the ``n`` candidates smallest by ``(field, slot)``, in that order."""
-    count = 0
-    for s in range(len(candidates)):
-        if candidates[s]:
-            count += 1
-    slots = np.empty(count, dtype=np.int64)
-    k = 0
-    for s in range(len(candidates)):
-        if candidates[s]:
-            slots[k] = s
-            k += 1
-    if n < count:
-        values = np.empty(count, dtype=field.dtype)
-        for i in range(count):
-            values[i] = field[slots[i]]
-        kth = np.partition(values, n - 1)[n - 1]
-        chosen = np.empty(n, dtype=np.int64)
-        k = 0
-        for i in range(count):          # below kth, in slot order
-            if values[i] < kth:
-                chosen[k] = slots[i]
-                k += 1
-        for i in range(count):          # then ties at kth, lowest slots first
-            if k == n:
-                break
-            if values[i] == kth:
-                chosen[k] = slots[i]
-                k += 1
-        slots = chosen
-    keys = np.empty(len(slots), dtype=field.dtype)
-    for i in range(len(slots)):
-        keys[i] = field[slots[i]]
-    order = np.argsort(keys, kind="mergesort")   # stable: equal values keep slot order
-    return slots[order][:n]
 
 
 # ---- ghosts: the ring lists and their probe table (``state.py``; ``tieredkv.hashtable``) -----------
@@ -265,28 +232,6 @@ def _ghost_lookup(w, tk, tr, keys, n_lists, ring, shift):
 
 
 # ---- CLOCK's hand (``clock.Clock.choose``) --------------------------------------------------------
-def _ascending_chunk(order, candidates, after, below, size):
-    """The up to ``size`` candidates with the smallest ``order`` in ``(after, below)``, ascending
-    (orders are distinct): one refill of ``OrderCursor``."""
-    count = 0
-    for s in range(len(candidates)):
-        if candidates[s] and after < order[s] < below:
-            count += 1
-    slots = np.empty(count, dtype=np.int64)
-    vals = np.empty(count, dtype=np.int64)
-    k = 0
-    for s in range(len(candidates)):
-        if candidates[s] and after < order[s] < below:
-            slots[k] = s
-            vals[k] = order[s]
-            k += 1
-    if size < count:
-        kth = np.partition(vals.copy(), size - 1)[size - 1]
-        keep = vals <= kth
-        slots, vals = slots[keep], vals[keep]
-    return slots[np.argsort(vals)]
-
-
 def _clock_choose(ref, order, candidates, n, seq):
     """Walk the candidates in ascending ``order``; a block with a non-zero counter loses one and
     goes behind the hand (order = seq, seq + 1, ...), the first with zero is a victim. Returns
@@ -294,10 +239,10 @@ def _clock_choose(ref, order, candidates, n, seq):
     passed blocks again in the order they were passed (their new orders are larger than any)."""
     count = 0
     room = 0
-    for s in range(len(candidates)):
-        if candidates[s]:
-            count += 1
-            room += max(ref[s], 0)     # a block re-enters at most ref times (one less each pass)
+    for s in range(len(candidates)):    # branch-free: vectorised
+        c = candidates[s]
+        count += c
+        room += c * max(ref[s], 0)     # a block re-enters at most ref times (one less each pass)
     passed = np.empty(room, dtype=np.int64)
     tail = 0
     victims = np.empty(min(n, count), dtype=np.int64)
@@ -338,6 +283,30 @@ def _clock_choose(ref, order, candidates, n, seq):
     return victims[:got], seq
 
 
+def compiler(*sources: str):
+    """``numba.njit(cache=True, nogil=True)`` for kernels, keyed by the kernels' sources.
+
+    numba's on-disk cache of a function is checked against its own file only, yet a compiled
+    function carries the code of the kernels it calls from other files: edit ``_kernels.py`` and a
+    cached caller in ``_jit.py`` (or the simulator's loop) would keep running the old kernel. So every
+    kernel's cache entry is named after a digest of this file, ``_kernels.py`` and ``sources`` (the
+    caller's own file): any edit to them compiles afresh.
+    """
+    digest = hashlib.sha1()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "_jit.py"), os.path.join(here, "_kernels.py"), *sources):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    tag = digest.hexdigest()[:12]
+    njit = numba.njit(cache=True, nogil=True)
+
+    def compile_(fn):
+        fn.__qualname__ = f"{fn.__qualname__}_{tag}"   # numba names the cache file after it
+        return njit(fn)
+
+    return compile_
+
+
 def enable() -> bool:
     """Import numba and bind the compiled kernels; return whether they are in use (idempotent).
 
@@ -358,10 +327,9 @@ def enable() -> bool:
     except ImportError:  # the numpy path in base.py runs instead
         return False
     numba = module
-    compile_ = module.njit(cache=True, nogil=True)
+    compile_ = compiler()
     insert_common = compile_(_insert_common)
     remove_common = compile_(_remove_common)
-    oldest = compile_(_oldest)
     # Rebind the helpers first: a kernel calls the compiled versions it finds under these names.
     _home, _tinsert, _tdelete_at = compile_(_home), compile_(_tinsert), compile_(_tdelete_at)
     table_find = _tfind = compile_(_tfind)
@@ -370,7 +338,12 @@ def enable() -> bool:
     _ghost_compact = compile_(_ghost_compact)
     ghost_push = compile_(_ghost_push)
     ghost_lookup = compile_(_ghost_lookup)
-    _ascending_chunk = compile_(_ascending_chunk)
+    # The policies' own kernels (they call the ghost kernels above); ``oldest`` and the clock's
+    # refills are their one-pass selection (the up to k smallest values in a range, in order).
+    from . import _kernels
+    _kernels.bind(compile_, _tfind, ghost_push, _ghost_remove, _ghost_pop)
+    oldest = _kernels.oldest
+    _ascending_chunk = _kernels.k_smallest
     clock_choose = compile_(_clock_choose)
     ENABLED = True
     return True

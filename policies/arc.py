@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _jit, _kernels
 from .base import EvictionPolicy, register
 from .order import OrderCursor
 from .state import GHOST_MARK
 
 T1, T2 = 1, 2        # arc_list values: seen once recently / seen at least twice
 B1, B2 = 0, 1        # ghost lists: keys evicted from T1 / from T2
+_NO_KEYS = np.zeros(0, dtype=np.int64)
 
 
 @register
@@ -46,6 +48,11 @@ class ARC(EvictionPolicy):
         st.set_gf("arc_p", p)
 
     def on_miss(self, st, key64s):
+        if _jit.ENABLED:
+            w, tk, tr, L, R, _, shift = st.ghost_args()
+            st.set_gf("arc_p", float(_kernels.arc_miss(w, tk, tr, np.ascontiguousarray(key64s, dtype=np.int64), L, R,
+                                                       shift, st.gf("arc_p"), st.n_slots)))
+            return
         lists, flags = st.ghost_lookup(key64s)
         todo = (lists >= 0) & (flags & GHOST_MARK == 0)
         for key, lst in zip(key64s[todo].tolist(), lists[todo].tolist()):
@@ -53,6 +60,11 @@ class ARC(EvictionPolicy):
             st.ghost_mark(key)
 
     def on_insert(self, st, slots):
+        if _jit.ENABLED:
+            w, tk, tr, L, R, _, shift = st.ghost_args()
+            st.set_gf("arc_p", float(_kernels.arc_insert(st.arc_list, st.resident, st.key64, slots, w, tk, tr, L, R,
+                                                         shift, st.gf("arc_p"), st.n_slots)))
+            return
         lists = st.arc_list
         resident = st.resident == 1
         resident[slots] = False  # count what was there before this batch
@@ -81,10 +93,16 @@ class ARC(EvictionPolicy):
             t1 += 1
 
     def on_hit(self, st, slots):
+        if _jit.ENABLED:
+            _kernels.arc_hit(st.arc_list, slots)
+            return
         st.arc_list[slots] = T2
 
     def on_remove(self, st, slots, evicted):
-        if evicted:
+        if evicted and _jit.ENABLED:
+            w, tk, tr, L, R, cap, shift = st.ghost_args()
+            _kernels.arc_remove(st.arc_list, st.key64, slots, w, tk, tr, L, R, cap, shift)
+        elif evicted:
             keys, from_t1 = st.key64[slots], st.arc_list[slots] == T1
             # Each ghost list keeps its own order; resident keys are never ghosts (fresh=True).
             st.ghost_push(keys[from_t1], B1, fresh=True)
@@ -99,6 +117,12 @@ class ARC(EvictionPolicy):
         return j >= 0 and st.ghost_find(int(incoming[j]))[0] == B2
 
     def choose(self, st, n, candidates):
+        if _jit.ENABLED:
+            w, tk, tr, L, R, _, shift = st.ghost_args()
+            incoming = st.incoming
+            return _kernels.arc_choose(st.arc_list, st.resident, st.last_access, candidates, int(n), st.gf("arc_p"),
+                                       _NO_KEYS if incoming is None else np.ascontiguousarray(incoming, dtype=np.int64),
+                                       incoming is not None, w, tk, tr, L, R, shift)
         lists = st.arc_list
         in_t1 = lists == T1
         t1 = int(np.count_nonzero((st.resident == 1) & in_t1))

@@ -6,7 +6,7 @@ import numpy as np
 
 from tieredkv.errors import InvalidInput
 
-from . import _jit
+from . import _jit, _kernels
 from .base import EvictionPolicy, register
 from .order import OrderCursor
 
@@ -41,11 +41,18 @@ class Clock(EvictionPolicy):
         self.init_ref = int(init_ref)
 
     def on_insert(self, st, slots):
+        if _jit.ENABLED:
+            st.set_g("clock_seq", int(_kernels.clock_insert(st.clock_ref, st.clock_order, slots, self.init_ref,
+                                                            st.g("clock_seq"))))
+            return
         st.clock_ref[slots] = self.init_ref
         end = st.add_g("clock_seq", len(slots))
         st.clock_order[slots] = np.arange(end - len(slots), end)
 
     def on_hit(self, st, slots):
+        if _jit.ENABLED:
+            _kernels.saturating_hit(st.clock_ref, slots, self.max_ref)
+            return
         st.clock_ref[slots] = np.minimum(st.clock_ref[slots] + 1, self.max_ref)
 
     def choose(self, st, n, candidates):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _jit
+from . import _jit, _kernels
 
 
 def oldest(field: np.ndarray, n: int, candidates: np.ndarray) -> np.ndarray:
@@ -35,6 +35,8 @@ def smallest_lex(primary: np.ndarray, secondary: np.ndarray, n: int, candidates:
 
     ``primary`` may be int64 or float64 (e.g. a priority); ``secondary`` breaks ties (a tick).
     """
+    if _jit.ENABLED and primary.dtype == np.int64 and secondary.dtype == np.int64:
+        return _kernels.smallest_lex(primary, secondary, int(n), candidates)
     slots = np.flatnonzero(candidates)
     if n < len(slots):
         p = primary[slots]

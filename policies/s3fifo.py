@@ -6,6 +6,7 @@ import numpy as np
 
 from tieredkv.errors import InvalidInput
 
+from . import _jit, _kernels
 from .base import EvictionPolicy, register
 from .order import OrderCursor
 
@@ -60,12 +61,22 @@ class S3FIFO(EvictionPolicy):
         return max(int(self.small_ratio * n_slots), 1)
 
     def on_miss(self, st, key64s):
+        if _jit.ENABLED:
+            _kernels.s3fifo_miss(*_ghost(st, key64s))
+            return
         found = key64s[st.ghost_lookup(key64s)[0] == GHOST]
         for key in found.tolist():
             st.ghost_remove(key)
         st.ghost_push(found, PENDING)
 
     def on_insert(self, st, slots):
+        if _jit.ENABLED:
+            w, tk, tr, L, R, _, shift = st.ghost_args()
+            seq = _kernels.s3fifo_insert(st.s3_queue, st.s3_freq, st.s3_order, st.resident, st.key64, slots, w, tk, tr,
+                                         L, R, shift, not st.g("s3_evicted"), self.small_capacity(st.n_slots),
+                                         st.g("s3_seq"))
+            st.set_g("s3_seq", int(seq))
+            return
         keys = st.key64[slots]
         queue = np.where(st.ghost_lookup(keys)[0] >= 0, MAIN, SMALL)
         for key in keys[queue == MAIN].tolist():
@@ -84,14 +95,28 @@ class S3FIFO(EvictionPolicy):
         st.s3_order[slots] = np.arange(end - len(slots), end)
 
     def on_hit(self, st, slots):
+        if _jit.ENABLED:
+            _kernels.saturating_hit(st.s3_freq, slots, self.max_freq)
+            return
         st.s3_freq[slots] = np.minimum(st.s3_freq[slots] + 1, self.max_freq)
 
     def on_remove(self, st, slots, evicted):
-        if evicted:
+        if evicted and _jit.ENABLED:
+            w, tk, tr, L, R, cap, shift = st.ghost_args()
+            _kernels.s3fifo_remove(st.s3_queue, st.key64, slots, w, tk, tr, L, R, cap, shift)
+        elif evicted:
             # Resident keys are never ghosts (on_insert takes them out), hence fresh=True.
             st.ghost_push(st.key64[slots][st.s3_queue[slots] == SMALL], GHOST, fresh=True)
 
     def choose(self, st, n, candidates):
+        if _jit.ENABLED:
+            victims, seq = _kernels.s3fifo_choose(st.s3_queue, st.s3_freq, st.s3_order, st.resident, candidates,
+                                                  int(n), st.n_slots, self.small_capacity(st.n_slots),
+                                                  self.move_threshold, st.g("s3_seq"))
+            st.set_g("s3_seq", int(seq))
+            if len(victims):
+                st.set_g("s3_evicted", 1)
+            return victims
         queue, freq, order = st.s3_queue, st.s3_freq, st.s3_order
         resident = st.resident == 1
         in_small = queue == SMALL
@@ -154,3 +179,9 @@ class S3FIFO(EvictionPolicy):
     def __repr__(self):
         return (f"S3FIFO(small_ratio={self.small_ratio}, ghost_ratio={self.ghost_ratio}, "
                 f"move_threshold={self.move_threshold}, max_freq={self.max_freq})")
+
+
+def _ghost(st, key64s) -> tuple:
+    """``s3fifo_miss``'s arguments: the ghost words around the missing keys."""
+    w, tk, tr, L, R, cap, shift = st.ghost_args()
+    return w, tk, tr, np.ascontiguousarray(key64s, dtype=np.int64), L, R, cap, shift

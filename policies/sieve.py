@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _jit, _kernels
 from .base import EvictionPolicy, register
 from .order import OrderCursor
 
@@ -27,14 +28,26 @@ class Sieve(EvictionPolicy):
     global_fields = ("sieve_seq", "sieve_hand")
 
     def on_insert(self, st, slots):
+        if _jit.ENABLED:
+            st.set_g("sieve_seq", int(_kernels.sieve_insert(st.sieve_visited, st.sieve_order, slots,
+                                                            st.g("sieve_seq"))))
+            return
         st.sieve_visited[slots] = 0
         end = st.add_g("sieve_seq", len(slots))
         st.sieve_order[slots] = np.arange(end - len(slots), end)
 
     def on_hit(self, st, slots):
+        if _jit.ENABLED:
+            _kernels.sieve_hit(st.sieve_visited, slots)
+            return
         st.sieve_visited[slots] = 1
 
     def choose(self, st, n, candidates):
+        if _jit.ENABLED:
+            victims, hand = _kernels.sieve_choose(st.sieve_visited, st.sieve_order, st.resident, candidates, int(n),
+                                                  st.g("sieve_hand"))
+            st.set_g("sieve_hand", int(hand))
+            return victims
         visited, order = st.sieve_visited, st.sieve_order
         mask = candidates.copy()
         head = int(order[st.resident == 1].max())  # the newest block's order

@@ -217,6 +217,12 @@ class SlotState:
         end = self.add_g("tick", n)
         return np.arange(end - n + 1, end + 1, dtype=np.int64)
 
+    def ghost_args(self) -> tuple:
+        """``(w, tk, tr, lists, ring, list capacity, table shift)``: the ghost words as the compiled
+        kernels take them (``_jit``, ``_kernels``)."""
+        L = self.layout
+        return self._gw, self._table.keys, self._table.refs, L.ghost_lists, L.ghost_ring, L.ghost_slots, self._tshift
+
     @property
     def resident_slots(self) -> np.ndarray:
         return np.flatnonzero(self.resident)

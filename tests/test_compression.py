@@ -463,3 +463,30 @@ def test_remote_value_codec_byte_and_offline_check(monkeypatch):
     with pytest.raises(MissingDependency):
         Codec(SPEC, key).decode_into(value, digest, out)
     assert check_value(value, digest.hex(), key) is None  # sound as far as this host can tell
+
+
+def test_remote_value_in_a_later_codec_is_left_alone():
+    """A value a newer tieredkv wrote in a codec this one does not know, with a MAC that holds, is
+    undecodable here (a miss the tier counts, value kept), never a corruption it would delete."""
+    from tieredkv.remote.auth import FleetKey
+    from tieredkv.remote.value import HEADER, HEADER_BYTES, Codec, check_value
+
+    key = FleetKey.from_secret(b"c" * 32, "test")
+    k = keys_of(1)
+    codec = Codec(SPEC, key)
+    digest = codec.digests(k)[0]
+    value = np.frombuffer(bytes(codec.encode(digest, bf16_payloads(k)[0])), np.uint8).copy()
+    body = len(value) - HEADER_BYTES
+    HEADER.pack_into(value.data, 0, b"TKVR", 2, 9, 0, SPEC.chunk_tokens, 0, body, SPEC.block_bytes, digest)
+    mac = key.mac()
+    mac.update(value[:48].data)
+    mac.update(value[HEADER_BYTES:].data)
+    value[48:HEADER_BYTES] = np.frombuffer(mac.digest(), np.uint8)
+    out = np.zeros(SPEC.block_bytes, np.uint8)
+    with pytest.raises(MissingDependency, match="codec 9"):
+        codec.decode_into(value, digest, out)
+    assert check_value(value, digest.hex(), key) is None
+    forged = value.copy()
+    forged[-1] ^= 1  # the same value with its MAC broken is still refused as damaged
+    assert not codec.decode_into(forged, digest, out)
+    assert check_value(forged, digest.hex(), key) is not None

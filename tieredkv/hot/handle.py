@@ -136,9 +136,15 @@ class SegmentHandle(Recovery):
         self._pin_lists, self._n_pins = self._owners["pins"], self._owners["n_pins"]
         self.n_slots = int(h["n_slots"])
         self._state = policies.SlotState.over(self._policy, self.n_slots, self._map.mm, int(h["policy_off"]))
-        if self._state.layout.nbytes != int(h["policy_bytes"]):
+        if (ours := self._state.layout.nbytes) != int(h["policy_bytes"]):
             self._drop_mapping()
-            raise CorruptState(f"segment {self.name}: policy state size does not match the header")
+            # Either the header was damaged or another tieredkv version laid this policy's state out
+            # differently (a rolling upgrade that changed the policy): either way not this code's to use.
+            raise CorruptState(f"segment {self.name}: policy state size does not match the header "
+                               f"({int(h['policy_bytes'])} bytes recorded, {ours} for "
+                               f"{self._policy.full_name()!r} in this tieredkv version): damaged, or made by "
+                               f"another version whose state for this policy differs; remove it with "
+                               f"`tieredkv rm {self.name}` once no process uses it")
         self._fd = self._map.fd
         self._instance = int(h["instance"])
         self._inode = os.fstat(self._fd).st_ino

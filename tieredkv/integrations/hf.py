@@ -397,12 +397,18 @@ class CachedPrefill:
             A ``PrefillResult``; ``res.cache`` continues decoding at position ``n``.
 
         Raises:
-            InvalidInput: not one sequence of token ids.
+            InvalidInput: not one sequence of token ids, or the active peft adapter is a prompt-learning
+                or adaption-prompt one (virtual tokens no chunk key names: ``hf_adapters``).
         """
         ids = _as_input_ids(input_ids)
         n = ids.shape[1]
         chunk = self.spec.chunk_tokens
         n_full = n // chunk * chunk
+        # KV computed under a peft adapter is keyed by the adapter's identity (every chunk), so it
+        # is never restored for the base model or another adapter (``hf_adapters``). Before any
+        # buffer is taken: an adapter that cannot be keyed raises here.
+        adapter = adapter_identity(self.model) if self.cache is not None and n_full else None
+        keyed: dict[str, Any] = {} if adapter is None else {"extra": [adapter] * (n_full // chunk)}
         cpu0 = time.thread_time()
         t0 = time.perf_counter()
         # On CPU one buffer holds the whole prompt's KV: the prefix is loaded into it, the tail's
@@ -417,10 +423,6 @@ class CachedPrefill:
             kv_cache = self._new_cache()
         marks = {"lookup": (t0, cpu0), "load": (t0, cpu0), "adopt": (t0, cpu0)}
         cached, host = 0, None
-        # KV computed under a peft adapter is keyed by the adapter's identity (every chunk), so it
-        # is never restored for the base model or another adapter (``hf_adapters``).
-        adapter = adapter_identity(self.model) if self.cache is not None and n_full else None
-        keyed: dict[str, Any] = {} if adapter is None else {"extra": [adapter] * (n_full // chunk)}
         if self.cache is not None and n_full:
             tokens = ids[0].numpy()
             hit = self.cache.lookup(tokens, salt=salt, **keyed)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import xxhash
 
+from tieredkv.errors import InvalidInput
+
 __all__ = ["adapter_identity"]
 
 
@@ -54,6 +56,23 @@ def _feed(h: Any, value: bytes) -> None:
     h.update(value)
 
 
+def _refuse_unkeyable(model: Any) -> None:
+    """Raise if ``model`` runs a peft adapter that injects no tuner layer: prompt learning (prompt,
+    prefix, p-tuning: virtual tokens ahead of every prompt, which the chunk keys never see) or an
+    adaption prompt (extra attention over learnt prompts). Such KV has no weights here to key it by,
+    so it is not cached (it would be restored for the base model and the base model's for it)."""
+    configs = getattr(model, "peft_config", None)
+    active = getattr(model, "active_adapter", None)  # a PeftModel's: a name (transformers': a method)
+    if not isinstance(configs, dict) or not isinstance(active, str) or getattr(model, "_adapters_disabled", False):
+        return
+    config = configs.get(active)
+    if getattr(config, "is_prompt_learning", False) or getattr(config, "is_adaption_prompt", False):
+        kind = getattr(getattr(config, "peft_type", None), "value", type(config).__name__)
+        raise InvalidInput(f"peft adapter {active!r} ({kind}) changes the KV through virtual tokens or "
+                           f"prompts no chunk key can name: CachedPrefill does not cache it (run it "
+                           f"without a cache, or inside `with model.disable_adapter():` for the base model)")
+
+
 def adapter_identity(model: Any) -> bytes | None:
     """Bytes naming the adapters active in ``model`` and their weights, or ``None`` for none.
 
@@ -61,15 +80,22 @@ def adapter_identity(model: Any) -> bytes | None:
     peft layer disabled (``with model.disable_adapter():``). Otherwise a 16-byte
     digest over, for each peft layer in module order: its path, the adapters that act in its forward
     (the active ones, and the merged ones, which live in the base weights), and for each of those the
-    bytes, dtype and shape of every tensor the adapter holds there plus its scalar settings (rank,
-    alpha, scaling, ...). Merged or not, an adapter has one identity: merging adds the same product
-    to the base weights that the unmerged forward adds to its output (up to rounding).
+    bytes, dtype and shape of every tensor the adapter holds there plus its other settings (rank,
+    alpha, scaling, ...; tensors among them, such as VeRA's shared projections, by their bytes).
+    Merged or not, an adapter has one identity: merging adds the same product to the base weights
+    that the unmerged forward adds to its output (up to rounding).
 
     Args:
         model: a transformers model, a ``PeftModel`` or anything with ``named_modules``.
+
+    Raises:
+        InvalidInput: the active adapter is a prompt-learning or adaption-prompt one (its KV cannot be
+            keyed; ``_refuse_unkeyable``).
     """
+    _refuse_unkeyable(model)
     h = xxhash.xxh3_128()
     acting = 0
+    seen: dict[tuple, int] = {}  # tensors of other_param_names already hashed in this call
     for path, layer in _adapter_layers(model):
         # A disabled layer runs its base weights (peft unmerges merged adapters before such a forward).
         merged = list(getattr(layer, "merged_adapters", []) or [])
@@ -91,7 +117,27 @@ def adapter_identity(model: Any) -> bytes | None:
                     _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
                     h.update(_tensor_bytes(t))
             for attr in layer.other_param_names:
-                holder = getattr(layer, attr, None)
-                if isinstance(holder, dict) and adapter in holder:
-                    _feed(h, f"{attr}={holder[adapter]!r}".encode())
+                settings = getattr(layer, attr, None)  # a dict, or a BufferDict/ModuleDict/ParameterDict
+                if not isinstance(settings, (dict, torch.nn.Module)):
+                    continue
+                table: Any = settings
+                if adapter not in table:
+                    continue
+                value = table[adapter]
+                if isinstance(value, (torch.Tensor, torch.nn.Module)):
+                    # Tensors here change the KV too (VeRA's shared projections, a BufferDict; index
+                    # tensors, whose repr would abbreviate): hashed by their bytes, once per call.
+                    tensors = value.state_dict() if isinstance(value, torch.nn.Module) else {"": value}
+                    for key in sorted(tensors):
+                        t = tensors[key]
+                        _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
+                        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()),
+                                 tuple(t.shape), t.dtype)
+                        if where in seen:  # the same tensor in another layer (shared): its bytes once
+                            _feed(h, f"={seen[where]}".encode())
+                        else:
+                            seen[where] = len(seen)
+                            h.update(_tensor_bytes(t))
+                else:
+                    _feed(h, f"{attr}={value!r}".encode())
     return h.digest() if acting else None

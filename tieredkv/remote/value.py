@@ -9,7 +9,7 @@ a byte of it reaches a KV cache::
          0     4  magic b"TKVR"
          4     2  format version (2)
          6     1  codec (``tieredkv.codec``): 0 = raw payload, 1 = byte planes + zlib, 2 = a blosc2
-                  chunk (shuffle + ZSTD or LZ4); others are refused
+                  chunk (shuffle + ZSTD or LZ4); another codec (a later version's) is left alone
          7     1  flags (0; reserved)
          8     4  chunk tokens
         12     4  zero
@@ -27,8 +27,10 @@ A value that fails any check (magic, version, codec, lengths, name digest, MAC, 
 refused: the reader counts a corruption and treats the block as a miss. The MAC is checked before the
 payload is copied or decompressed, and decompression is bounded by the raw length (no zlib bomb; a blosc2
 chunk's claimed sizes are checked before it is touched). A sound value whose codec this process cannot
-run (blosc2 not installed) is not a corruption: ``decode_into`` raises ``MissingDependency`` and the
-tier counts a miss, leaving the value for the hosts that can read it.
+run (blosc2 not installed, or a codec a later tieredkv added) is not a corruption: ``decode_into``
+raises ``MissingDependency`` and the tier counts a miss, leaving the value for the hosts that can read
+it. So the codec byte is judged only after the MAC: a fleet upgraded host by host keeps the values its
+newer hosts write.
 
 Compression (``tieredkv.codec``): bf16/fp16 elements split into byte planes, which an entropy coder
 compresses well (about 1.45x with blosc2's shuffle + ZSTD) where the mixed stream does not. It is
@@ -142,6 +144,9 @@ class Codec:
             return False
         if not hmac.compare_digest(head["digest"], digest):
             return False
+        if head["codec"] not in CODECS:
+            raise MissingDependency(f"remote value in codec {head['codec']}, which this tieredkv version does "
+                                    "not know (written by a newer one): upgrade this host to read it")
         return cd.decompress_into(head["codec"], mv[HEADER_BYTES:], out, self.width)
 
 
@@ -151,7 +156,7 @@ def parse(mv: memoryview, key: FleetKey) -> dict | None:
     if len(mv) < HEADER_BYTES:
         return None
     magic, version, codec, flags, chunk, zero, n_body, n_raw, digest = HEADER.unpack_from(mv)
-    if magic != MAGIC or version != FORMAT_VERSION or codec not in CODECS or flags or zero:
+    if magic != MAGIC or version != FORMAT_VERSION or flags or zero:
         return None
     if len(mv) != HEADER_BYTES + n_body or (codec == CODEC_RAW and n_body != n_raw) or n_body > n_raw:
         return None
@@ -179,6 +184,8 @@ def check_value(value, digest_hex: str, key: FleetKey) -> str | None:
         return "bad framing or MAC (not a tieredkv value of this fleet, forged, or damaged)"
     if head["digest"].hex() != digest_hex:
         return "the value carries another block's name"
+    if head["codec"] not in CODECS:
+        return None  # the MAC holds: written by a newer tieredkv, in a codec this one does not know
     if head["codec"] != CODEC_RAW:
         try:
             sound = cd.decompress_into(head["codec"], mv[HEADER_BYTES:], np.empty(head["raw_len"], np.uint8),

@@ -15,14 +15,21 @@ from typing import Any
 MATCHING = ("lru", "fifo", "clock", "sieve", "s3fifo", "arc")
 
 
-def factories(lcs: Any) -> dict[str, Callable[[int], Any]]:
-    """``name -> (capacity -> libCacheSim cache)`` for the imported ``libcachesim`` module ``lcs``."""
+def factories(lcs: Any, **common: Any) -> dict[str, Callable[[int], Any]]:
+    """``name -> (capacity -> libCacheSim cache)`` for the imported ``libcachesim`` module ``lcs``.
+
+    Args:
+        lcs: the module.
+        **common: parameters every libCacheSim cache takes, e.g. ``hashpower=18`` (its hash table
+            starts with 2**hashpower buckets; the default, 24, costs ~0.2 s per cache to allocate).
+    """
     return {
-        "lru": lambda c: lcs.LRU(c),
-        "fifo": lambda c: lcs.FIFO(c),
-        "clock": lambda c: lcs.Clock(c, init_freq=0, n_bit_counter=1),
-        "sieve": lambda c: lcs.Sieve(c),
-        "s3fifo": lambda c: lcs.S3FIFO(c, small_size_ratio=0.1, ghost_size_ratio=0.9, move_to_main_threshold=2),
-        "arc": lambda c: lcs.ARC(c),
-        "lfu": lambda c: lcs.LFU(c),
+        "lru": lambda c: lcs.LRU(c, **common),
+        "fifo": lambda c: lcs.FIFO(c, **common),
+        "clock": lambda c: lcs.Clock(c, init_freq=0, n_bit_counter=1, **common),
+        "sieve": lambda c: lcs.Sieve(c, **common),
+        "s3fifo": lambda c: lcs.S3FIFO(c, small_size_ratio=0.1, ghost_size_ratio=0.9, move_to_main_threshold=2,
+                                       **common),
+        "arc": lambda c: lcs.ARC(c, **common),
+        "lfu": lambda c: lcs.LFU(c, **common),
     }

@@ -34,6 +34,7 @@ from tieredkv.policies import _jit
 from tieredkv.policies import demotion as demotion_rules
 from tieredkv.policies import promotion as promotion_rules
 
+from . import fastloop
 from .optimal import belady, gap_closed
 from .trace import Trace
 
@@ -145,7 +146,12 @@ def simulate(trace: Trace, policy: str | policies.EvictionPolicy, capacity_block
     cache = _Cache(policies.make(policy), int(capacity_blocks), max(trace.unique_blocks, 1))
     hits = prefix_hits = 0
     t0 = time.perf_counter()
-    for ids, prev in _requests(trace, progress):
+    # The policies with kernels for every hook replay in one compiled loop (the same calls, in the
+    # same order, as the loop below); None: a trace this loop does not take.
+    done = fastloop.run(cache, trace, progress) if fastloop.supports(cache.policy) else None
+    if done is not None:
+        hits, prefix_hits = done
+    for ids, prev in _requests(trace, progress) if done is None else ():
         slots = cache.slot_of[ids]
         present = slots >= 0
         n_hit = int(np.count_nonzero(present))

@@ -1,0 +1,333 @@
+"""The replay's per-request loop compiled whole (numba), over the policies' own compiled kernels.
+
+``replay.simulate`` serves a request in a few dozen Python-level steps (lookups, ``hit``, ``evict``,
+``insert`` and each policy's hooks); a whole-trace sweep of thousands of requests spends most of its
+time in that glue. Here the same steps run as one compiled loop over the trace: the block id -> slot
+lookups, the hit and prefix-hit counts, pinning the request's hits, the free-slot stack and the
+common bookkeeping (``_jit.insert_common`` / ``remove_common``), with every policy decision taken by
+the kernels its class calls in the hot tier (``policies._kernels``, ``_jit``). Nothing here decides
+which block goes: the loop only sequences the calls ``base.hit`` / ``evict`` / ``insert`` make, in
+the order they make them, so the state ends word for word as the request-by-request replay leaves it
+(``tests/test_sim_fastloop.py`` compares every field, global and ghost word, for every policy).
+
+Used for the policies whose every hook has a kernel (``KINDS``: LRU, FIFO, LFU, CLOCK, SIEVE, S3-FIFO,
+ARC, as registered, not subclasses) when the kernels are enabled; the others replay request by request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tieredkv.policies import _jit, _kernels
+from tieredkv.policies.arc import ARC
+from tieredkv.policies.clock import Clock
+from tieredkv.policies.fifo import FIFO
+from tieredkv.policies.lfu import LFU
+from tieredkv.policies.lru import LRU
+from tieredkv.policies.s3fifo import S3FIFO
+from tieredkv.policies.sieve import Sieve
+
+__all__ = ["KINDS", "supports", "run"]
+
+#: Policy classes with a compiled replay, and the number the loop dispatches on.
+KINDS: dict[type, int] = {LRU: 0, FIFO: 1, LFU: 2, Clock: 3, Sieve: 4, S3FIFO: 5, ARC: 6}
+_COMMON = 8            # the common slot fields come first in every layout (state.COMMON_SLOT_FIELDS)
+_compiled: Any = None  # the compiled ``_replay`` once ``_bind`` ran
+
+
+def _on_miss(kind, f0, gf, gi, ids, w, tk, tr, L, R, gcap, shift, n_slots):
+    if kind == 5:
+        _kernels.s3fifo_miss(w, tk, tr, ids, L, R, gcap, shift)
+    elif kind == 6:
+        gf[gi[0]] = _kernels.arc_miss(w, tk, tr, ids, L, R, shift, gf[gi[0]], n_slots)
+
+
+def _on_hit(kind, f0, f1, prm, slots):
+    if kind == 3:
+        _kernels.saturating_hit(f0, slots, prm[0])
+    elif kind == 4:
+        _kernels.sieve_hit(f0, slots)
+    elif kind == 5:
+        _kernels.saturating_hit(f1, slots, prm[2])
+    elif kind == 6:
+        _kernels.arc_hit(f0, slots)
+
+
+def _choose(kind, fields, g, gf, gi, prm, n, cand, ids, w, tk, tr, L, R, shift):
+    resident, last, ins, hits = fields[0], fields[2], fields[3], fields[4]
+    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
+    if kind == 0:
+        return _kernels.oldest(last, n, cand)
+    if kind == 1:
+        return _kernels.oldest(ins, n, cand)
+    if kind == 2:
+        return _kernels.smallest_lex(hits, last, n, cand)
+    if kind == 3:
+        victims, seq = _jit.clock_choose(f0, f1, cand, n, g[gi[0]])
+        g[gi[0]] = seq
+        return victims
+    if kind == 4:
+        victims, hand = _kernels.sieve_choose(f0, f1, resident, cand, n, g[gi[1]])
+        g[gi[1]] = hand
+        return victims
+    if kind == 5:
+        victims, seq = _kernels.s3fifo_choose(f0, f1, f2, resident, cand, n, len(resident), prm[0], prm[1], g[gi[0]])
+        g[gi[0]] = seq
+        if len(victims):
+            g[gi[1]] = 1
+        return victims
+    return _kernels.arc_choose(f0, resident, last, cand, n, gf[gi[0]], ids, True, w, tk, tr, L, R, shift)
+
+
+def _on_remove(kind, f0, key64, slots, w, tk, tr, L, R, gcap, shift):
+    if kind == 5:
+        _kernels.s3fifo_remove(f0, key64, slots, w, tk, tr, L, R, gcap, shift)
+    elif kind == 6:
+        _kernels.arc_remove(f0, key64, slots, w, tk, tr, L, R, gcap, shift)
+
+
+def _on_insert(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift):
+    resident, key64 = fields[0], fields[1]
+    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
+    if kind == 3:
+        g[gi[0]] = _kernels.clock_insert(f0, f1, slots, prm[1], g[gi[0]])
+    elif kind == 4:
+        g[gi[0]] = _kernels.sieve_insert(f0, f1, slots, g[gi[0]])
+    elif kind == 5:
+        g[gi[0]] = _kernels.s3fifo_insert(f0, f1, f2, resident, key64, slots, w, tk, tr, L, R, shift, g[gi[1]] == 0,
+                                          prm[0], g[gi[0]])
+    elif kind == 6:
+        gf[gi[0]] = _kernels.arc_insert(f0, resident, key64, slots, w, tk, tr, L, R, shift, gf[gi[0]], len(resident))
+
+
+def _link(kids, parent, slots):
+    """Put each of ``slots`` that has a parent on its parent's child list."""
+    first, nxt, prv = kids[0], kids[1], kids[2]
+    for j in range(len(slots)):
+        s = slots[j]
+        p = parent[s]
+        if p >= 0:
+            nxt[s] = first[p]
+            prv[s] = -1
+            if first[p] >= 0:
+                prv[first[p]] = s
+            first[p] = s
+
+
+def _remove_common(resident, parent, n_children, slots, kids):
+    """``_jit.remove_common`` (``base.remove``'s common fields), word for word, but finding the
+    children of the removed blocks on their child lists (``kids``: first child, next and previous
+    sibling per slot) rather than by a pass over every slot's parent."""
+    first, nxt, prv = kids[0], kids[1], kids[2]
+    for i in range(len(slots)):
+        s = slots[i]
+        p = parent[s]
+        if p >= 0:
+            n_children[p] -= 1
+            if prv[s] >= 0:
+                nxt[prv[s]] = nxt[s]
+            else:
+                first[p] = nxt[s]
+            if nxt[s] >= 0:
+                prv[nxt[s]] = prv[s]
+            nxt[s] = -1
+            prv[s] = -1
+    for i in range(len(slots)):             # the children left lose their parent link
+        c = first[slots[i]]
+        while c >= 0:
+            after = nxt[c]
+            parent[c] = -1
+            nxt[c] = -1
+            prv[c] = -1
+            c = after
+        first[slots[i]] = -1
+    for i in range(len(slots)):
+        s = slots[i]
+        resident[s] = 0
+        parent[s] = -1
+        n_children[s] = 0
+
+
+def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gcap, shift, slot_of, block_at, free,
+           top, cand, kids):
+    """``base.evict`` of ``need`` victims, never the ``pinned`` slots (the request's hits), then the
+    victims' slots back on the free stack; returns (new top, victims)."""
+    nh = len(pinned)
+    for j in range(nh):
+        cand[pinned[j]] = False
+    nv = 0
+    if g[1] - nh > 0:                       # some resident slot is a candidate
+        victims = _choose(kind, fields, g, gf, gi, prm, need, cand, ids, w, tk, tr, L, R, shift)
+        nv = len(victims)
+        if nv:                              # base.remove: the policy's hook, then the common fields
+            _on_remove(kind, fields[_COMMON], fields[1], victims, w, tk, tr, L, R, gcap, shift)
+            _remove_common(fields[0], fields[5], fields[6], victims, kids)
+            g[1] -= nv
+            for j in range(nv):
+                v = victims[j]
+                cand[v] = False
+                slot_of[block_at[v]] = -1
+                block_at[v] = -1
+                free[top] = v
+                top += 1
+    for j in range(nh):
+        cand[pinned[j]] = True
+    return top, nv
+
+
+def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, tr, L, R, gcap, shift,
+            slot_of, block_at, free, cand, kids, acc):
+    """Requests ``r0`` to ``r1``, as ``replay.simulate`` serves them; ``acc`` holds (hits, prefix hits,
+    evictions, free-stack top) across calls."""
+    resident, key64, last, ins, hits = fields[0], fields[1], fields[2], fields[3], fields[4]
+    parent, n_children, position = fields[5], fields[6], fields[7]
+    f0 = fields[_COMMON]
+    n_slots = len(resident)
+    longest = 1
+    for r in range(r0, r1):
+        longest = max(longest, offsets[r + 1] - offsets[r])
+    hit_slots = np.empty(longest, dtype=np.int64)
+    miss_at = np.empty(longest, dtype=np.int64)
+    ids = np.empty(longest, dtype=np.int64)
+    pids = np.empty(longest, dtype=np.int64)
+    new = np.empty(longest, dtype=np.int64)
+    parents = np.empty(longest, dtype=np.int64)
+    n_hits, n_prefix, evictions, top = acc[0], acc[1], acc[2], acc[3]
+    for r in range(r0, r1):
+        a, b = offsets[r], offsets[r + 1]
+        nh = 0
+        nm = 0
+        for i in range(a, b):               # 1. look up every block
+            s = slot_of[blocks[i]]
+            if s >= 0:
+                hit_slots[nh] = s
+                nh += 1
+            else:
+                miss_at[nm] = i - a
+                nm += 1
+        if nh:                              # base.hit: a tick each, in prompt order
+            t = g[0]
+            for j in range(nh):
+                t += 1
+                last[hit_slots[j]] = t
+                hits[hit_slots[j]] += 1
+            g[0] = t
+            _on_hit(kind, f0, fields[_COMMON + 1], prm, hit_slots[:nh])
+            n_hits += nh
+        if nm == 0:
+            n_prefix += nh
+            continue
+        n_prefix += miss_at[0]
+        # 2. _Cache.store of the misses (their leading ``n_slots`` at most)
+        m = min(nm, n_slots)
+        for j in range(m):
+            ids[j] = blocks[a + miss_at[j]]
+            pids[j] = prev[a + miss_at[j]]
+        need = m - top
+        _on_miss(kind, f0, gf, gi, ids[:m], w, tk, tr, L, R, gcap, shift, n_slots)   # base.evict's on_miss
+        if need > 0:
+            top, nv = _evict(kind, fields, g, gf, gi, prm, need, hit_slots[:nh], ids[:m], w, tk, tr, L, R, gcap,
+                             shift, slot_of, block_at, free, top, cand, kids)
+            evictions += nv
+        k = min(m, top)
+        if k == 0:
+            continue
+        for j in range(k):                  # the free stack's top first
+            s = free[top - 1 - j]
+            new[j] = s
+            slot_of[ids[j]] = s
+            block_at[s] = ids[j]
+        top -= k
+        for j in range(k):                  # parents resolve after the batch's own slots are set
+            parents[j] = slot_of[pids[j]] if pids[j] >= 0 else -1
+        first = g[0] + 1
+        g[0] += k
+        _jit.insert_common(resident, key64, last, ins, hits, n_children, position, parent, new[:k], ids[:k],
+                           parents[:k], miss_at[:k], first)
+        _link(kids, parent, new[:k])
+        g[1] += k
+        for j in range(k):
+            cand[new[j]] = True
+        _on_insert(kind, fields, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift)
+    acc[0], acc[1], acc[2], acc[3] = n_hits, n_prefix, evictions, top
+
+
+def _has_repeats(blocks, offsets, n_ids):
+    """True if some request holds a block id twice (the loop assumes distinct ids per request)."""
+    seen = np.full(n_ids, -1, dtype=np.int64)
+    for r in range(len(offsets) - 1):
+        for i in range(offsets[r], offsets[r + 1]):
+            if seen[blocks[i]] == r:
+                return True
+            seen[blocks[i]] = r
+    return False
+
+
+def _bind() -> None:
+    global _compiled, _on_miss, _on_hit, _choose, _on_remove, _on_insert, _link, _remove_common, _evict, _has_repeats
+    compile_ = _jit.compiler(__file__)   # cached, and compiled afresh when any kernel's source changes
+    _on_miss, _on_hit, _choose = compile_(_on_miss), compile_(_on_hit), compile_(_choose)
+    _on_remove, _on_insert, _has_repeats = compile_(_on_remove), compile_(_on_insert), compile_(_has_repeats)
+    _link, _remove_common, _evict = compile_(_link), compile_(_remove_common), compile_(_evict)
+    _compiled = compile_(_replay)
+
+
+def supports(policy) -> bool:
+    """Whether ``policy`` replays in the compiled loop here (its class has kernels for every hook and
+    the kernels are enabled)."""
+    return _jit.ENABLED and type(policy) in KINDS
+
+
+def run(cache, trace, progress: Callable[[int], None] | None = None) -> tuple[int, int] | None:
+    """Replay ``trace`` into ``cache`` (a fresh ``replay._Cache``) in the compiled loop.
+
+    Returns:
+        ``(hits, prefix hits)``, with ``cache``'s state, maps, free slots and eviction count as the
+        request-by-request replay leaves them; None (nothing done) if the trace repeats a block id
+        inside a request, which only the request-by-request replay handles.
+    """
+    if _compiled is None:
+        _bind()
+    policy, st = cache.policy, cache.st
+    n_ids = len(cache.slot_of)
+    blocks = np.ascontiguousarray(trace.blocks, dtype=np.int64)
+    offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
+    if _has_repeats(blocks, offsets, n_ids):
+        return None
+    prev = np.empty_like(blocks)
+    prev[1:] = blocks[:-1]
+    prev[offsets[:-1][offsets[:-1] < len(blocks)]] = -1
+    layout = st.layout
+    names = layout.slot_fields
+    fields = [getattr(st, f) for f in names]
+    fields += [np.zeros(1, dtype=np.int64)] * (_COMMON + 3 - len(fields))   # unused by this policy
+    gi = np.array([st.global_index(n) for n in policy.global_fields] or [0], dtype=np.int64)
+    if isinstance(policy, Clock):
+        prm = [policy.max_ref, policy.init_ref, 0]
+    elif isinstance(policy, S3FIFO):
+        prm = [policy.small_capacity(st.n_slots), policy.move_threshold, policy.max_freq]
+    else:
+        prm = [0, 0, 0]
+    w, tk, tr, L, R, gcap, shift = st.ghost_args()
+    free = np.zeros(cache.capacity, dtype=np.int64)
+    free[:len(cache.free)] = cache.free
+    cand = st.resident == 1
+    if st.resident.any():
+        raise ValueError("the compiled replay starts from an empty cache")
+    kids = np.full((3, cache.capacity), -1, dtype=np.int64)   # first child, next and previous sibling
+    acc = np.array([0, 0, cache.evictions, len(cache.free)], dtype=np.int64)
+    g = st.globals_view()
+    step = max(trace.n_requests // 100, 1) if progress is not None else trace.n_requests
+    for r0 in range(0, trace.n_requests, max(step, 1)):
+        r1 = min(r0 + step, trace.n_requests)
+        _compiled(KINDS[type(policy)], blocks, prev, offsets, r0, r1, tuple(fields), g, st.globals_view(np.float64),
+                  gi, np.array(prm, dtype=np.int64), w, tk, tr, L, R, gcap, shift, cache.slot_of, cache.block_at,
+                  free, cand, kids, acc)
+        if progress is not None:
+            progress(r1 - r0)
+    cache.evictions = int(acc[2])
+    cache.free = free[:int(acc[3])].tolist()
+    return int(acc[0]), int(acc[1])

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tieredkv.errors import InvalidInput
+from tieredkv.errors import CorruptState, InvalidInput
 
 from . import _jit
 from .state import SlotState
@@ -313,8 +313,10 @@ def evict(policy: EvictionPolicy, st: SlotState, n: int, evictable: np.ndarray |
     finally:
         st.incoming = None
     if len(victims) and not candidates[victims].all():
-        raise RuntimeError(f"policy {policy.name!r} chose a slot that was not a candidate")
+        raise CorruptState(f"policy {policy.name!r} chose a slot that was not a candidate (its state is "
+                           f"damaged, or the policy is wrong)")
     if len(victims) > n or (len(victims) > 1 and len(set(victims.tolist())) != len(victims)):
-        raise RuntimeError(f"policy {policy.name!r} chose {len(victims)} victims for n={n}, or a slot twice")
+        raise CorruptState(f"policy {policy.name!r} chose {len(victims)} victims for n={n}, or a slot twice (its "
+                           f"state is damaged, or the policy is wrong)")
     remove(policy, st, victims, evicted=True)
     return victims

@@ -29,7 +29,7 @@ _LAZY = {
     "WarmTier": "tieredkv.warm",
     "RemoteTier": "tieredkv.remote",
     "TieredCache": "tieredkv.cache",
-    "PrefixHit": "tieredkv.cache",
+    "PrefixHit": "tieredkv.hit",
 }
 
 

@@ -52,7 +52,7 @@ def read(cache: TieredCache, keys: ChunkKeys, sink: Sink) -> dict[str, int]:
             staging = np.empty((len(rest), cache.spec.block_bytes), dtype=np.uint8)
             got = level.read(rest, staging, functools.partial(_shifted, sink, done))
             if got:
-                cache._promote(levels, level, rest[:got], staging[:got])
+                cache._loader.promote(levels, level, rest[:got], staging[:got])
                 done += got
                 by_level[level.name] += got
                 progress += got

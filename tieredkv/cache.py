@@ -14,21 +14,15 @@ store(tokens,kv): new full chunks -> the top level (gathered straight into its c
 A block may be hot while its parent is warm: the hit is the longest run of leading blocks each found in
 *some* level. Nothing here holds a lock across calls; a block lost between ``lookup`` and ``load``
 truncates the load, it never corrupts it. What a level is (admission, writer, how it fails) is in
-``tieredkv/levels.py``; the options in ``tieredkv/config.py``; the array checks in ``tieredkv/tensors.py``.
+``tieredkv/levels.py``; the options in ``tieredkv/config.py``; the array checks in ``tieredkv/tensors.py``;
+the read path (staging, promotion) in ``tieredkv/loading.py``; ``PrefixHit`` in ``tieredkv/hit.py``.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
-import contextlib
-import dataclasses
-import errno
-import functools
-import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,85 +31,18 @@ import numpy as np
 
 from tieredkv import counters, forksafe, tensors, writeback
 from tieredkv.config import CacheConfig
-from tieredkv.errors import InvalidInput, TieredKVError
-from tieredkv.journal import EVICTED, STORED, HostJournal, journal_path
+from tieredkv.errors import InvalidInput
+from tieredkv.hit import HOT, REMOTE, WARM, PrefixHit
+from tieredkv.journal import HostJournal, journal_path
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import as_block_bytes, model_to_blocks, page_aligned_empty
-from tieredkv.levels import Counting, Level, Observer, close_level, open_levels
+from tieredkv.layout import as_block_bytes, model_to_blocks
+from tieredkv.levels import Counting, Level, Observer, close_level, open_levels, warn_degraded
+from tieredkv.loading import Loader
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
 from tieredkv.tier import PutResult, Tier, check_keys, out_rows
 
-#: ``PrefixHit.where`` codes of the standard levels (a level of your own has its own, from 3 up).
-HOT, WARM, REMOTE = 0, 1, 2
-#: The options earlier versions took by position after ``spec`` (still accepted in that order).
-_POSITIONAL = ("hot_bytes", "warm_dir", "warm_bytes", "eviction", "promotion", "demotion")
-#: Per-process memory of hits below the top level (for ``on_nth_hit`` promotion), in keys.
-_HIT_MEMORY = 65536
-
-
-def _open_failure_hint(name: str, warm_dir: str | os.PathLike | None, error: BaseException) -> str:
-    """What to do about a tier that could not open. For the warm tier, a permission problem (a directory
-    another user made, e.g. a Kubernetes hostPath created root-owned) is fixed by its owner, not by a
-    repair."""
-    if name != "warm" or warm_dir is None:
-        return "`tieredkv verify --repair` checks and rebuilds a warm tier"
-    cause = error if isinstance(error, OSError) else error.__cause__
-    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM):
-        try:
-            st = os.stat(warm_dir)
-            owner = f"owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}"
-        except OSError as exc:
-            owner = f"not readable: {exc.strerror}"
-        return (f"this process runs as uid {os.geteuid()} and may not write to {warm_dir} ({owner}): give the "
-                f"directory to the workers' user, mode 0700 (chown; systemd: CacheDirectory=; a Kubernetes hostPath: "
-                f"an init container that chowns it, see docs/deploy.md)")
-    if isinstance(cause, OSError) and cause.errno == errno.EROFS:
-        return f"{warm_dir} is on a read-only filesystem: mount it read-write"
-    return "`tieredkv verify --repair` checks and rebuilds it"
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefixHit:
-    """The result of ``lookup``: how much of a prompt's prefix the tiers hold, and where.
-
-    Attributes:
-        tokens: cached prefix length in tokens (a multiple of ``chunk_tokens``, always < the prompt).
-        prompt_tokens: the prompt's length.
-        keys: the keys of the hit blocks.
-        where: per hit block, the code of the level holding it: ``HOT`` (0), ``WARM`` (1), ``REMOTE``
-            (2), or a level of your own (3 up).
-    """
-
-    tokens: int
-    prompt_tokens: int
-    keys: ChunkKeys
-    where: np.ndarray
-
-    @property
-    def blocks(self) -> int:
-        return len(self.keys)
-
-    def blocks_in(self, code: int) -> int:
-        """How many hit blocks the level with this code holds."""
-        return int(np.count_nonzero(self.where == code))
-
-    @property
-    def hot_blocks(self) -> int:
-        return self.blocks_in(HOT)
-
-    @property
-    def warm_blocks(self) -> int:
-        return self.blocks_in(WARM)
-
-    @property
-    def remote_blocks(self) -> int:
-        return self.blocks_in(REMOTE)
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Tokens the model still has to compute."""
-        return self.prompt_tokens - self.tokens
+__all__ = ["HOT", "REMOTE", "WARM", "PrefixHit", "TieredCache"]  # PrefixHit and the codes live in hit.py
 
 
 class TieredCache:
@@ -159,19 +86,8 @@ class TieredCache:
     def __init__(self, spec: KVSpec, config: CacheConfig | None = None, *positional: Any, **kwargs: Any):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
-        if positional or not isinstance(config, (CacheConfig, type(None))):
-            # The positional form of earlier versions: TieredCache(spec, hot_bytes, warm_dir, warm_bytes, ...).
-            given = (config, *positional)
-            if len(given) > len(_POSITIONAL):
-                raise InvalidInput(f"TieredCache takes at most {len(_POSITIONAL)} options by position "
-                                   f"{_POSITIONAL}; pass the others by keyword")
-            twice = sorted(set(_POSITIONAL[:len(given)]) & set(kwargs))
-            if twice:
-                raise InvalidInput(f"TieredCache got {twice} both by position and by keyword")
-            kwargs, config = {**dict(zip(_POSITIONAL, given)), **kwargs}, None
         self.spec = spec
-        self.config = CacheConfig.from_kwargs(config, **kwargs) if kwargs or config is None else config
-        self.promotion = promotion_rules.make(self.config.hot.promotion)
+        self.config = CacheConfig.from_call(config, positional, kwargs)
         #: Called after blocks are stored in or evicted from a level (see ``tieredkv.levels``).
         self.observers: list[Observer] = []
         self.journal: HostJournal | None = None  # see attach_journal
@@ -179,14 +95,14 @@ class TieredCache:
         self._levels: list[Level] = []
         self._closed = True   # until the levels are open: close() copes with a constructor that failed
         self._lock = threading.Lock()
-        self._load_lock = threading.Lock()    # one kept staging buffer (and device staging buffer)
-        forksafe.register(self)  # these locks, unlocked in a forked child (held by a writer at fork)
-        self._staging: np.ndarray | None = None
+        forksafe.register(self)  # this lock, unlocked in a forked child (held by a writer at fork)
         # Bounded, reused: store gathers new blocks into these a group at a time (``tieredkv.writeback``).
         self._store_rows = writeback.Staging(spec.block_bytes, keep=2)
         self._behind = writeback.WriteBehind(spec.block_bytes)  # jobs of written-behind levels
-        self._lower_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._placement = tensors.Placement(spec)
+        self._loader = Loader(spec, self._placement, promotion_rules.make(self.config.hot.promotion))
+        # A promotion into the top level may evict blocks queued for write-behind: they are copied out first.
+        self._loader.before_put = self._behind.before_put
         levels, failures = open_levels(spec, self.config, self._counting, self.observers)
         self._levels, self._closed = levels, False
         self._by_code = {level.code: level for level in levels}
@@ -195,14 +111,7 @@ class TieredCache:
             # Whoever closes the segment (``cache.hot.unlink()`` too), queued writes keep their blocks.
             levels[0].tier.before_close = self._behind.rescue_all
         self._counting.tiers = [level.tier for level in levels]
-        for name, error in failures:
-            # The level's files are damaged or unusable right now. That must not keep the worker (and
-            # with it the hot tier every worker shares) from starting: serve without it and say so.
-            left = "+".join(level.name for level in levels)
-            warnings.warn(f"tieredkv: the {name} tier cannot open ({error}); running {left}-only until restart "
-                          f"({_open_failure_hint(name, self.config.warm.dir if self.config.warm else None, error)})",
-                          RuntimeWarning, stacklevel=2)
-            self._counting.add(**{f"{name}_errors": 1})
+        warn_degraded(levels, failures, self._counting, self.config.warm.dir if self.config.warm else None)
         if self.config.journal:
             try:
                 journal = HostJournal(journal_path(getattr(levels[0].tier, "name", "/tieredkv-" + spec.namespace)))
@@ -254,19 +163,7 @@ class TieredCache:
         adds its own; a journal that fails to append is warned about once and never fails a call.
         """
         self.journal = journal
-        codes = {level.name: level.code for level in self._levels}
-        warned = threading.Event()
-
-        def observe(event: str, level_name: str, keys: ChunkKeys) -> None:
-            try:
-                journal.append(STORED if event == "stored" else EVICTED, codes[level_name], keys)
-            except (OSError, TieredKVError) as e:
-                if not warned.is_set():
-                    warned.set()
-                    warnings.warn(f"tieredkv: the host journal failed ({e}); tier changes are not announced",
-                                  RuntimeWarning, stacklevel=2)
-
-        self.observers.append(observe)
+        self.observers.append(journal.observer({level.name: level.code for level in self._levels}))
 
     # ---- lookup ---------------------------------------------------------------------------------
     def lookup(self, tokens: Any, salt: bytes = b"", *, extra: Sequence[bytes | None] | None = None,
@@ -340,84 +237,11 @@ class TieredCache:
         if hit.blocks == 0:
             return 0
         started = time.perf_counter()
-        levels = self._open_levels()
-        below = hit.blocks - hit.blocks_in(levels[0].code)
-        # One kept staging buffer for blocks from lower levels, one device staging buffer.
-        with self._load_lock if below or tensors.on_device(out) else contextlib.nullcontext():
-            loaded = self._load(hit, out, levels, below)
-        self._counting.observe("load", time.perf_counter() - started)
-        return loaded
-
-    def _load(self, hit: PrefixHit, out: Any, levels: list[Level], below: int) -> int:
-        place, finish = self._placement.placer(out, hit.tokens)
+        loaded = self._loader.load(hit, out, self._open_levels(), self._by_code)
         C = self.spec.chunk_tokens
-        staging = self._staging_rows(below)  # (0, block_bytes) when every block is in the top level
-        staged = loaded = 0  # lower runs take consecutive staging rows: promotion reads them after the loop
-        promote: list[tuple[Level, ChunkKeys, np.ndarray]] = []
-        edges = np.flatnonzero(np.diff(hit.where)) + 1
-        for i, j in zip([0, *edges.tolist()], [*edges.tolist(), hit.blocks]):
-            level, run = self._by_code.get(int(hit.where[i])), hit.keys[i:j]
-            if level is None:
-                break  # a level closed since the lookup
-            if level is levels[0]:  # one copy per run of adjacent slots, straight from the tier's memory
-                got = level.read_shared(run, functools.partial(_place_at, place, i * C, C, True))
-            else:  # each group read is copied into place while the level reads the next one
-                rows = staging[staged:staged + j - i]
-                got = level.read(run, rows, functools.partial(_place_at, place, i * C, C, False))
-                staged += j - i
-                if got:
-                    promote.append((level, run[:got], rows[:got]))
-            loaded += got
-            if got < j - i:
-                break
-        finish(loaded * C)
-        # Promote only now: promoting mid-load could evict this very hit's top-level blocks before they
-        # were read (a full hot tier), cutting the restore short.
-        for level, keys, payloads in promote:
-            self._promote(levels, level, keys, payloads)
         self._counting.add(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
+        self._counting.observe("load", time.perf_counter() - started)
         return loaded * C
-
-    def _staging_rows(self, n_blocks: int) -> np.ndarray:
-        """``(n_blocks, block_bytes)`` rows of the kept staging buffer (call under ``_load_lock``).
-
-        Kept and reused, never allocated per call: a fresh buffer costs a page fault per 4 KiB on
-        every load. Page-aligned: the kernel's copy into a buffer 16 bytes off (where malloc puts
-        large ones) runs at half speed on some CPUs (docs/benchmarks.md). It grows to the largest
-        lower-level part of a hit and is released at ``close``.
-        """
-        need = n_blocks * self.spec.block_bytes
-        if not need:
-            return np.empty((0, self.spec.block_bytes), dtype=np.uint8)
-        buf = self._staging
-        if buf is None or buf.size < need:
-            self._staging = None  # drop the old one before allocating the larger one
-            buf = self._staging = page_aligned_empty(need)
-        return buf[:need].reshape(n_blocks, self.spec.block_bytes)
-
-    def _promote(self, levels: list[Level], source: Level, keys: ChunkKeys, payloads: np.ndarray) -> None:
-        """Copy blocks just read from ``source`` into every level above it (the top one first), per
-        the promotion rule, from the bytes in hand."""
-        chosen = self._promotion_chosen(keys)
-        if not len(chosen):
-            return
-        keys, payloads = keys.take(chosen), payloads[chosen]
-        for level in levels[:levels.index(source)]:
-            if level is levels[0]:
-                self._behind.before_put(level, len(keys))
-            level.put(keys, payloads, why="promoted")
-
-    def _promotion_chosen(self, keys: ChunkKeys) -> np.ndarray:
-        """Count a hit below the top level for each key; return the rows the promotion rule promotes."""
-        with self._lock:
-            counts = np.empty(len(keys), dtype=np.int64)
-            for i, k in enumerate(keys):
-                n = self._lower_hits.pop(k, 0) + 1
-                self._lower_hits[k] = n
-                counts[i] = n
-            while len(self._lower_hits) > _HIT_MEMORY:  # bounded, per process
-                self._lower_hits.popitem(last=False)
-        return np.flatnonzero(self.promotion.should_promote(counts))
 
     # ---- store ----------------------------------------------------------------------------------
     def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0,
@@ -615,7 +439,7 @@ class TieredCache:
                 promote.append((level, np.concatenate(read)))
         for level, idx in promote:
             if len(idx):
-                self._promote(levels, level, keys.take(idx), rows[idx])
+                self._loader.promote(levels, level, keys.take(idx), rows[idx])
         n = int(np.count_nonzero(got))
         self._counting.add(loaded_tokens=n * self.spec.chunk_tokens, lost_blocks=len(keys) - n)
         self._counting.observe("load", time.perf_counter() - started)
@@ -681,7 +505,9 @@ class TieredCache:
         journal, self.journal = getattr(self, "journal", None), None
         if journal is not None:
             journal.close()
-        self._staging = None
+        loader = getattr(self, "_loader", None)
+        if loader is not None:
+            loader.release()
         for staging in (getattr(self, "_store_rows", None), getattr(self, "_behind", None)):
             if staging is not None:
                 staging.clear()
@@ -697,10 +523,6 @@ class TieredCache:
         return f"TieredCache({self.spec.namespace}, {inner})"
 
 
-def _place_at(place: tensors.Placer, first_token: int, chunk_tokens: int, shared: bool, i: int,
-              rows: np.ndarray) -> None:
-    """A read's sink: rows of blocks ``i..`` of a run that starts at ``first_token`` go into place."""
-    place(rows, first_token + i * chunk_tokens, shared)
 
 
 def _flush_at_exit(ref: weakref.ref[TieredCache]) -> None:

@@ -38,6 +38,9 @@ from tieredkv.tier import Evicted, Tier
 #: evictions go to (the level below, when that level admits blocks on eviction).
 TierOpener = Callable[[KVSpec, "Callable[[Evicted], None] | None"], Tier]
 
+#: The options earlier versions of ``TieredCache`` took by position after ``spec`` (still accepted, in
+#: this order: ``CacheConfig.from_call``).
+POSITIONAL = ("hot_bytes", "warm_dir", "warm_bytes", "eviction", "promotion", "demotion")
 #: ``TieredCache``'s keyword arguments and where each one lives: (section, field).
 KEYWORDS: dict[str, tuple[str, str]] = {
     "hot_bytes": ("hot", "bytes"), "hot_blocks": ("hot", "blocks"), "hot_name": ("hot", "name"),
@@ -337,6 +340,27 @@ class CacheConfig:
             warm = _merged(WarmConfig, base.warm, sections["warm"], "dir")
             remote = _merged(RemoteConfig, base.remote, sections["remote"], "store")
             return dataclasses.replace(base, hot=hot, warm=warm, remote=remote, **sections["cache"])
+
+    @classmethod
+    def from_call(cls, config: Any, positional: tuple[Any, ...], kwargs: dict[str, Any]) -> CacheConfig:
+        """The config of a call ``TieredCache(spec, config, *positional, **kwargs)``: ``config`` (None:
+        the defaults) with the keywords replacing its fields; or, in the positional form of earlier
+        versions (``TieredCache(spec, hot_bytes, warm_dir, ...)``: ``config`` is then not a
+        ``CacheConfig``), the values given by position named as in ``POSITIONAL``.
+
+        Raises:
+            InvalidInput: too many options by position, one given both ways, or a bad option.
+        """
+        if positional or not isinstance(config, (CacheConfig, type(None))):
+            given = (config, *positional)
+            if len(given) > len(POSITIONAL):
+                raise InvalidInput(f"TieredCache takes at most {len(POSITIONAL)} options by position "
+                                   f"{POSITIONAL}; pass the others by keyword")
+            twice = sorted(set(POSITIONAL[:len(given)]) & set(kwargs))
+            if twice:
+                raise InvalidInput(f"TieredCache got {twice} both by position and by keyword")
+            kwargs, config = {**dict(zip(POSITIONAL, given)), **kwargs}, None
+        return cls.from_kwargs(config, **kwargs) if kwargs or config is None else config
 
 
 def _merged(cls: Any, base: Any, given: dict[str, Any], key: str) -> Any:

@@ -34,13 +34,16 @@ import errno
 import fcntl
 import os
 import struct
+import threading
 import time
+import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from tieredkv.errors import InvalidInput
+from tieredkv.errors import InvalidInput, TieredKVError
 
 #: Operations. ``CLEARED`` applies to the whole tier (no keys).
 STORED, EVICTED, CLEARED, NOTED = 1, 2, 3, 4
@@ -159,6 +162,24 @@ class HostJournal:
             self._ensure_file()
             self._rotate()
         self.append(CLEARED, tier)
+
+    def observer(self, codes: dict[str, int]) -> Callable[[str, str, Any], None]:
+        """An observer of a cache's levels (``tieredkv.levels.Observer``) that records their changes:
+        ``"stored"`` as ``STORED``, ``"evicted"`` as ``EVICTED``, with the level's code (``codes``, by
+        level name). An append that fails is warned about once and never raised: the journal announces
+        changes, it must never fail the store that made them."""
+        warned = threading.Event()
+
+        def observe(event: str, level_name: str, keys: Any) -> None:
+            try:
+                self.append(STORED if event == "stored" else EVICTED, codes[level_name], keys)
+            except (OSError, TieredKVError) as e:
+                if not warned.is_set():
+                    warned.set()
+                    warnings.warn(f"tieredkv: the host journal failed ({e}); tier changes are not announced",
+                                  RuntimeWarning, stacklevel=2)
+
+        return observe
 
     def close(self) -> None:
         """Close the files (idempotent); the journal stays for the other processes."""

@@ -29,7 +29,9 @@ for a journal of tier changes; they run on the thread that made the change and m
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -365,6 +367,39 @@ def open_levels(spec: KVSpec, config: Any, counting: Counting,
             close_level(level)
         raise
     return opened[::-1], failures
+
+
+def warn_degraded(levels: list[Level], failures: list[tuple[str, BaseException]], counting: Counting,
+                  warm_dir: str | os.PathLike | None) -> None:
+    """Warn once about each lower level that could not open (``open_levels``' failures) and count it in
+    its ``<name>_errors``. Its files are damaged or unusable right now; that must not keep the worker
+    (and with it the hot tier every worker shares) from starting: the cache serves without it."""
+    left = "+".join(level.name for level in levels)
+    for name, error in failures:
+        warnings.warn(f"tieredkv: the {name} tier cannot open ({error}); running {left}-only until restart "
+                      f"({_open_failure_hint(name, warm_dir, error)})", RuntimeWarning, stacklevel=3)
+        counting.add(**{f"{name}_errors": 1})
+
+
+def _open_failure_hint(name: str, warm_dir: str | os.PathLike | None, error: BaseException) -> str:
+    """What to do about a tier that could not open. For the warm tier, a permission problem (a directory
+    another user made, e.g. a Kubernetes hostPath created root-owned) is fixed by its owner, not by a
+    repair."""
+    if name != "warm" or warm_dir is None:
+        return "`tieredkv verify --repair` checks and rebuilds a warm tier"
+    cause = error if isinstance(error, OSError) else error.__cause__
+    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM):
+        try:
+            st = os.stat(warm_dir)
+            owner = f"owned by uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}"
+        except OSError as exc:
+            owner = f"not readable: {exc.strerror}"
+        return (f"this process runs as uid {os.geteuid()} and may not write to {warm_dir} ({owner}): give the "
+                f"directory to the workers' user, mode 0700 (chown; systemd: CacheDirectory=; a Kubernetes hostPath: "
+                f"an init container that chowns it, see docs/deploy.md)")
+    if isinstance(cause, OSError) and cause.errno == errno.EROFS:
+        return f"{warm_dir} is on a read-only filesystem: mount it read-write"
+    return "`tieredkv verify --repair` checks and rebuilds it"
 
 
 def _open_level(spec: KVSpec, entry: _Entry, below: Level | None, counting: Counting, observers: list[Observer],

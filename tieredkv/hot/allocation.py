@@ -63,7 +63,7 @@ class Allocation(Recovery):
         evictable = (rec["state"] == READY) & (rec["pins"] == 0)
         try:
             victims = policies.evict(self._policy, self._state, n, evictable, incoming=incoming)
-        except POLICY_FAULTS as e:  # base.evict also checks what the policy chose (RuntimeError)
+        except POLICY_FAULTS as e:  # base.evict also checks what the policy chose (CorruptState)
             raise Damage(f"policy state: {e}") from e
         if len(victims) < min(n, int(np.count_nonzero(evictable))) and not self._retrying:
             # A policy evicts min(n, candidates) (the conformance suite holds every one to it), so

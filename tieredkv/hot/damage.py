@@ -20,8 +20,8 @@ class Damage(Exception):
 
 
 #: What policy code raises when its state holds garbage: an index out of range, a size that asks for
-#: terabytes, a choice its own checks refuse (``policies.evict`` raises RuntimeError).
-POLICY_FAULTS = (IndexError, ValueError, RuntimeError, OverflowError, MemoryError)
+#: terabytes, a choice its own checks refuse (``policies.evict`` raises CorruptState).
+POLICY_FAULTS = (IndexError, ValueError, RuntimeError, OverflowError, MemoryError, CorruptState)
 
 
 def survives_damage(method=None, *, user_code: bool = False):

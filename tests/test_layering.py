@@ -22,6 +22,7 @@ LAYERS = {
     "tieredkv.background": 4, "tieredkv.cuda": 4, "tieredkv.tensors": 4, "tieredkv.memory": 4,
     "tieredkv.hot": 4, "tieredkv.warm": 4, "tieredkv.remote": 4, "tieredkv.journal": 4,
     "tieredkv.config": 5, "tieredkv.hit": 5, "tieredkv.levels": 6, "tieredkv.loading": 6, "tieredkv.writeback": 6,
+    "tieredkv.storing": 6,
     "tieredkv.cache": 7,
     "tieredkv.integrations": 8, "tieredkv.blocks": 8, "tieredkv.estimate": 8, "tieredkv.metrics": 8, "tieredkv.sim": 8,
     "tieredkv.demo": 9, "tieredkv.cli": 10, "tieredkv.__main__": 11,

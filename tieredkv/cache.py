@@ -15,7 +15,8 @@ A block may be hot while its parent is warm: the hit is the longest run of leadi
 *some* level. Nothing here holds a lock across calls; a block lost between ``lookup`` and ``load``
 truncates the load, it never corrupts it. What a level is (admission, writer, how it fails) is in
 ``tieredkv/levels.py``; the options in ``tieredkv/config.py``; the array checks in ``tieredkv/tensors.py``;
-the read path (staging, promotion) in ``tieredkv/loading.py``; ``PrefixHit`` in ``tieredkv/hit.py``.
+the read path (staging, promotion) in ``tieredkv/loading.py``; the write path in ``tieredkv/storing.py``;
+``PrefixHit`` in ``tieredkv/hit.py``.
 """
 
 from __future__ import annotations
@@ -24,22 +25,23 @@ import atexit
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from tieredkv import counters, forksafe, tensors, writeback
+from tieredkv import counters, forksafe, tensors
 from tieredkv.config import CacheConfig
 from tieredkv.errors import InvalidInput
 from tieredkv.hit import HOT, REMOTE, WARM, PrefixHit
 from tieredkv.journal import HostJournal, journal_path
 from tieredkv.keys import ChunkKeys, as_tokens, chunk_keys
-from tieredkv.layout import as_block_bytes, model_to_blocks
+from tieredkv.layout import as_block_bytes
 from tieredkv.levels import Counting, Level, Observer, close_level, open_levels, warn_degraded
 from tieredkv.loading import Loader
 from tieredkv.policies import promotion as promotion_rules
 from tieredkv.spec import KVSpec
+from tieredkv.storing import Storer
 from tieredkv.tier import PutResult, Tier, check_keys, out_rows
 
 __all__ = ["HOT", "REMOTE", "WARM", "PrefixHit", "TieredCache"]  # PrefixHit and the codes live in hit.py
@@ -96,20 +98,18 @@ class TieredCache:
         self._closed = True   # until the levels are open: close() copes with a constructor that failed
         self._lock = threading.Lock()
         forksafe.register(self)  # this lock, unlocked in a forked child (held by a writer at fork)
-        # Bounded, reused: store gathers new blocks into these a group at a time (``tieredkv.writeback``).
-        self._store_rows = writeback.Staging(spec.block_bytes, keep=2)
-        self._behind = writeback.WriteBehind(spec.block_bytes)  # jobs of written-behind levels
+        self._storer = Storer(spec, self._counting)
         self._placement = tensors.Placement(spec)
         self._loader = Loader(spec, self._placement, promotion_rules.make(self.config.hot.promotion))
         # A promotion into the top level may evict blocks queued for write-behind: they are copied out first.
-        self._loader.before_put = self._behind.before_put
+        self._loader.before_put = self._storer.behind.before_put
         levels, failures = open_levels(spec, self.config, self._counting, self.observers)
         self._levels, self._closed = levels, False
         self._by_code = {level.code: level for level in levels}
         if any(level.at_store and level.writer is not None for level in levels[1:]) \
                 and hasattr(levels[0].tier, "before_close"):
             # Whoever closes the segment (``cache.hot.unlink()`` too), queued writes keep their blocks.
-            levels[0].tier.before_close = self._behind.rescue_all
+            levels[0].tier.before_close = self._storer.behind.rescue_all
         self._counting.tiers = [level.tier for level in levels]
         warn_degraded(levels, failures, self._counting, self.config.warm.dir if self.config.warm else None)
         if self.config.journal:
@@ -264,91 +264,12 @@ class TieredCache:
                 or from_token % C:
             raise InvalidInput(f"from_token must be a non-negative multiple of chunk_tokens={C}, got {from_token!r}")
         keys = chunk_keys(self.spec, ids[: (n_tokens // C) * C], salt, extra)
-        skip = min(int(from_token) // C, len(keys))
-        todo = self._new_blocks(keys, skip)
+        levels = self._open_levels()
+        todo = self._storer.new_blocks(levels, keys, min(int(from_token) // C, len(keys)))
         if not len(todo):
             return 0
-        new = keys.take(todo)
-        spec = self.spec
-
-        def gather(idx: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
-            # Block new[idx[j]] into rows[at[j]] (rows[j] without ``at``): one copy per run where both
-            # the chunks and the rows are consecutive (one for a fresh prompt). Rows of padded slots
-            # are not one array: block by block.
-            if not len(idx):
-                return
-            pos = todo[idx]
-            at = np.arange(len(idx)) if at is None else at
-            whole = rows.strides[0] == spec.block_bytes
-            edges = np.flatnonzero((np.diff(pos) != 1) | (np.diff(at) != 1) | (not whole)) + 1
-            for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(idx)]):
-                r = int(at[a])
-                model_to_blocks(spec, src, int(pos[a]) * C, rows[r:r + b - a])
-
-        def fill(data: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-            gather(rows, data, slots)  # straight into the slots the top level claimed: no copy of ours
-
-        codes = self._put_now(new, fill, gather)
-        self._write_behind(new, codes)
+        codes = self._storer.store_model(levels, keys, todo, src)
         return int(np.count_nonzero(codes == PutResult.STORED))
-
-    def _new_blocks(self, keys: ChunkKeys, skip: int) -> np.ndarray:
-        """Positions from ``skip`` on of the blocks no level holds that a store would write again: not
-        in the top level, nor in a local level that holds what the top one evicted."""
-        levels = self._open_levels()
-        todo = skip + np.flatnonzero(~levels[0].contains(keys[skip:])) if len(keys) > skip else np.zeros(0, int)
-        for level in levels[1:]:
-            if level.exclusive and len(todo):
-                todo = todo[~level.contains(keys.take(todo))]
-        return todo
-
-    def _put_now(self, new: ChunkKeys, top_payloads: Any,
-                 gather: Callable[[np.ndarray, np.ndarray], None]) -> np.ndarray:
-        """Store blocks no level holds into the top level (``top_payloads``: rows, or a fill callable,
-        see ``HotTier.put_many``), and into each lower level that admits them at store and writes in
-        this thread; blocks the top level has no room for go to the levels below it that admit them.
-        ``gather(idx, rows)`` writes blocks ``new[idx]`` into ``rows``, for the lower levels (through a
-        bounded staging buffer, or into rows queued jobs keep). Returns the top level's ``PutResult``
-        codes; ``_write_behind`` queues the rest."""
-        levels = self._open_levels()
-        top = levels[0]
-        self._behind.before_put(top, len(new))
-        codes = top.put(new, top_payloads)  # the top level raises rather than return None
-        if codes is None:
-            codes = np.full(len(new), PutResult.NO_SPACE, dtype=np.int8)
-        through = [level for level in levels[1:] if level.at_store and level.writer is None]
-        if through:  # written through, a staging buffer's worth at a time
-            with self._store_rows.rows(len(new)) as rows:
-                for g in range(0, len(new), len(rows)):
-                    idx = np.arange(g, min(g + len(rows), len(new)))
-                    gather(idx, rows[:len(idx)])
-                    for level in through:
-                        level.put(new[g:g + len(idx)], rows[:len(idx)])
-        full = np.flatnonzero(codes == PutResult.NO_SPACE)
-        below = [level for i, level in enumerate(levels[1:], start=1)
-                 if (level.at_store and level.writer is not None) or (i == 1 and not level.at_store)]
-        if len(full) and below:
-            # Not in the top level at all (a store larger than it), so no writer can copy them from
-            # there: at-store levels with a writer, and the level below if it takes evicted blocks, get
-            # rows of their own (queued jobs keep them).
-            rows = np.empty((len(full), self.spec.block_bytes), dtype=np.uint8)
-            gather(full, rows)
-            for level in below:
-                level.write(new.take(full), rows)
-        self._counting.add(stored_blocks=int(np.count_nonzero(codes == PutResult.STORED)))
-        return codes
-
-    def _write_behind(self, new: ChunkKeys, codes: np.ndarray) -> None:
-        """Queue the blocks the top level holds now (stored, or there already) on each written-behind
-        level's writer, which copies them out of the top level (``tieredkv.writeback``)."""
-        levels = self._open_levels()
-        held = np.flatnonzero(codes != PutResult.NO_SPACE)
-        if not len(held):
-            return
-        keys = new if len(held) == len(new) else new.take(held)
-        for level in levels[1:]:
-            if level.at_store and level.writer is not None:
-                self._behind.submit(level, levels[0], keys)
 
     # ---- blocks: callers that hold block rows, not model-layout arrays (vLLM's offloading tier) ----
     def put_blocks(self, keys: ChunkKeys, payloads: np.ndarray, *, owned: bool = False) -> np.ndarray:
@@ -371,7 +292,8 @@ class TieredCache:
         keys = check_keys(self.spec, keys)
         rows = as_block_bytes(self.spec, payloads, len(keys))
         codes = np.full(len(keys), PutResult.EXISTS, dtype=np.int8)
-        todo = self._new_blocks(keys, 0)
+        levels = self._open_levels()
+        todo = self._storer.new_blocks(levels, keys, 0)
         if not len(todo):
             return codes
         # Read only during the call (queued writes copy from the top level): no copy of our own.
@@ -381,8 +303,7 @@ class TieredCache:
         def gather(idx: np.ndarray, out: np.ndarray) -> None:
             out[:] = mine[idx]
 
-        codes[todo] = got = self._put_now(new, mine, gather)
-        self._write_behind(new, got)
+        codes[todo] = self._storer.put(levels, new, mine, gather)
         return codes
 
     def locate(self, keys: ChunkKeys) -> np.ndarray:
@@ -508,9 +429,9 @@ class TieredCache:
         loader = getattr(self, "_loader", None)
         if loader is not None:
             loader.release()
-        for staging in (getattr(self, "_store_rows", None), getattr(self, "_behind", None)):
-            if staging is not None:
-                staging.clear()
+        storer = getattr(self, "_storer", None)
+        if storer is not None:
+            storer.release()
 
     def __enter__(self) -> TieredCache:
         return self

@@ -251,6 +251,7 @@ def test_a_compressed_bomb_is_refused_within_its_bound():
 
 
 # ---- 2: malformed replies ----------------------------------------------------------------------------
+@pytest.mark.slow  # ~14 s of deadlines and reconnects: the full suite runs it, the inner loop does not
 def test_malformed_replies_are_counted_misses_not_exceptions(spec, server, hosts):
     tokens = prompt(17, seed=2)
     a = hosts(slow(server.url))

@@ -29,6 +29,7 @@ prints each family's time).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -69,6 +70,24 @@ def stored(family: str) -> int:
     return short // chunk + tokens // chunk + (3 if family == "hybrid-state" else 0)
 
 
+def _vllm_dist_segments() -> set[str]:
+    """vLLM's own shared-memory segments (its TP=2 engines' broadcast queues) in /dev/shm."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")}
+
+
+def _mapped_shm() -> set[str]:
+    """Names under /dev/shm some live process still maps."""
+    names = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        names.update(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)") for line in lines if "/dev/shm/" in line)
+    return names
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-families")
@@ -79,8 +98,16 @@ def runs(tmp_path_factory):
            "prompts": {f: [main[:SHAPES[f][0]], short[:SHAPES[f][1]]] for f in ALL}}
     (tmp / "job.json").write_text(json.dumps(job))
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_families.py"), str(tmp / "job.json")],
-                          capture_output=True, text=True, timeout=2400, check=False)
+    before = _vllm_dist_segments()
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_families.py"), str(tmp / "job.json")],
+                              capture_output=True, text=True, timeout=2400, check=False)
+    finally:
+        # vLLM 0.32 leaves its TP=2 engines' broadcast segments behind: remove the ones these engines
+        # made (new since the start, and mapped by no live process).
+        for name in _vllm_dist_segments() - before - _mapped_shm():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
     assert proc.returncode == 0, f"engines failed:\n{proc.stderr[-6000:]}"
     docs = json.loads((tmp / "out.json").read_text())
     # What each engine start (and its runs) cost, for the suite's time budget (pytest -s shows it).

@@ -75,8 +75,7 @@ def test_identity_is_none_without_active_adapters(base, two_adapters):
 
 def test_base_model_prefix_is_not_restored_under_an_adapter(two_adapters, namespace, tmp_path):
     ids = prompt(N)
-    cache = open_cache(two_adapters, namespace, tmp_path, warm=False)
-    try:
+    with open_cache(two_adapters, namespace, tmp_path, warm=False) as cache:
         runner = hf.CachedPrefill(two_adapters, cache)
         with two_adapters.disable_adapter():
             first = runner.prefill(ids)
@@ -88,14 +87,11 @@ def test_base_model_prefix_is_not_restored_under_an_adapter(two_adapters, namesp
         again = runner.prefill(ids)  # ... and then hits what it stored under "one"
         assert again.cached_tokens == 4 * CHUNK
         assert_logits_close(again, two_adapters, ids)
-    finally:
-        cache.close()
 
 
 def test_one_adapter_never_gets_another_adapters_prefix(two_adapters, namespace, tmp_path):
     ids = prompt(N)
-    cache = open_cache(two_adapters, namespace, tmp_path, warm=False)
-    try:
+    with open_cache(two_adapters, namespace, tmp_path, warm=False) as cache:
         runner = hf.CachedPrefill(two_adapters, cache)
         assert runner.prefill(ids).stored_blocks == 4  # under "one"
         two_adapters.set_adapter("two")
@@ -106,15 +102,12 @@ def test_one_adapter_never_gets_another_adapters_prefix(two_adapters, namespace,
         res = runner.prefill(ids)
         assert res.cached_tokens == 4 * CHUNK
         assert_logits_close(res, two_adapters, ids)
-    finally:
-        cache.close()
 
 
 def test_edited_adapter_weights_miss(two_adapters, namespace, tmp_path):
     """An in-place edit through ``.data`` moves no version counter: the identity still changes."""
     ids = prompt(N)
-    cache = open_cache(two_adapters, namespace, tmp_path, warm=False)
-    try:
+    with open_cache(two_adapters, namespace, tmp_path, warm=False) as cache:
         runner = hf.CachedPrefill(two_adapters, cache)
         assert runner.prefill(ids).stored_blocks == 4
         layer = two_adapters.base_model.model.model.layers[0].self_attn.k_proj
@@ -122,15 +115,12 @@ def test_edited_adapter_weights_miss(two_adapters, namespace, tmp_path):
         res = runner.prefill(ids)
         assert res.cached_tokens == 0
         assert_logits_close(res, two_adapters, ids)
-    finally:
-        cache.close()
 
 
 def test_merged_adapter_keeps_its_identity(two_adapters, namespace, tmp_path):
     """Merging "one" into the base weights computes the same KV as running it unmerged: it may hit."""
     ids = prompt(N)
-    cache = open_cache(two_adapters, namespace, tmp_path, warm=False)
-    try:
+    with open_cache(two_adapters, namespace, tmp_path, warm=False) as cache:
         runner = hf.CachedPrefill(two_adapters, cache)
         assert runner.prefill(ids).stored_blocks == 4
         unmerged = hf_adapters.adapter_identity(two_adapters)
@@ -140,5 +130,3 @@ def test_merged_adapter_keeps_its_identity(two_adapters, namespace, tmp_path):
         assert res.cached_tokens == 4 * CHUNK
         ref = full_logits(two_adapters, ids)[:, -1:]
         assert (res.logits.float() - ref.float()).abs().max().item() <= 1e-4  # merged weights round
-    finally:
-        cache.close()

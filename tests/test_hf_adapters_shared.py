@@ -31,8 +31,7 @@ def test_edited_shared_projection_misses(namespace, tmp_path):
                                 peft.VeraConfig(r=4, target_modules=["k_proj", "v_proj"], init_weights=False))
     model.eval()
     ids = prompt(N)
-    cache = open_cache(model, namespace, tmp_path, warm=False)
-    try:
+    with open_cache(model, namespace, tmp_path, warm=False) as cache:
         runner = hf.CachedPrefill(model, cache)
         assert runner.prefill(ids).stored_blocks == 4
         before = full_logits(model, ids)
@@ -45,5 +44,3 @@ def test_edited_shared_projection_misses(namespace, tmp_path):
         res = runner.prefill(ids)
         assert res.cached_tokens == 0
         assert (res.logits.float() - after[:, -1:].float()).abs().max().item() <= 1e-5
-    finally:
-        cache.close()

@@ -45,8 +45,7 @@ def test_virtual_token_adapters_are_refused(kind, namespace, tmp_path):
                 p.data.fill_(1.0)
     model.eval()
     ids = prompt(N)
-    cache = open_cache(model, namespace, tmp_path, warm=False)
-    try:
+    with open_cache(model, namespace, tmp_path, warm=False) as cache:
         runner = hf.CachedPrefill(model, cache)
         with model.disable_adapter():  # the base model: caches and hits as usual
             assert runner.prefill(ids).stored_blocks == 4
@@ -61,5 +60,3 @@ def test_virtual_token_adapters_are_refused(kind, namespace, tmp_path):
         with pytest.raises(errors.InvalidInput, match=f"(?i){kind}"):
             runner.prefill(ids)
         assert cache.hot.stats().used_blocks == 4  # the refused call stored nothing
-    finally:
-        cache.close()

@@ -56,6 +56,24 @@ def _feed(h: Any, value: bytes) -> None:
     h.update(value)
 
 
+def _feed_tensors(h: Any, attr: str, part: Any, seen: dict[tuple, int] | None = None) -> None:
+    """Feed the tensors of ``part`` (a tensor, or a module's state) under ``attr``: each one's name,
+    dtype and shape, then its bytes. With ``seen``, a tensor already fed in this call (one shared by
+    many layers) is fed as its index there instead of its bytes again."""
+    tensors = part.state_dict() if isinstance(part, torch.nn.Module) else {"": part}
+    for key in sorted(tensors):
+        t = tensors[key]
+        _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
+        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), tuple(t.shape),
+                 t.dtype)
+        if seen is not None and where in seen:
+            _feed(h, f"={seen[where]}".encode())
+            continue
+        if seen is not None:
+            seen[where] = len(seen)
+        h.update(_tensor_bytes(t))
+
+
 def _refuse_unkeyable(model: Any) -> None:
     """Raise if ``model`` runs a peft adapter that injects no tuner layer: prompt learning (prompt,
     prefix, p-tuning: virtual tokens ahead of every prompt, which the chunk keys never see) or an
@@ -110,12 +128,7 @@ def adapter_identity(model: Any) -> bytes | None:
                 holder = getattr(layer, attr, None)
                 if holder is None or adapter not in holder:
                     continue
-                part = holder[adapter]
-                tensors = part.state_dict() if isinstance(part, torch.nn.Module) else {"": part}
-                for key in sorted(tensors):
-                    t = tensors[key]
-                    _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
-                    h.update(_tensor_bytes(t))
+                _feed_tensors(h, attr, holder[adapter])
             for attr in layer.other_param_names:
                 settings = getattr(layer, attr, None)  # a dict, or a BufferDict/ModuleDict/ParameterDict
                 if not isinstance(settings, (dict, torch.nn.Module)):
@@ -127,17 +140,7 @@ def adapter_identity(model: Any) -> bytes | None:
                 if isinstance(value, (torch.Tensor, torch.nn.Module)):
                     # Tensors here change the KV too (VeRA's shared projections, a BufferDict; index
                     # tensors, whose repr would abbreviate): hashed by their bytes, once per call.
-                    tensors = value.state_dict() if isinstance(value, torch.nn.Module) else {"": value}
-                    for key in sorted(tensors):
-                        t = tensors[key]
-                        _feed(h, f"{attr}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
-                        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()),
-                                 tuple(t.shape), t.dtype)
-                        if where in seen:  # the same tensor in another layer (shared): its bytes once
-                            _feed(h, f"={seen[where]}".encode())
-                        else:
-                            seen[where] = len(seen)
-                            h.update(_tensor_bytes(t))
+                    _feed_tensors(h, attr, value, seen)
                 else:
                     _feed(h, f"{attr}={value!r}".encode())
     return h.digest() if acting else None

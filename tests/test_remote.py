@@ -346,8 +346,7 @@ def test_mooncake_master_killed_mid_run_then_restarted(spec, host):
             assert b.lookup(prompt(33, seed=33)).blocks == 0
             time.sleep(0.25)
         assert b.stats()["remote_errors"] >= 3
-        server.start_master()
-        server.wait_ready(60)  # the holder re-mounts its segment on the new master
+        server.restart_master(60)  # the holder re-mounts its segment on the new master
         # Hits resume without restarting either worker: the first calls after the restart may still
         # fail (the client reconnects, the retry window), so new prompts are written until one lands.
         deadline = time.monotonic() + 60

@@ -134,7 +134,7 @@ def watch_pages() -> dict:
 
     worker = get_kv_transfer_group()
     seen: dict = {}
-    save, load = worker.wait_for_save, worker.start_load_kv
+    save = worker.wait_for_save
 
     def snapshot(plans, first_token: int) -> dict:
         """Per group, the prompt positions (in blocks) of the plan's real blocks (a sliding group's null
@@ -152,16 +152,12 @@ def watch_pages() -> dict:
         meta = worker._get_connector_metadata()
         if meta.saves and "saved" not in seen:
             seen["saved"] = snapshot(meta.saves, meta.saves[0].start_token)
-        save()
-
-    def start_load_kv(forward_context, **kwargs) -> None:
-        load(forward_context, **kwargs)
-        meta = worker._get_connector_metadata()
+        save()  # waits for the step's loads first (layer-wise loads run on a thread until then)
         if meta.loads and "loaded" not in seen:
             plan = meta.loads[0]  # its hit starts at a chunk (a window hit: the window's first)
             seen["loaded"] = snapshot(meta.loads, plan.hit.keys.start * worker.spec.chunk_tokens + plan.skip_tokens)
 
-    worker.wait_for_save, worker.start_load_kv = wait_for_save, start_load_kv
+    worker.wait_for_save = wait_for_save
     return seen
 
 

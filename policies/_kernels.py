@@ -277,6 +277,21 @@ def s3fifo_miss(w, tk, tr, keys, L, R, cap, shift):
 
 def s3fifo_insert(queue, freq, order, resident, key64, slots, w, tk, tr, L, R, shift, warm, small_cap, seq):
     """``S3FIFO.on_insert`` (``warm``: nothing evicted yet); returns the new ``s3_seq``."""
+    small = 0
+    if warm:
+        in_batch = np.zeros(len(resident), dtype=np.bool_)
+        for i in range(len(slots)):
+            in_batch[slots[i]] = True
+        for s in range(len(resident)):
+            if resident[s] == 1 and not in_batch[s] and queue[s] == 0:
+                small += 1
+    return s3fifo_insert_counted(queue, freq, order, key64, slots, w, tk, tr, L, R, shift, warm,
+                                 max(small_cap - small, 0), seq)
+
+
+def s3fifo_insert_counted(queue, freq, order, key64, slots, w, tk, tr, L, R, shift, warm, room, seq):
+    """``s3fifo_insert`` once the room left in S is known (``small_cap`` less the resident small
+    blocks outside the batch; read only when ``warm``): the compiled replay keeps that count."""
     n = len(slots)
     q = np.zeros(n, dtype=np.int64)
     for i in range(n):
@@ -286,14 +301,6 @@ def s3fifo_insert(queue, freq, order, resident, key64, slots, w, tk, tr, L, R, s
         if q[i] == 1:
             _ghost_remove(w, tk, tr, key64[slots[i]], L, R, shift)
     if warm:
-        in_batch = np.zeros(len(resident), dtype=np.bool_)
-        for i in range(n):
-            in_batch[slots[i]] = True
-        small = 0
-        for s in range(len(resident)):
-            if resident[s] == 1 and not in_batch[s] and queue[s] == 0:
-                small += 1
-        room = max(small_cap - small, 0)
         for i in range(n):
             if q[i] == 0:
                 if room > 0:
@@ -423,7 +430,12 @@ def arc_insert(lists, resident, key64, slots, w, tk, tr, L, R, shift, p, n_slots
     for i in range(len(slots)):         # the batch (resident already) is not counted
         n_res -= 1
         t1 -= lists[slots[i]] == 1
-    t2 = n_res - t1
+    return arc_insert_counted(lists, key64, slots, w, tk, tr, L, R, shift, p, n_slots, t1, n_res - t1)
+
+
+def arc_insert_counted(lists, key64, slots, w, tk, tr, L, R, shift, p, n_slots, t1, t2):
+    """``arc_insert`` once T1's and T2's resident lengths outside the batch are known (the compiled
+    replay keeps them)."""
     c = n_slots
     for i in range(len(slots)):
         s = slots[i]
@@ -511,8 +523,8 @@ def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_inc
 #: Compiled in this order on ``bind`` (a function calls the compiled versions of those before it).
 _ORDER = ("_sift_down", "_heap_add", "k_smallest", "oldest", "smallest_lex", "walk_next", "ghost_len", "ghost_find",
           "ghost_mark", "ghost_push", "clock_insert", "saturating_hit", "sieve_insert", "sieve_hit",
-          "sieve_choose", "s3fifo_miss", "s3fifo_insert", "s3fifo_remove", "s3fifo_choose", "arc_adapt",
-          "arc_miss", "arc_insert", "arc_hit", "arc_remove", "arc_choose")
+          "sieve_choose", "s3fifo_miss", "s3fifo_insert_counted", "s3fifo_insert", "s3fifo_remove", "s3fifo_choose",
+          "arc_adapt", "arc_miss", "arc_insert_counted", "arc_insert", "arc_hit", "arc_remove", "arc_choose")
 
 
 def bind(compile_, tfind, ghost_push, ghost_remove, ghost_pop) -> None:

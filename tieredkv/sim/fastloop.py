@@ -30,6 +30,8 @@ from tieredkv.policies.lru import LRU
 from tieredkv.policies.s3fifo import S3FIFO
 from tieredkv.policies.sieve import Sieve
 
+from . import victims as vs
+
 __all__ = ["KINDS", "supports", "run"]
 
 #: Policy classes with a compiled replay, and the number the loop dispatches on.
@@ -82,6 +84,34 @@ def _choose(kind, fields, g, gf, gi, prm, n, cand, ids, w, tk, tr, L, R, shift):
     return _kernels.arc_choose(f0, resident, last, cand, n, gf[gi[0]], ids, True, w, tk, tr, L, R, shift)
 
 
+def _choose_inc(kind, fields, g, gf, gi, prm, n, cand, count, ids, w, tk, tr, L, R, shift, vic):
+    """``_choose`` from the lists kept incrementally (``victims``): the same victims in the same
+    order, the same state words written. ``count``: the candidates (resident, not pinned)."""
+    links, lists, where, aux = vic
+    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
+    if kind <= 1:
+        victims = np.empty(n, dtype=np.int64)
+        return victims[:vs.oldest_of(links, lists, where, 0, cand, n, victims, 0)]
+    if kind == 2:
+        return vs.lfu_choose(links, lists, where, aux, cand, n)
+    if kind == 3:
+        victims, seq = vs.clock_choose(links, lists, where, f0, f1, cand, n, count, g[gi[0]])
+        g[gi[0]] = seq
+        return victims
+    if kind == 4:
+        victims, hand = vs.sieve_choose(links, lists, where, aux, f0, f1, cand, n, g[gi[1]])
+        g[gi[1]] = hand
+        return victims
+    if kind == 5:
+        victims, seq = vs.s3fifo_choose(links, lists, where, f0, f1, f2, cand, n, len(fields[0]), prm[0], prm[1],
+                                        g[gi[0]])
+        g[gi[0]] = seq
+        if len(victims):
+            g[gi[1]] = 1
+        return victims
+    return vs.arc_choose(links, lists, where, f0, cand, n, gf[gi[0]], ids, w, tk, tr, L, R, shift)
+
+
 def _on_remove(kind, f0, key64, slots, w, tk, tr, L, R, gcap, shift):
     if kind == 5:
         _kernels.s3fifo_remove(f0, key64, slots, w, tk, tr, L, R, gcap, shift)
@@ -101,6 +131,23 @@ def _on_insert(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift):
                                           prm[0], g[gi[0]])
     elif kind == 6:
         gf[gi[0]] = _kernels.arc_insert(f0, resident, key64, slots, w, tk, tr, L, R, shift, gf[gi[0]], len(resident))
+
+
+def _on_insert_inc(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift, vic):
+    """``_on_insert``, with S3-FIFO's and ARC's queue lengths read from the lists rather than counted
+    over all the slots, then the slots put on their lists."""
+    links, lists, where, aux = vic
+    key64 = fields[1]
+    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
+    if kind == 5:
+        g[gi[0]] = _kernels.s3fifo_insert_counted(f0, f1, f2, key64, slots, w, tk, tr, L, R, shift, g[gi[1]] == 0,
+                                                  max(prm[0] - lists[2, 0], 0), g[gi[0]])
+    elif kind == 6:
+        gf[gi[0]] = _kernels.arc_insert_counted(f0, key64, slots, w, tk, tr, L, R, shift, gf[gi[0]], len(fields[0]),
+                                                lists[2, 1], lists[2, 2])
+    else:
+        _on_insert(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift)
+    vs.on_insert(kind, links, lists, where, aux, f0, slots)
 
 
 def _link(kids, parent, slots):
@@ -152,15 +199,20 @@ def _remove_common(resident, parent, n_children, slots, kids):
 
 
 def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gcap, shift, slot_of, block_at, free,
-           top, cand, kids):
+           top, cand, kids, inc, vic):
     """``base.evict`` of ``need`` victims, never the ``pinned`` slots (the request's hits), then the
-    victims' slots back on the free stack; returns (new top, victims)."""
+    victims' slots back on the free stack; returns (new top, victims). ``inc``: choose from the
+    incremental lists ``vic`` (``_choose_inc``), else with the policies' kernels."""
     nh = len(pinned)
     for j in range(nh):
         cand[pinned[j]] = False
     nv = 0
     if g[1] - nh > 0:                       # some resident slot is a candidate
-        victims = _choose(kind, fields, g, gf, gi, prm, need, cand, ids, w, tk, tr, L, R, shift)
+        if inc:
+            victims = _choose_inc(kind, fields, g, gf, gi, prm, need, cand, g[1] - nh, ids, w, tk, tr, L, R, shift,
+                                  vic)
+        else:
+            victims = _choose(kind, fields, g, gf, gi, prm, need, cand, ids, w, tk, tr, L, R, shift)
         nv = len(victims)
         if nv:                              # base.remove: the policy's hook, then the common fields
             _on_remove(kind, fields[_COMMON], fields[1], victims, w, tk, tr, L, R, gcap, shift)
@@ -179,9 +231,9 @@ def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gca
 
 
 def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, tr, L, R, gcap, shift,
-            slot_of, block_at, free, cand, kids, acc):
+            slot_of, block_at, free, cand, kids, acc, inc, vic):
     """Requests ``r0`` to ``r1``, as ``replay.simulate`` serves them; ``acc`` holds (hits, prefix hits,
-    evictions, free-stack top) across calls."""
+    evictions, free-stack top) across calls; ``inc``: keep and use the incremental victim lists ``vic``."""
     resident, key64, last, ins, hits = fields[0], fields[1], fields[2], fields[3], fields[4]
     parent, n_children, position = fields[5], fields[6], fields[7]
     f0 = fields[_COMMON]
@@ -216,6 +268,8 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
                 hits[hit_slots[j]] += 1
             g[0] = t
             _on_hit(kind, f0, fields[_COMMON + 1], prm, hit_slots[:nh])
+            if inc:
+                vs.on_hit(kind, vic[0], vic[1], vic[2], vic[3], hits, hit_slots[:nh])
             n_hits += nh
         if nm == 0:
             n_prefix += nh
@@ -230,7 +284,7 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
         _on_miss(kind, f0, gf, gi, ids[:m], w, tk, tr, L, R, gcap, shift, n_slots)   # base.evict's on_miss
         if need > 0:
             top, nv = _evict(kind, fields, g, gf, gi, prm, need, hit_slots[:nh], ids[:m], w, tk, tr, L, R, gcap,
-                             shift, slot_of, block_at, free, top, cand, kids)
+                             shift, slot_of, block_at, free, top, cand, kids, inc, vic)
             evictions += nv
         k = min(m, top)
         if k == 0:
@@ -251,7 +305,10 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
         g[1] += k
         for j in range(k):
             cand[new[j]] = True
-        _on_insert(kind, fields, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift)
+        if inc:
+            _on_insert_inc(kind, fields, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift, vic)
+        else:
+            _on_insert(kind, fields, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift)
     acc[0], acc[1], acc[2], acc[3] = n_hits, n_prefix, evictions, top
 
 
@@ -268,9 +325,13 @@ def _has_repeats(blocks, offsets, n_ids):
 
 def _bind() -> None:
     global _compiled, _on_miss, _on_hit, _choose, _on_remove, _on_insert, _link, _remove_common, _evict, _has_repeats
-    compile_ = _jit.compiler(__file__)   # cached, and compiled afresh when any kernel's source changes
+    global _choose_inc, _on_insert_inc
+    # Cached, and compiled afresh when any kernel's source changes (this file's and the lists' too).
+    compile_ = _jit.compiler(__file__, vs.__file__)
+    vs.bind(compile_)
     _on_miss, _on_hit, _choose = compile_(_on_miss), compile_(_on_hit), compile_(_choose)
     _on_remove, _on_insert, _has_repeats = compile_(_on_remove), compile_(_on_insert), compile_(_has_repeats)
+    _choose_inc, _on_insert_inc = compile_(_choose_inc), compile_(_on_insert_inc)
     _link, _remove_common, _evict = compile_(_link), compile_(_remove_common), compile_(_evict)
     _compiled = compile_(_replay)
 
@@ -281,8 +342,17 @@ def supports(policy) -> bool:
     return _jit.ENABLED and type(policy) in KINDS
 
 
-def run(cache, trace, progress: Callable[[int], None] | None = None) -> tuple[int, int] | None:
+def run(cache, trace, progress: Callable[[int], None] | None = None, *,
+        incremental: bool = True) -> tuple[int, int] | None:
     """Replay ``trace`` into ``cache`` (a fresh ``replay._Cache``) in the compiled loop.
+
+    Args:
+        cache: the level to fill.
+        trace: the requests.
+        progress: called with the number of requests done since the last call.
+        incremental: choose the victims from lists kept incrementally (``victims``: O(victims) per
+            eviction); False: with the policies' own kernels, which pass over all the slots (the
+            hot tier's way; the same decisions, kept to compare).
 
     Returns:
         ``(hits, prefix hits)``, with ``cache``'s state, maps, free slots and eviction count as the
@@ -319,13 +389,15 @@ def run(cache, trace, progress: Callable[[int], None] | None = None) -> tuple[in
         raise ValueError("the compiled replay starts from an empty cache")
     kids = np.full((3, cache.capacity), -1, dtype=np.int64)   # first child, next and previous sibling
     acc = np.array([0, 0, cache.evictions, len(cache.free)], dtype=np.int64)
+    kind = KINDS[type(policy)]
+    vic = vs.new(cache.capacity, vs.lists_for(kind, trace.n_requests) if incremental else 1)
     g = st.globals_view()
     step = max(trace.n_requests // 100, 1) if progress is not None else trace.n_requests
     for r0 in range(0, trace.n_requests, max(step, 1)):
         r1 = min(r0 + step, trace.n_requests)
-        _compiled(KINDS[type(policy)], blocks, prev, offsets, r0, r1, tuple(fields), g, st.globals_view(np.float64),
+        _compiled(kind, blocks, prev, offsets, r0, r1, tuple(fields), g, st.globals_view(np.float64),
                   gi, np.array(prm, dtype=np.int64), w, tk, tr, L, R, gcap, shift, cache.slot_of, cache.block_at,
-                  free, cand, kids, acc)
+                  free, cand, kids, acc, incremental, vic)
         if progress is not None:
             progress(r1 - r0)
     cache.evictions = int(acc[2])

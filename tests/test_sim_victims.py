@@ -114,3 +114,130 @@ def test_lists_keep_push_order_through_moves_and_unlinks():
     got = np.empty(3, dtype=np.int64)
     assert victims.oldest_of(links, lists, where, 0, cand, 2, got, 0) == 2 and list(got[:2]) == [4, 0]
     assert walk(0) == [1]
+
+
+# ---- each walk against its kernel on random states (small, so the walks wrap and run dry) ----------
+def _lists_from(n_slots: int, n_lists: int, members: list[np.ndarray]):
+    """The lists as the replay keeps them: list ``i`` holds ``members[i]`` in the given order."""
+    links, lists, where, aux = victims.new(n_slots, n_lists)
+    for lst, slots in enumerate(members):
+        for s in slots:
+            victims.push(links, lists, where, lst, int(s))
+    return links, lists, where, aux
+
+
+def _random_state(rng, n_slots: int):
+    resident = (rng.random(n_slots) < 0.85).astype(np.int64)
+    cand = (resident == 1) & (rng.random(n_slots) < 0.8)     # the others pinned
+    order = rng.permutation(4 * n_slots)[:n_slots].astype(np.int64)
+    return resident, cand, order
+
+
+def _by_order(order: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    slots = np.flatnonzero(mask)
+    return slots[np.argsort(order[slots], kind="stable")]
+
+
+def _assert_lists_match(links, lists, members: list[np.ndarray]):
+    for lst, want in enumerate(members):
+        got, s = [], lists[0, lst]
+        while s >= 0:
+            got.append(int(s))
+            s = links[0, s]
+        assert got == want.tolist() and lists[2, lst] == len(want)
+
+
+TRIALS = [(seed, n_slots) for seed in range(40) for n_slots in (1, 5, 23)]
+
+
+@pytest.mark.parametrize("seed,n_slots", TRIALS)
+def test_clock_and_sieve_walks_match_their_kernels(seed, n_slots):
+    from tieredkv.policies import _kernels
+
+    rng = np.random.default_rng(seed)
+    resident, cand, order = _random_state(rng, n_slots)
+    ref = rng.integers(0, 3, n_slots).astype(np.int64)
+    n = int(rng.integers(1, n_slots + 3))
+    seq = 4 * n_slots
+    r1, o1, r2, o2 = ref.copy(), order.copy(), ref.copy(), order.copy()
+    want, want_seq = _jit.clock_choose(r1, o1, cand.copy(), n, seq)
+    links, lists, where, aux = _lists_from(n_slots, 1, [_by_order(order, resident == 1)])
+    got, got_seq = victims.clock_choose(links, lists, where, r2, o2, cand.copy(), n, int(cand.sum()), seq,
+                                          np.empty(n, np.int64))
+    assert got.tolist() == want.tolist() and got_seq == want_seq
+    assert np.array_equal(r1, r2) and np.array_equal(o1, o2)
+    left = (resident == 1).copy()
+    left[want] = False
+    _assert_lists_match(links, lists, [_by_order(o1, left)])
+
+    if not resident.any():
+        return
+    visited = rng.integers(0, 2, n_slots).astype(np.int64)
+    res_orders = order[resident == 1]
+    hand_at = int(rng.choice([0, int(rng.choice(res_orders)), int(rng.choice(res_orders)) + 1]))
+    v1, v2 = visited.copy(), visited.copy()
+    want, want_hand = _kernels.sieve_choose(v1, order, resident, cand.copy(), n, hand_at)
+    for known_hand in (False, True):
+        v2 = visited.copy()
+        links, lists, where, aux = _lists_from(n_slots, 1, [_by_order(order, resident == 1)])
+        if known_hand:   # the slot the replay would remember; unknown (-1): found by a scan
+            at = [s for s in _by_order(order, resident == 1) if order[s] >= hand_at]
+            aux[victims.HAND] = at[0] if at else -1
+        got, got_hand = victims.sieve_choose(links, lists, where, aux, v2, order, cand.copy(), n, hand_at,
+                                                     np.empty(n, np.int64))
+        assert got.tolist() == want.tolist() and got_hand == want_hand and np.array_equal(v1, v2)
+
+
+@pytest.mark.parametrize("seed,n_slots", TRIALS)
+def test_s3fifo_and_lfu_walks_match_their_kernels(seed, n_slots):
+    from tieredkv.policies import _kernels
+
+    rng = np.random.default_rng(1000 + seed)
+    resident, cand, order = _random_state(rng, n_slots)
+    queue = rng.integers(0, 2, n_slots).astype(np.int64)
+    freq = rng.integers(0, 4, n_slots).astype(np.int64)
+    n = int(rng.integers(1, n_slots + 3))
+    small_cap = int(rng.integers(0, n_slots + 1))
+    seq = 4 * n_slots
+    q1, f1, o1 = queue.copy(), freq.copy(), order.copy()
+    want, want_seq = _kernels.s3fifo_choose(q1, f1, o1, resident, cand.copy(), n, n_slots, small_cap, 2, seq)
+    q2, f2, o2 = queue.copy(), freq.copy(), order.copy()
+    res = resident == 1
+    links, lists, where, aux = _lists_from(n_slots, 3, [_by_order(order, res & (queue == 0)),
+                                                         _by_order(order, res & (queue == 1))])
+    got, got_seq = victims.s3fifo_choose(links, lists, where, q2, f2, o2, cand.copy(), n, n_slots, small_cap, 2, seq,
+                                           np.empty(n, np.int64))
+    assert got.tolist() == want.tolist() and got_seq == want_seq
+    assert np.array_equal(q1, q2) and np.array_equal(f1, f2) and np.array_equal(o1, o2)
+    left = res.copy()
+    left[want] = False
+    _assert_lists_match(links, lists, [_by_order(o1, left & (q1 == 0)), _by_order(o1, left & (q1 == 1))])
+
+    hits = rng.integers(0, 4, n_slots).astype(np.int64)
+    want = _kernels.smallest_lex(hits, order, n, cand.copy())
+    links, lists, where, aux = _lists_from(n_slots, 5, [_by_order(order, res & (hits == b)) for b in range(4)])
+    aux[victims.TOP] = 3
+    got = victims.lfu_choose(links, lists, where, aux, cand.copy(), n, np.empty(n, np.int64))
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("seed,n_slots", TRIALS)
+def test_arc_walk_matches_its_kernel(seed, n_slots):
+    from tieredkv.policies import _kernels
+
+    rng = np.random.default_rng(2000 + seed)
+    resident, cand, last = _random_state(rng, n_slots)
+    arc_list = rng.integers(1, 3, n_slots).astype(np.int64)
+    st = policies.SlotState.private(policies.make("arc"), max(n_slots, 8))
+    incoming = rng.integers(1, 50, int(rng.integers(0, n_slots + 3))).astype(np.int64)
+    st.ghost_push(np.unique(incoming[rng.random(len(incoming)) < 0.5]), 1)   # some of them are in B2
+    w, tk, tr, L, R, _, shift = st.ghost_args()
+    n = int(rng.integers(1, n_slots + 3))
+    p = float(rng.integers(0, n_slots + 1))
+    want = _kernels.arc_choose(arc_list, resident, last, cand.copy(), n, p, incoming, True, w, tk, tr, L, R, shift)
+    res = resident == 1
+    links, lists, where, aux = _lists_from(n_slots, 3, [np.zeros(0, np.int64), _by_order(last, res & (arc_list == 1)),
+                                                         _by_order(last, res & (arc_list == 2))])
+    got = victims.arc_choose(links, lists, where, arc_list, cand.copy(), n, p, incoming, w, tk, tr, L, R, shift,
+                             np.empty(n, np.int64))
+    assert got.tolist() == want.tolist()

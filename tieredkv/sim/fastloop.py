@@ -84,32 +84,32 @@ def _choose(kind, fields, g, gf, gi, prm, n, cand, ids, w, tk, tr, L, R, shift):
     return _kernels.arc_choose(f0, resident, last, cand, n, gf[gi[0]], ids, True, w, tk, tr, L, R, shift)
 
 
-def _choose_inc(kind, fields, g, gf, gi, prm, n, cand, count, ids, w, tk, tr, L, R, shift, vic):
+def _choose_inc(kind, fields, g, gf, gi, prm, n, cand, count, ids, w, tk, tr, L, R, shift, vic, victims):
     """``_choose`` from the lists kept incrementally (``victims``): the same victims in the same
-    order, the same state words written. ``count``: the candidates (resident, not pinned)."""
+    order, the same state words written. ``count``: the candidates (resident, not pinned);
+    ``victims``: a buffer of at least ``n`` words, which the returned victims are a part of."""
     links, lists, where, aux = vic
     f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
     if kind <= 1:
-        victims = np.empty(n, dtype=np.int64)
         return victims[:vs.oldest_of(links, lists, where, 0, cand, n, victims, 0)]
     if kind == 2:
-        return vs.lfu_choose(links, lists, where, aux, cand, n)
+        return vs.lfu_choose(links, lists, where, aux, cand, n, victims)
     if kind == 3:
-        victims, seq = vs.clock_choose(links, lists, where, f0, f1, cand, n, count, g[gi[0]])
+        victims, seq = vs.clock_choose(links, lists, where, f0, f1, cand, n, count, g[gi[0]], victims)
         g[gi[0]] = seq
         return victims
     if kind == 4:
-        victims, hand = vs.sieve_choose(links, lists, where, aux, f0, f1, cand, n, g[gi[1]])
+        victims, hand = vs.sieve_choose(links, lists, where, aux, f0, f1, cand, n, g[gi[1]], victims)
         g[gi[1]] = hand
         return victims
     if kind == 5:
         victims, seq = vs.s3fifo_choose(links, lists, where, f0, f1, f2, cand, n, len(fields[0]), prm[0], prm[1],
-                                        g[gi[0]])
+                                        g[gi[0]], victims)
         g[gi[0]] = seq
         if len(victims):
             g[gi[1]] = 1
         return victims
-    return vs.arc_choose(links, lists, where, f0, cand, n, gf[gi[0]], ids, w, tk, tr, L, R, shift)
+    return vs.arc_choose(links, lists, where, f0, cand, n, gf[gi[0]], ids, w, tk, tr, L, R, shift, victims)
 
 
 def _on_remove(kind, f0, key64, slots, w, tk, tr, L, R, gcap, shift):
@@ -199,10 +199,11 @@ def _remove_common(resident, parent, n_children, slots, kids):
 
 
 def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gcap, shift, slot_of, block_at, free,
-           top, cand, kids, inc, vic):
+           top, cand, kids, inc, vic, vbuf):
     """``base.evict`` of ``need`` victims, never the ``pinned`` slots (the request's hits), then the
     victims' slots back on the free stack; returns (new top, victims). ``inc``: choose from the
-    incremental lists ``vic`` (``_choose_inc``), else with the policies' kernels."""
+    incremental lists ``vic`` (``_choose_inc``, into the buffer ``vbuf``), else with the policies'
+    kernels."""
     nh = len(pinned)
     for j in range(nh):
         cand[pinned[j]] = False
@@ -210,7 +211,7 @@ def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gca
     if g[1] - nh > 0:                       # some resident slot is a candidate
         if inc:
             victims = _choose_inc(kind, fields, g, gf, gi, prm, need, cand, g[1] - nh, ids, w, tk, tr, L, R, shift,
-                                  vic)
+                                  vic, vbuf)
         else:
             victims = _choose(kind, fields, g, gf, gi, prm, need, cand, ids, w, tk, tr, L, R, shift)
         nv = len(victims)
@@ -244,6 +245,7 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
     hit_slots = np.empty(longest, dtype=np.int64)
     miss_at = np.empty(longest, dtype=np.int64)
     ids = np.empty(longest, dtype=np.int64)
+    vbuf = np.empty(max(n_slots, 1), dtype=np.int64)
     pids = np.empty(longest, dtype=np.int64)
     new = np.empty(longest, dtype=np.int64)
     parents = np.empty(longest, dtype=np.int64)
@@ -284,7 +286,7 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
         _on_miss(kind, f0, gf, gi, ids[:m], w, tk, tr, L, R, gcap, shift, n_slots)   # base.evict's on_miss
         if need > 0:
             top, nv = _evict(kind, fields, g, gf, gi, prm, need, hit_slots[:nh], ids[:m], w, tk, tr, L, R, gcap,
-                             shift, slot_of, block_at, free, top, cand, kids, inc, vic)
+                             shift, slot_of, block_at, free, top, cand, kids, inc, vic, vbuf)
             evictions += nv
         k = min(m, top)
         if k == 0:
@@ -382,8 +384,13 @@ def run(cache, trace, progress: Callable[[int], None] | None = None, *,
     else:
         prm = [0, 0, 0]
     w, tk, tr, L, R, gcap, shift = st.ghost_args()
-    free = np.zeros(cache.capacity, dtype=np.int64)
-    free[:len(cache.free)] = cache.free
+    if len(cache.free) == cache.capacity and not cache.evictions:
+        # A fresh cache's stack (capacity - 1 down to 0: nothing was stored, so none was evicted),
+        # without converting the list.
+        free = np.arange(cache.capacity - 1, -1, -1, dtype=np.int64)
+    else:
+        free = np.zeros(cache.capacity, dtype=np.int64)
+        free[:len(cache.free)] = cache.free
     cand = st.resident == 1
     if st.resident.any():
         raise ValueError("the compiled replay starts from an empty cache")

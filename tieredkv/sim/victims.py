@@ -28,6 +28,9 @@ over all the slots. ``tests/test_sim_victims.py`` replays slices of both Mooncak
 kernels' selection and with these lists and compares hits, prefix hits, evictions and every word
 of the state; ``tests/test_sim_fastloop.py`` compares both with the numpy policies.
 
+The ``*_choose`` walks write their victims into ``victims`` (an int64 buffer of at least ``n``
+words, reused: no allocation per eviction) and return the filled part of it.
+
 Plain Python until ``bind`` compiles them (``tieredkv.sim.fastloop`` does, with numba).
 
 Arrays: ``links`` int64 ``(2, n_slots)``: next and previous slot (-1: none); ``lists`` int64
@@ -159,9 +162,8 @@ def on_insert(kind, links, lists, where, aux, queue, slots):
         aux[LOW] = 0
 
 
-def lfu_choose(links, lists, where, aux, cand, n):
+def lfu_choose(links, lists, where, aux, cand, n, victims):
     """``_kernels.smallest_lex(hits, last_access)``: buckets from the lowest, each oldest first."""
-    victims = np.empty(n, dtype=np.int64)
     b = aux[LOW]
     while b <= aux[TOP] and lists[2, b] == 0:
         b += 1
@@ -174,9 +176,8 @@ def lfu_choose(links, lists, where, aux, cand, n):
     return victims[:got]
 
 
-def clock_choose(links, lists, where, ref, order, cand, n, count, seq):
+def clock_choose(links, lists, where, ref, order, cand, n, count, seq, victims):
     """``_jit.clock_choose``: returns (victims, new ``clock_seq``). ``count``: candidates."""
-    victims = np.empty(min(n, count), dtype=np.int64)
     got = 0
     s = lists[0, 0]
     while got < n and got < count and s >= 0:
@@ -198,7 +199,7 @@ def clock_choose(links, lists, where, ref, order, cand, n, count, seq):
     return victims[:got], seq
 
 
-def sieve_choose(links, lists, where, aux, visited, order, cand, n, hand_at):
+def sieve_choose(links, lists, where, aux, visited, order, cand, n, hand_at, victims):
     """``_kernels.sieve_choose``: returns (victims, new ``sieve_hand``)."""
     head = order[lists[1, 0]]                  # the largest order of a resident slot
     if hand_at == 0:
@@ -213,7 +214,6 @@ def sieve_choose(links, lists, where, aux, visited, order, cand, n, hand_at):
             while t >= 0 and order[t] >= hand_at:
                 p = t
                 t = links[1, t]
-    victims = np.empty(n, dtype=np.int64)
     got = 0
     fresh = False
     while got < n:
@@ -239,14 +239,14 @@ def sieve_choose(links, lists, where, aux, visited, order, cand, n, hand_at):
     return victims[:got], hand_at
 
 
-def s3fifo_choose(links, lists, where, queue, freq, order, cand, n, n_slots, small_cap, move_threshold, seq):
+def s3fifo_choose(links, lists, where, queue, freq, order, cand, n, n_slots, small_cap, move_threshold, seq,
+                  victims):
     """``_kernels.s3fifo_choose``: returns (victims, new ``s3_seq``)."""
     n_small = lists[2, 0]
     n_main = lists[2, 1]
     main_cap = n_slots - small_cap
     ps = UNSTARTED
     pm = UNSTARTED
-    victims = np.empty(n, dtype=np.int64)
     got = 0
     while got < n:
         from_main = n_main > main_cap or n_small == 0
@@ -297,12 +297,11 @@ def s3fifo_choose(links, lists, where, queue, freq, order, cand, n, n_slots, sma
     return victims[:got], seq
 
 
-def arc_choose(links, lists, where, arc_list, cand, n, p, incoming, w, tk, tr, L, R, shift):
+def arc_choose(links, lists, where, arc_list, cand, n, p, incoming, w, tk, tr, L, R, shift, victims):
     """``_kernels.arc_choose`` (with ``incoming``): T1's or T2's least recent candidates."""
     t1 = lists[2, 1]
     c1 = UNSTARTED
     c2 = UNSTARTED
-    victims = np.empty(n, dtype=np.int64)
     got = 0
     for i in range(n):
         j = len(incoming) - n + i

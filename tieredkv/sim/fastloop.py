@@ -16,6 +16,7 @@ ARC, as registered, not subclasses) when the kernels are enabled; the others rep
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -338,6 +339,26 @@ def _bind() -> None:
     _compiled = compile_(_replay)
 
 
+#: Per trace: what ``_prepared`` derived from it (a sweep replays one trace dozens of times).
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _prepared(trace, n_ids: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """``(blocks, offsets, previous block per access or -1, whether a request repeats an id)`` of
+    ``trace``, computed once per trace object (a ``Trace`` is frozen)."""
+    got = _PREPARED.get(trace)
+    if got is not None and got[0] is trace.blocks and got[1] is trace.offsets and got[2] == n_ids:
+        return got[3]
+    blocks = np.ascontiguousarray(trace.blocks, dtype=np.int64)
+    offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
+    prev = np.empty_like(blocks)
+    prev[1:] = blocks[:-1]
+    prev[offsets[:-1][offsets[:-1] < len(blocks)]] = -1
+    out = (blocks, offsets, prev, bool(_has_repeats(blocks, offsets, n_ids)))
+    _PREPARED[trace] = (trace.blocks, trace.offsets, n_ids, out)
+    return out
+
+
 def supports(policy) -> bool:
     """Whether ``policy`` replays in the compiled loop here (its class has kernels for every hook and
     the kernels are enabled)."""
@@ -364,14 +385,9 @@ def run(cache, trace, progress: Callable[[int], None] | None = None, *,
     if _compiled is None:
         _bind()
     policy, st = cache.policy, cache.st
-    n_ids = len(cache.slot_of)
-    blocks = np.ascontiguousarray(trace.blocks, dtype=np.int64)
-    offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
-    if _has_repeats(blocks, offsets, n_ids):
+    blocks, offsets, prev, repeats = _prepared(trace, len(cache.slot_of))
+    if repeats:
         return None
-    prev = np.empty_like(blocks)
-    prev[1:] = blocks[:-1]
-    prev[offsets[:-1][offsets[:-1] < len(blocks)]] = -1
     layout = st.layout
     names = layout.slot_fields
     fields = [getattr(st, f) for f in names]

@@ -16,6 +16,7 @@ File formats (chosen from the file's suffix, or by ``fmt=``):
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -75,8 +76,9 @@ class Trace:
     def n_accesses(self) -> int:
         return int(self.offsets[-1])
 
-    @property
+    @functools.cached_property
     def unique_blocks(self) -> int:
+        # Cached (a pass over every access; a sweep asks once per replay): a Trace is frozen.
         return int(self.blocks.max()) + 1 if len(self.blocks) else 0
 
     def request(self, i: int) -> np.ndarray:

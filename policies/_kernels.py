@@ -326,6 +326,18 @@ def s3fifo_remove(queue, key64, slots, w, tk, tr, L, R, cap, shift):
     ghost_push(w, tk, tr, keys[:k], 0, L, R, cap, shift, True)
 
 
+def s3fifo_requeue(queue, freq, order, s, to_main, seq):
+    """A block S3-FIFO's walk passes instead of evicting: from S to M (``to_main``: it was hit
+    often enough; its count restarts) or back to M's tail (one hit spent); returns the next ``seq``."""
+    if to_main:
+        queue[s] = 1
+        freq[s] = 0
+    else:
+        freq[s] -= 1
+    order[s] = seq
+    return seq + 1
+
+
 def s3fifo_choose(queue, freq, order, resident, candidates, n, n_slots, small_cap, move_threshold, seq):
     """``S3FIFO.choose``: returns (victims, new ``s3_seq``)."""
     n_small = 0
@@ -358,10 +370,7 @@ def s3fifo_choose(queue, freq, order, resident, candidates, n, n_slots, small_ca
                 small_mask[s] = False
                 n_small -= 1
                 if freq[s] >= move_threshold:
-                    queue[s] = 1
-                    freq[s] = 0
-                    order[s] = seq
-                    seq += 1
+                    seq = s3fifo_requeue(queue, freq, order, s, True, seq)
                     main_mask[s] = True
                     n_main += 1
                 else:
@@ -372,11 +381,8 @@ def s3fifo_choose(queue, freq, order, resident, candidates, n, n_slots, small_ca
                 s, mbuf, mat, mafter, msize = walk_next(order, main_mask, mbuf, mat, mafter, msize)
                 if s < 0:
                     break
-                f = freq[s]
-                if f:
-                    freq[s] = f - 1
-                    order[s] = seq
-                    seq += 1
+                if freq[s]:
+                    seq = s3fifo_requeue(queue, freq, order, s, False, seq)
                 else:
                     victim = s
                     main_mask[s] = False
@@ -483,6 +489,16 @@ def arc_remove(lists, key64, slots, w, tk, tr, L, R, cap, shift):
     ghost_push(w, tk, tr, b2[:n2], 1, L, R, cap, shift, True)
 
 
+def arc_from_t1(t1, p, incoming, has_incoming, n, i, w, tk, tr, L, R, shift):
+    """The paper's rule for the ``i``-th of ``n`` victims: from T1 (True) or T2. The key it makes
+    room for is ``incoming``'s matching one, if the home passed them."""
+    x_in_b2 = False
+    if has_incoming:
+        j = len(incoming) - n + i
+        x_in_b2 = j >= 0 and ghost_find(w, tk, tr, incoming[j], L, R, shift)[0] == 1
+    return t1 >= 1 and (t1 > p or (t1 == p and x_in_b2))
+
+
 def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_incoming, w, tk, tr, L, R, shift):
     """``ARC.choose``: T1's or T2's least recent candidates, by the paper's rule."""
     t1 = 0
@@ -498,11 +514,7 @@ def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_inc
     victims = np.empty(n, dtype=np.int64)
     got = 0
     for i in range(n):
-        x_in_b2 = False
-        if has_incoming:
-            j = len(incoming) - n + i
-            x_in_b2 = j >= 0 and ghost_find(w, tk, tr, incoming[j], L, R, shift)[0] == 1
-        first_t1 = t1 >= 1 and (t1 > p or (t1 == p and x_in_b2))
+        first_t1 = arc_from_t1(t1, p, incoming, has_incoming, n, i, w, tk, tr, L, R, shift)
         s = -1
         for attempt in range(2):
             if first_t1 == (attempt == 0):
@@ -523,8 +535,9 @@ def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_inc
 #: Compiled in this order on ``bind`` (a function calls the compiled versions of those before it).
 _ORDER = ("_sift_down", "_heap_add", "k_smallest", "oldest", "smallest_lex", "walk_next", "ghost_len", "ghost_find",
           "ghost_mark", "ghost_push", "clock_insert", "saturating_hit", "sieve_insert", "sieve_hit",
-          "sieve_choose", "s3fifo_miss", "s3fifo_insert_counted", "s3fifo_insert", "s3fifo_remove", "s3fifo_choose",
-          "arc_adapt", "arc_miss", "arc_insert_counted", "arc_insert", "arc_hit", "arc_remove", "arc_choose")
+          "sieve_choose", "s3fifo_miss", "s3fifo_insert_counted", "s3fifo_insert", "s3fifo_remove", "s3fifo_requeue",
+          "s3fifo_choose", "arc_adapt", "arc_miss", "arc_insert_counted", "arc_insert", "arc_hit", "arc_remove",
+          "arc_from_t1", "arc_choose")
 
 
 def bind(compile_, tfind, ghost_push, ghost_remove, ghost_pop) -> None:

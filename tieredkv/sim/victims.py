@@ -258,10 +258,7 @@ def s3fifo_choose(links, lists, where, queue, freq, order, cand, n, n_slots, sma
                     break
                 n_small -= 1
                 if freq[s] >= move_threshold:
-                    queue[s] = 1
-                    freq[s] = 0
-                    order[s] = seq
-                    seq += 1
+                    seq = _kernels.s3fifo_requeue(queue, freq, order, s, True, seq)
                     unlink(links, lists, where, s)
                     push(links, lists, where, 1, s)
                     pm = requeue(pm, s)
@@ -274,11 +271,8 @@ def s3fifo_choose(links, lists, where, queue, freq, order, cand, n, n_slots, sma
                 s, pm = step(links, lists, cand, 1, pm)
                 if s < 0:
                     break
-                f = freq[s]
-                if f:
-                    freq[s] = f - 1
-                    order[s] = seq
-                    seq += 1
+                if freq[s]:
+                    seq = _kernels.s3fifo_requeue(queue, freq, order, s, False, seq)
                     move_back(links, lists, where, 1, s)
                     pm = requeue(pm, s)
                 else:
@@ -304,9 +298,7 @@ def arc_choose(links, lists, where, arc_list, cand, n, p, incoming, w, tk, tr, L
     c2 = UNSTARTED
     got = 0
     for i in range(n):
-        j = len(incoming) - n + i
-        x_in_b2 = j >= 0 and _ghost_list(w, tk, tr, incoming[j], L, R, shift) == 1
-        first_t1 = t1 >= 1 and (t1 > p or (t1 == p and x_in_b2))
+        first_t1 = _kernels.arc_from_t1(t1, p, incoming, True, n, i, w, tk, tr, L, R, shift)
         s = -1
         for attempt in range(2):
             if first_t1 == (attempt == 0):
@@ -325,14 +317,9 @@ def arc_choose(links, lists, where, arc_list, cand, n, p, incoming, w, tk, tr, L
     return victims[:got]
 
 
-def _ghost_list(w, tk, tr, key, L, R, shift):
-    """The ghost list ``key`` is on, -1 if none (``_kernels.ghost_find``'s first value)."""
-    return _kernels.ghost_find(w, tk, tr, key, L, R, shift)[0]
-
-
 #: Compiled in this order on ``bind`` (a function calls the compiled versions of those before it).
 _ORDER = ("push", "unlink", "move_back", "step", "requeue", "oldest_of", "on_hit", "on_insert", "lfu_choose",
-          "clock_choose", "sieve_choose", "s3fifo_choose", "_ghost_list", "arc_choose")
+          "clock_choose", "sieve_choose", "s3fifo_choose", "arc_choose")
 
 
 def bind(compile_) -> None:

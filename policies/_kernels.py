@@ -492,11 +492,13 @@ def arc_remove(lists, key64, slots, w, tk, tr, L, R, cap, shift):
 def arc_from_t1(t1, p, incoming, has_incoming, n, i, w, tk, tr, L, R, shift):
     """The paper's rule for the ``i``-th of ``n`` victims: from T1 (True) or T2. The key it makes
     room for is ``incoming``'s matching one, if the home passed them."""
-    x_in_b2 = False
-    if has_incoming:
-        j = len(incoming) - n + i
-        x_in_b2 = j >= 0 and ghost_find(w, tk, tr, incoming[j], L, R, shift)[0] == 1
-    return t1 >= 1 and (t1 > p or (t1 == p and x_in_b2))
+    if t1 < 1 or t1 < p:
+        return False
+    if t1 > p:
+        return True
+    # t1 == p: the tie goes to T1 if the key is in B2 (probed only here: most calls never need it)
+    j = len(incoming) - n + i
+    return has_incoming and j >= 0 and ghost_find(w, tk, tr, incoming[j], L, R, shift)[0] == 1
 
 
 def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_incoming, w, tk, tr, L, R, shift):

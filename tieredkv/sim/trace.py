@@ -16,7 +16,6 @@ File formats (chosen from the file's suffix, or by ``fmt=``):
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -76,10 +75,15 @@ class Trace:
     def n_accesses(self) -> int:
         return int(self.offsets[-1])
 
-    @functools.cached_property
+    @property
     def unique_blocks(self) -> int:
-        # Cached (a pass over every access; a sweep asks once per replay): a Trace is frozen.
-        return int(self.blocks.max()) + 1 if len(self.blocks) else 0
+        """Distinct block ids (they are dense: the largest plus one). Computed once: it is a pass over
+        every access, a sweep asks once per replay, and a Trace is frozen."""
+        got = self.__dict__.get("_unique_blocks")
+        if got is None:
+            got = int(self.blocks.max()) + 1 if len(self.blocks) else 0
+            object.__setattr__(self, "_unique_blocks", got)
+        return got
 
     def request(self, i: int) -> np.ndarray:
         """Block ids of request ``i``."""

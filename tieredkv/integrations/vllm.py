@@ -59,7 +59,14 @@ from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
 from tieredkv.integrations.vllm_loads import LOAD_MODES, NULL_BLOCK, LayerLoader, leading_nulls
 from tieredkv.integrations.vllm_state import StateCache, StateSave
-from tieredkv.integrations.vllm_window import WindowHit, first_chunk, window_lookup
+from tieredkv.integrations.vllm_window import (
+    MixedHit,
+    WindowHit,
+    first_chunk,
+    mixed_lookup,
+    store_partial,
+    window_lookup,
+)
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec
@@ -187,6 +194,9 @@ class SavePlan:
     extra: tuple[bytes | None, ...] | None = None
     #: hybrid models: the chunk boundaries whose recurrent state is saved, and its blocks
     states: tuple[StateSave, ...] = ()
+    #: sliding + full layers: the leading tokens from ``start_token`` whose sliding blocks vLLM no
+    #: longer holds (null), stored as full-layers-only blocks (``vllm_window.store_partial``)
+    partial_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -306,6 +316,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._states = StateCache(self.cache, self._layout) if self._layout.states else None
         # Every layer slides (and no recurrent state): hits need a window of chunks, not a prefix.
         self._window = self._layout.uniform_window if self._states is None else None
+        # Sliding + full layers: full layers need a prefix, sliding ones the window (vllm_window).
+        self._mixed = self._layout.mixed_window if self._states is None else None
         self._declined = ("vLLM does not snapshot this model's recurrent state at block boundaries "
                           "(mamba_cache_mode is not 'align' or ReplaySSM is on; enable prefix caching)"
                           if any(not g.cached for g in self._layout.states) else None)
@@ -371,6 +383,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self._window is not None:  # every layer slides: a full window of chunks is a hit
                 hit = window_lookup(self.cache, identity.tokens, identity.salt, identity.extra, self._window,
                                     num_computed_tokens)
+            elif self._mixed is not None:  # full layers a prefix, sliding layers the window before its end
+                hit = mixed_lookup(self.cache, identity.tokens, identity.salt, identity.extra, self._mixed,
+                                   num_computed_tokens)
             else:
                 hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
         except (TieredKVError, OSError) as e:
@@ -435,7 +450,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         first, last = max(local // C, getattr(hit, "first", 0)), -(-end // C)
         start = max(local, first * C)
         # (A window hit cut short by vLLM would need chunks before its window, which were not looked up.)
-        short_window = isinstance(hit, WindowHit) and first_chunk(end, self._window or 0, C) < hit.first
+        short_window = (isinstance(hit, WindowHit) and first_chunk(end, self._window or 0, C) < hit.first) or \
+            (isinstance(hit, MixedHit) and not hit.window_is_whole(end, self._mixed or 0, C))
         if local % N or end % N or end > hit.tokens or short_window:
             # Not a range this connector offered: load nothing and let the worker report every
             # block as failed, so vLLM recomputes them rather than reading unfilled pages.
@@ -525,12 +541,19 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if any(len(g) < (full - start) // N for g in ids):
             return
         # Blocks a sliding group no longer keeps (e.g. behind vLLM's own prefix-cache hit) lead as the
-        # null block: the chunks they touch cannot be read, so the save starts after them. (State
-        # groups are null between the boundaries vLLM snapshots: they never hold chunks back.)
-        nulls = max(leading_nulls(ids[g.index]) for g in self._layout.groups)
+        # null block: the chunks they touch cannot be read, so the save starts after them; with full
+        # layers beside the sliding ones those chunks are stored as full-layers-only blocks instead.
+        # (State groups are null between the boundaries vLLM snapshots: they never hold chunks back.)
+        mixed = self._mixed is not None
+        nulls = max((leading_nulls(ids[g.index]) for g in self._layout.groups if not mixed or g.window is None),
+                    default=0)
         skip = -(-nulls * N // C) * C
         if start + skip >= full:
             return
+        partial = 0
+        if mixed:
+            sliding = max(leading_nulls(ids[g.index]) for g in self._layout.groups if g.window is not None)
+            partial = min(max(-(-sliding * N // C) * C - skip, 0), full - start - skip)
         extra = None if tracked.extra is None else tuple(tracked.extra[:full // C])
         meta.saves.append(SavePlan(req_id=req_id, token_ids=tracked.token_ids[:full], salt=tracked.salt,
                                    start_token=start + skip,
@@ -539,7 +562,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                           if b != NULL_BLOCK),
                                    extra=extra,
                                    states=self._states.saves(tracked.block_ids, start + skip, full)
-                                   if self._states else ()))
+                                   if self._states else (), partial_tokens=partial))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Plan again the saves of requests that hold a block whose load failed.
@@ -698,10 +721,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 # Positions before start_token (already in the tiers) are left unread: store skips them.
                 host = paged.host_buffer(len(plan.token_ids))
+                whole = plan.start_token + plan.partial_tokens  # sliding layers held from here on
                 for group in self._layout.groups:
-                    paged.read(plan.block_ids[group.index], host[:, :, :, plan.start_token:], layers=group.layers)
-                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token,
+                    at = plan.start_token if group.window is None or not plan.partial_tokens else whole
+                    paged.read(plan.block_ids[group.index][(at - plan.start_token) // self._block_size:],
+                               host[:, :, :, at:], layers=group.layers)
+                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=whole,
                                  extra=None if plan.extra is None else list(plan.extra))
+                if plan.partial_tokens:
+                    store_partial(self.cache, plan.token_ids, host, plan.salt, plan.extra, plan.start_token, whole,
+                                  [i for g in self._layout.groups if g.window is not None for i in g.layers])
                 if self._states is not None:  # after the KV: a stored state implies its chunks were
                     self._states.store(plan.token_ids, plan.salt, plan.extra, plan.states)
             except Exception:  # a failed save is a future miss, never a failed request

@@ -253,15 +253,21 @@ def test_features_tieredkv_cannot_store_are_refused_by_name(models, seg_name, gr
 
 
 # ---- hybrid KV cache manager: a full and a sliding group ----------------------------------------------------
-def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_name):
+def gemma3_hybrid(models, seg_name, seed: int):
+    """Gemma 3 under vLLM's hybrid manager (layers 1 and 3 full, 0 and 2 a 64-token window): its
+    config, groups, a scheduler, a worker with its pages, and the model's KV for 320 positions."""
     n = names(4)
     kvc = kv_config(([n[1], n[3]], full()), ([n[0], n[2]], sliding(64)))
     cfg = config(models["gemma3"], extra(seg_name), 4)
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
-    sched = scheduler(cfg, kvc)
     w, pages = worker(cfg, kvc)
+    return cfg, kvc, scheduler(cfg, kvc), w, pages, model_kv(w, 320, seed=seed)
+
+
+def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_name):
+    n = names(4)
+    cfg, kvc, sched, w, pages, kv = gemma3_hybrid(models, seg_name, seed=1)
     tokens = np.arange(1, 301)
-    kv = model_kv(w, 320, seed=1)
     block_ids: dict = {}
     # Engine 1 computes the prompt: its 4 full chunks are saved, every layer.
     a = request("a", tokens)
@@ -290,13 +296,8 @@ def test_hybrid_chunks_behind_the_window_at_save_still_give_a_whole_prefix_hit(m
     before it and a later engine got no hit. Its full layers are stored now (a full-layers-only block),
     and a hit needs whole blocks only for the chunks in the window before its end."""
     n = names(4)
-    kvc = kv_config(([n[1], n[3]], full()), ([n[0], n[2]], sliding(64)))
-    cfg = config(models["gemma3"], extra(seg_name), 4)
-    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
-    sched = scheduler(cfg, kvc)
-    w, _ = worker(cfg, kvc)
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=7)
     tokens = np.arange(1, 301)
-    kv = model_kv(w, 320, seed=7)
     block_ids: dict = {}
     # Engine 1 computes a prompt sharing the first two chunks, then the tiers lose those chunks
     # (evicted) while vLLM's own prefix cache keeps them.

@@ -273,7 +273,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     Cache families (``tieredkv.integrations.vllm_groups``): full attention, MLA (one latent copy per
     host: every TP rank reads it, rank 0 alone writes it), sliding windows (with or without vLLM's
     hybrid KV cache manager: blocks outside a request's window are neither loaded nor saved; when
-    every layer slides, a hit needs only its window's chunks, ``vllm_window``), hybrid models'
+    every layer slides, a hit needs only its window's chunks; beside full layers, the full layers need
+    every chunk and the sliding ones the window's, ``vllm_window``), hybrid models'
     recurrent state at the chunk boundaries vLLM snapshots (``vllm_state``) and per-tensor fp8 KV;
     anything else is refused at start-up with the feature named.
 

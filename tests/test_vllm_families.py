@@ -24,9 +24,9 @@ compared, byte for byte, with the pages vLLM computed.
 - mla-tp2: the MLA model over two TP ranks (two worker processes): one copy, both ranks load it;
   compared with a TP=2 engine without the connector as the one-rank MLA run is.
 
-Slow: 12 engine starts in one process (6 with the connector, 6 without; 14 where AMX is present): 416 s
-on two cores at load average 10-14 before the TP=2 reference engine was added, the engines without the
-connector 14-35 s each (``pytest -s`` prints each family's time).
+Slow: 12 engine starts in one process (6 with the connector, 6 without; 14 where AMX is present): 389 s
+on two cores at load average 4-9, the engines without the connector 10-22 s each and the TP=2 one 78 s
+(``pytest -s`` prints each family's time).
 """
 
 from __future__ import annotations

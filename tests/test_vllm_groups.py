@@ -344,6 +344,40 @@ def test_hybrid_chunks_behind_the_window_at_save_still_give_a_whole_prefix_hit(m
     w2.shutdown()
 
 
+def test_hybrid_chunks_the_tiers_lack_before_vllms_own_hit_are_stored_after_a_tier_hit(models, seg_name):
+    """A hit that starts after vLLM's own prefix hit (the tiers hold chunks 2-3, not 0-1, which vLLM
+    holds itself) still stores chunks 0-1 once the prompt is computed, from vLLM's pages: otherwise
+    the tiers' copy of the prefix would keep its gap, and an engine without vLLM's local copy no hit."""
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=9)
+    tokens = np.arange(1, 301)
+    keys = tv.chunk_keys(w.spec, tokens[:256])
+    a = request("a", tokens)  # another engine stored the whole prefix
+    sched.add_request(a)
+    run_step(sched, [w], [a], kv, {})
+    assert w.cache.hot.remove(keys[:2]) == 2
+    # This engine: vLLM's own cache gets chunks 0-1 from a prompt sharing them (which stores them
+    # again: the tiers lose them again), then the whole prompt is a tier hit for chunks 2-3.
+    sched1 = scheduler(cfg, kvc)
+    w1, _ = worker(cfg, kvc)
+    block_ids: dict = {}
+    b = request("b", np.concatenate([tokens[:128], np.arange(1000, 1040)]))
+    sched1.add_request(b)
+    run_step(sched1, [w1], [b], kv, block_ids)
+    assert w.cache.hot.remove(keys[:2]) == 2
+    c = request("c", tokens)
+    sched1.add_request(c)
+    out, meta, errors = run_step(sched1, [w1], [b, c], kv, block_ids)
+    (load,) = meta.loads
+    assert errors == set() and out.num_scheduled_tokens["c"] == 300 - 256
+    assert (load.hit.keys.start, load.hit.tokens, load.skip_tokens) == (2, 128, 0)  # vLLM holds 0-1, loads 2-3
+    (save,) = [p for p in meta.saves if p.req_id == "c"]
+    assert (save.start_token, save.partial_tokens) == (0, 192)  # sliding blocks 0-5 are null there
+    assert [len(w.cache.resident_run(k)) for k in (keys, partial_keys(keys))] == [0, 2]
+    out, w2, _ = second_engine(cfg, kvc, tokens, hit=256)
+    for x in (w, w1, w2):
+        x.shutdown()
+
+
 def test_uniform_window_under_chunked_prefill_saves_each_chunk_while_in_the_window(models, seg_name):
     """64-token steps: by the last step vLLM has freed (and may reuse) the blocks of the first ones;
     each chunk is saved in the step that completes it, so the tiers get the KV the model wrote."""

@@ -440,8 +440,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                          num_external_tokens if hit is not None else 0)
         if identity is None:
             return  # not keyed exactly: never stored
+        saved = 0 if hit is None else hit.tokens
+        if isinstance(hit, MixedHit):  # chunks before vLLM's own hit that the tiers lack are stored too
+            saved = min(saved, hit.held * self.spec.chunk_tokens)
         self._tracked[req_id] = _Tracked(token_ids=identity.tokens, salt=identity.salt, extra=identity.extra,
-                                         saved_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
+                                         saved_tokens=saved, block_ids=block_ids)
         self._note_events(request, hit)
         if num_external_tokens <= 0 or hit is None:
             return

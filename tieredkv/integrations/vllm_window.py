@@ -84,10 +84,13 @@ def window_lookup(cache: TieredCache, tokens: Any, salt: bytes, extra: Sequence[
 class MixedHit(PrefixHit):
     """A hit at ``tokens`` of a model with sliding and full layers. ``keys`` and ``where`` cover
     ``[0, tokens / chunk_tokens)``: per chunk its whole block's key or, where ``complete`` is False,
-    its full-layers-only block's key (``partial_keys``); the chunks before ``first`` (vLLM's own
-    prefix hit) were not looked up (``where`` -1)."""
+    its full-layers-only block's key (``partial_keys``). The hit is needed from chunk ``first`` on
+    (vLLM's own prefix hit holds the ones before); ``held``: the leading chunks some level holds (at
+    least ``tokens / chunk_tokens`` unless the tiers miss some chunk before ``first``: ``where`` -1
+    from there to ``first``, and those chunks are still to be stored)."""
 
     first: int = 0
+    held: int = 0
     complete: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def window_is_whole(self, end: int, window: int, chunk_tokens: int) -> bool:
@@ -128,24 +131,30 @@ def mixed_lookup(cache: TieredCache, tokens: Any, salt: bytes, extra: Sequence[b
     low = computed // C
     where = np.full(n, -1, dtype=np.int8)
     complete = np.zeros(n, dtype=bool)
-    end = low
-    while end < n:  # the full layers' run: whole blocks, else full-layers-only ones
-        run = cache.resident_run(keys[end:n])
-        where[end:end + len(run)], complete[end:end + len(run)] = run, True
-        end += len(run)
-        if end == n:
-            break
-        run = cache.resident_run(partial[end:n])
-        if not len(run):
-            break
-        where[end:end + len(run)] = run
-        end += len(run)
+
+    def run_from(end: int) -> int:
+        """The end of the full layers' run from chunk ``end``: whole blocks, else full-layers-only ones."""
+        while end < n:
+            run = cache.resident_run(keys[end:n])
+            where[end:end + len(run)], complete[end:end + len(run)] = run, True
+            end += len(run)
+            if end == n:
+                break
+            run = cache.resident_run(partial[end:n])
+            if not len(run):
+                break
+            where[end:end + len(run)] = run
+            end += len(run)
+        return end
+
+    held = run_from(0)  # from 0, so a save knows which chunks vLLM's own hit holds that the tiers lack
+    end = held if held >= low else run_from(low)
     while end > low:  # the sliding layers: the window before the end must be whole blocks
         first = max(first_chunk(end * C, window, C), low)
         gaps = np.flatnonzero(~complete[first:end])
         if not len(gaps):
             return MixedHit(tokens=end * C, prompt_tokens=len(ids), keys=_choose(keys, partial, complete)[:end],
-                            where=where[:end].copy(), first=low, complete=complete[:end].copy())
+                            where=where[:end].copy(), first=low, held=held, complete=complete[:end].copy())
         end = first + int(gaps[-1])  # a window ending after that chunk would contain it
     return PrefixHit(tokens=0, prompt_tokens=len(ids), keys=keys[:0], where=np.zeros(0, dtype=np.int8))
 

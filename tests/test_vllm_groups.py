@@ -339,7 +339,8 @@ def test_hybrid_chunks_behind_the_window_at_save_still_give_a_whole_prefix_hit(m
     store_partial(w.cache, tokens[:256], host, b"", None, 192, 256, (0, 2))
     hit = mixed_lookup(w.cache, tokens, b"", None, 64)
     assert (hit.tokens, list(hit.complete)) == (192, [False, True, True])
-    assert mixed_lookup(w.cache, tokens, b"", None, 64, computed=192).tokens == 0
+    beyond = mixed_lookup(w.cache, tokens, b"", None, 64, computed=192)
+    assert (beyond.tokens, beyond.held) == (0, 4)  # nothing past vLLM's 192 tokens; the tiers hold 4 chunks
     w.shutdown()
     w2.shutdown()
 
@@ -373,6 +374,12 @@ def test_hybrid_chunks_the_tiers_lack_before_vllms_own_hit_are_stored_after_a_ti
     (save,) = [p for p in meta.saves if p.req_id == "c"]
     assert (save.start_token, save.partial_tokens) == (0, 192)  # sliding blocks 0-5 are null there
     assert [len(w.cache.resident_run(k)) for k in (keys, partial_keys(keys))] == [0, 2]
+    # The prompt again: vLLM holds 288 tokens itself and the tiers every chunk: nothing to save.
+    d = request("d", tokens)
+    sched1.add_request(d)
+    out, meta, _ = run_step(sched1, [w1], [b, c, d], kv, block_ids)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 288 and not meta.loads
+    assert not [p for p in meta.saves if p.req_id == "d"]
     out, w2, _ = second_engine(cfg, kvc, tokens, hit=256)
     for x in (w, w1, w2):
         x.shutdown()

@@ -442,7 +442,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return  # not keyed exactly: never stored
         saved = 0 if hit is None else hit.tokens
         if isinstance(hit, MixedHit):  # chunks before vLLM's own hit that the tiers lack are stored too
-            saved = min(saved, hit.held * self.spec.chunk_tokens)
+            saved = min(max(saved, hit.first * self.spec.chunk_tokens), hit.held * self.spec.chunk_tokens)
         self._tracked[req_id] = _Tracked(token_ids=identity.tokens, salt=identity.salt, extra=identity.extra,
                                          saved_tokens=saved, block_ids=block_ids)
         self._note_events(request, hit)

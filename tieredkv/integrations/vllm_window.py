@@ -121,7 +121,8 @@ def mixed_lookup(cache: TieredCache, tokens: Any, salt: bytes, extra: Sequence[b
     """The largest chunk boundary ``P`` (beyond ``computed``, which vLLM holds itself, and short of the
     whole prompt) such that every chunk of ``[computed, P)`` is in some level as a whole or a
     full-layers-only block and the chunks overlapping the window before ``P`` as whole blocks, as a
-    ``MixedHit``; an empty ``PrefixHit`` when there is none. Counts nothing.
+    ``MixedHit`` (``tokens`` 0 when there is none: ``held`` still says which chunks the tiers hold).
+    Counts nothing.
     """
     ids = as_tokens(tokens)
     C = cache.spec.chunk_tokens
@@ -156,7 +157,8 @@ def mixed_lookup(cache: TieredCache, tokens: Any, salt: bytes, extra: Sequence[b
             return MixedHit(tokens=end * C, prompt_tokens=len(ids), keys=_choose(keys, partial, complete)[:end],
                             where=where[:end].copy(), first=low, held=held, complete=complete[:end].copy())
         end = first + int(gaps[-1])  # a window ending after that chunk would contain it
-    return PrefixHit(tokens=0, prompt_tokens=len(ids), keys=keys[:0], where=np.zeros(0, dtype=np.int8))
+    return MixedHit(tokens=0, prompt_tokens=len(ids), keys=keys[:0], where=where[:0], first=low, held=held,
+                    complete=complete[:0])
 
 
 def store_partial(cache: TieredCache, tokens: np.ndarray, host: Any, salt: bytes,

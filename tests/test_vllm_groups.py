@@ -341,6 +341,21 @@ def test_hybrid_chunks_behind_the_window_at_save_still_give_a_whole_prefix_hit(m
     assert (hit.tokens, list(hit.complete)) == (192, [False, True, True])
     beyond = mixed_lookup(w.cache, tokens, b"", None, 64, computed=192)
     assert (beyond.tokens, beyond.held) == (0, 4)  # nothing past vLLM's 192 tokens; the tiers hold 4 chunks
+    # KV events: a lookup announces the leading run of chunks held whole; chunk 0 is held under its
+    # full-layers-only key, so nothing (a router would otherwise track a block no tier holds).
+    from vllm.config import KVEventsConfig
+
+    from tieredkv import journal
+
+    cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    sched3 = scheduler(cfg, kvc)
+    try:
+        sched3.add_request(request("e", tokens))
+        assert sched3.schedule().num_scheduled_tokens["e"] == 300 - 192
+        assert sched3.connector.take_events() == []
+    finally:
+        sched3.connector.shutdown()
+        journal.remove(journal.journal_path(seg_name))
     w.shutdown()
     w2.shutdown()
 

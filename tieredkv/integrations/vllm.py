@@ -482,9 +482,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         n = len(identity.tokens) // C
         extra = identity.extra[:n] if identity.extra is not None else None
         keys = chunk_keys(self.spec, identity.tokens[:n * C], identity.salt, extra)
-        # Announced: the leading run found (a window hit's chunks before its window were not looked up).
-        where = hit.where[:np.argmax(hit.where < 0)] if hit is not None and (hit.where < 0).any() else \
-            (hit.where if hit is not None else np.zeros(0))
+        # Announced: the leading run found (a window hit's chunks before its window were not looked up;
+        # a full-layers-only block is held under another key than its chunk's, and is not announced).
+        where = hit.where if hit is not None else np.zeros(0)
+        if isinstance(hit, MixedHit):
+            where = np.where(hit.complete, where, -1)
+        where = where[:np.argmax(where < 0)] if (where < 0).any() else where
         events.note_request(request, keys, where.tolist())
 
     def take_events(self) -> list:

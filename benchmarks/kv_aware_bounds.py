@@ -26,7 +26,9 @@ Prints, per capacity, the block hit ratio and the fraction of the LRU-to-MIN gap
 - and, per request that stores new chunks, the area under the ROC curve of cheap features for "some
   of its new chunks are used again": the number of new chunks, of chunks already cached before them
   (the prompt's known prefix), the turn count of its conversation (how many times the chain of
-  prefixes it extends was extended before) and the time since that previous turn.
+  prefixes it extends was extended before) and the time since that previous turn; and over the
+  follow-ups, whether the next turn comes about when the previous gap says (the share that continue
+  at all, the share that continue within twice their previous gap, the correlation of the two gaps).
 
 The idealised replay serves a request as the simulator does (look every block up, the hits first,
 then store the missing blocks with the request's hits pinned), with one priority per block frozen
@@ -202,13 +204,26 @@ def feature_aucs(trace: Trace, s: Structure) -> dict[str, float]:
             continue
         gap = (float(trace.timestamps_ms[r] - trace.timestamps_ms[before])
                if before >= 0 and trace.timestamps_ms is not None else -1.0)
-        rows.append((b - a - k, k, turn[r], gap))
+        again = s.nxt[a + k]              # the first new chunk's next use: the next turn, if any
+        after = (float(trace.timestamps_ms[s.req_of[again]] - trace.timestamps_ms[r])
+                 if again >= 0 and trace.timestamps_ms is not None else math.inf)
+        rows.append((b - a - k, k, turn[r], gap, after))
         labels.append(bool((s.nxt[a + k:b] >= 0).any()))
     x, y = np.array(rows, dtype=float), np.array(labels)
     out = {"requests storing new chunks": float(len(y)), "share of them with a new chunk reused": float(y.mean())}
     for i, name in enumerate(("new chunks", "known prefix", "turn count", "time since previous turn")):
         a = auc(x[:, i], y)
         out[f"AUC {name}"] = max(a, 1 - a)
+    # Timing: is the next turn due about when the previous gap says? (Expiring a conversation that is
+    # overdue needs that.) Over follow-ups (a previous turn known):
+    follow = x[:, 3] >= 0
+    gap, after = x[follow, 3], x[follow, 4]
+    came = np.isfinite(after)
+    if came.sum() > 2:
+        out["follow-ups: share continued"] = float(came.mean())
+        out["follow-ups: share continued within 2x their previous gap"] = float((after <= 2 * gap).mean())
+        out["follow-ups continued: correlation of log previous gap, log next gap"] = float(
+            np.corrcoef(np.log1p(gap[came]), np.log1p(after[came]))[0, 1])
     return out
 
 

@@ -47,7 +47,7 @@ class KVAware(EvictionPolicy):
       the next turn appends to it, so its hash changes and it is almost never reused);
     - how many chunks that store brought (< 4, 4-15, 16+).
 
-    Learning: per class, decayed counts of successes (a hit while resident, or a miss on a key still
+    Learning: per class, decayed counts of successes (a hit while resident, or a store of a key still
     in the ghost list of evicted keys, which records each key's class and last access) and of
     evictions; ``p = (successes + 1) / (successes + evictions + 2)``. Without the ghosts the estimate
     feeds on itself: a class this policy evicts early gets few hits, so it looks worse, so it goes
@@ -93,7 +93,7 @@ class KVAware(EvictionPolicy):
     pass over the parent field when it applies; recall is one ghost lookup of the stored keys.
 
     Args:
-        horizon_factor: shift per log-odds unit, in mean reuse times. 0.7 and ``decay=0.9`` were
+        horizon_factor: shift per log-odds unit, in mean reuse times. 0.7 and ``decay=0.97`` were
             chosen on the first half of the Mooncake conversation trace only (see docs/policies.md,
             which also shows how far it gets).
         ghost_ratio: evicted keys remembered, as a share of the slots (0: no ghosts).
@@ -110,7 +110,7 @@ class KVAware(EvictionPolicy):
                      + tuple(f"kv_evicted{i}" for i in range(N_CLASSES))
                      + tuple(f"kv_logodds{i}" for i in range(N_CLASSES)))
 
-    def __init__(self, horizon_factor: float = 0.7, ghost_ratio: float = 2.0, decay: float = 0.9,
+    def __init__(self, horizon_factor: float = 0.7, ghost_ratio: float = 2.0, decay: float = 0.97,
                  refresh: int = 1024, supersede: bool = True, orphans: bool = True):
         if ghost_ratio < 0:
             raise InvalidInput(f"ghost_ratio must be >= 0, got {ghost_ratio}")
@@ -171,16 +171,21 @@ class KVAware(EvictionPolicy):
         older[slots] = False
         self._demote(st, np.flatnonzero(older))
 
-    @staticmethod
-    def _recall(st, slots, classes) -> None:
-        """Blocks whose key is a ghost get back their evicted class, one hit up (in ``classes``); their
-        ghost entries go (``on_miss`` counted the success and left them for this)."""
+    def _recall(self, st, slots, classes) -> None:
+        """Blocks stored while their key is a ghost: each is a success of the class it was evicted
+        with (it would have been a hit), and comes back in that class one hit up (in ``classes``)."""
         keys = st.key64[slots]
         lists, flags = st.ghost_lookup(keys)
         back = lists >= 0
         if not back.any():
             return
-        old = (flags[back] >> GHOST_TAG_SHIFT) & CLASS_MASK
+        # Counting these successes keeps the estimate honest for the classes this policy evicts early.
+        tags = flags[back] >> GHOST_TAG_SHIFT
+        old = tags & CLASS_MASK
+        np.add.at(self._tables(st)[0], old, 1.0)
+        first = old < HIT_STRIDE
+        if first.any():
+            self._reuse_times(st, st.g("tick") - (tags[first] >> CLASS_BITS))
         classes[back] = np.minimum(old // HIT_STRIDE + 1, HIT_BUCKETS - 1) * HIT_STRIDE + old % HIT_STRIDE
         for key in keys[back].tolist():
             st.ghost_remove(key)
@@ -189,8 +194,10 @@ class KVAware(EvictionPolicy):
     @staticmethod
     def _reuse_times(st, ages) -> None:
         """Add samples of a stored block's time to its first reuse (decayed at each refresh)."""
-        st.set_gf("kv_reuse_sum", st.gf("kv_reuse_sum") + float(np.sum(ages)))
-        st.set_gf("kv_reuse_n", st.gf("kv_reuse_n") + len(ages))
+        g = st.globals_view(np.float64)
+        at = st.global_index("kv_reuse_sum")             # kv_reuse_n follows it
+        g[at] += float(np.sum(ages))
+        g[at + 1] += len(ages)
 
     @staticmethod
     def _demote(st, slots) -> None:
@@ -211,23 +218,6 @@ class KVAware(EvictionPolicy):
 
     def ghost_capacity(self, n_slots):
         return int(self.ghost_ratio * n_slots)
-
-    def on_miss(self, st, key64s):
-        if not self.ghost_ratio:
-            return
-        lists, flags = st.ghost_lookup(key64s)
-        back = lists >= 0
-        if back.any():
-            # An evicted block asked for again: it would have been a hit. Counting it as a success
-            # of its class keeps the estimate honest for classes this policy evicts early. The
-            # entry stays until the block is stored (``_recall`` reads its class back then); a key
-            # that misses but is not stored (no room) may count twice.
-            tags = flags[back] >> GHOST_TAG_SHIFT
-            classes = tags & CLASS_MASK
-            np.add.at(self._tables(st)[0], classes, 1.0)
-            first = classes < HIT_STRIDE
-            if first.any():
-                self._reuse_times(st, st.g("tick") - (tags[first] >> CLASS_BITS))
 
     def on_remove(self, st, slots, evicted):
         if not evicted:

@@ -40,7 +40,7 @@ class KVAware(EvictionPolicy):
     before a block of the same age from a class that usually comes back. The class is four cheap
     features known when the block is stored or hit:
 
-    - its hits since insert (0, 1, 2, 3+);
+    - its hits since insert (0, 1, 2, 3+; a recalled block, below, counts on from its old class);
     - where the store that brought it starts in the prompt (< 2, 2-15, 16+ chunks already cached: a
       new prompt, a follow-up to a short one, a follow-up to a long one);
     - whether it is the last chunk of the store that brought it (the prompt's partial last chunk:
@@ -53,10 +53,10 @@ class KVAware(EvictionPolicy):
     feeds on itself: a class this policy evicts early gets few hits, so it looks worse, so it goes
     earlier. The shift is ``horizon * (ln(p / (1 - p)) - ln(p_ref / (1 - p_ref)))``, ``p_ref`` being
     the most observed class's, with ``horizon = horizon_factor x`` the mean **reuse time** of stored
-    blocks (ticks from a block's store to its first reuse, over resident hits and ghost hits), also
-    learned: with a reuse that comes with probability ``p`` after an exponential time of that mean,
-    the chance of a reuse in the next instant ranks blocks as ``ln(p / (1 - p)) - age / mean``, which
-    is this order. Measuring against the reference class keeps the common class in pure LRU order: a
+    blocks (ticks from a block's store to its first reuse, over resident hits and stores of ghost
+    keys), also learned: with a reuse that comes with probability ``p`` after an exponential time of
+    that mean, the chance of a reuse in the next instant ranks blocks as ``ln(p / (1 - p)) - age /
+    mean``, which is this order. Measuring against the reference class keeps the common class in pure LRU order: a
     priority is fixed when it is set, so an absolute shift would carry every refresh's drift of the
     table and of the horizon into the order of blocks set at different times.
 

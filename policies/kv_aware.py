@@ -47,6 +47,9 @@ class KVAware(EvictionPolicy):
       the next turn appends to it, so its hash changes and it is almost never reused);
     - how many chunks that store brought (< 4, 4-15, 16+).
 
+    The store's two features count only its chunks that are not recalled (below): a follow-up whose
+    prefix this cache dropped stores that prefix again, but what it adds is still a follow-up's.
+
     Learning: per class, decayed counts of successes (a hit while resident, or a store of a key still
     in the ghost list of evicted keys, which records each key's class and last access) and of
     evictions; ``p = (successes + 1) / (successes + evictions + 2)``. Without the ghosts the estimate
@@ -143,13 +146,20 @@ class KVAware(EvictionPolicy):
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_insert(self, st, slots):
-        start = int(np.searchsorted(START_EDGES, int(st.position[slots[0]]), side="right"))
-        size_bucket = int(np.searchsorted(SIZE_EDGES, len(slots), side="right"))
+        back, tags = self._ghosts(st, slots)
+        # The store's features describe what it adds: blocks recalled from the ghosts are a prefix
+        # this cache dropped, not part of the new text (a follow-up whose prefix was evicted is
+        # still a follow-up).
+        fresh = slots if back is None or not back.any() else slots[~back]
+        if not len(fresh):
+            fresh = slots
+        start = int(np.searchsorted(START_EDGES, int(st.position[fresh[0]]), side="right"))
+        size_bucket = int(np.searchsorted(SIZE_EDGES, len(fresh), side="right"))
         last = np.zeros(len(slots), dtype=np.int64)
         last[-1] = 1
         classes = (start * 2 + last) * N_SIZE + size_bucket              # hits bucket 0
-        if self.ghost_ratio:
-            self._recall(st, slots, classes)
+        if back is not None and back.any():
+            self._recall(st, slots, classes, back, tags)
         st.kv_class[slots] = classes
         self._set_priority(st, slots)
         if self.supersede:
@@ -171,23 +181,26 @@ class KVAware(EvictionPolicy):
         older[slots] = False
         self._demote(st, np.flatnonzero(older))
 
-    def _recall(self, st, slots, classes) -> None:
-        """Blocks stored while their key is a ghost: each is a success of the class it was evicted
-        with (it would have been a hit), and comes back in that class one hit up (in ``classes``)."""
-        keys = st.key64[slots]
-        lists, flags = st.ghost_lookup(keys)
-        back = lists >= 0
-        if not back.any():
-            return
-        # Counting these successes keeps the estimate honest for the classes this policy evicts early.
-        tags = flags[back] >> GHOST_TAG_SHIFT
+    def _ghosts(self, st, slots):
+        """(is a ghost, its tag) per stored block; (None, None) without ghosts."""
+        if not self.ghost_ratio:
+            return None, None
+        lists, flags = st.ghost_lookup(st.key64[slots])
+        return lists >= 0, flags >> GHOST_TAG_SHIFT
+
+    def _recall(self, st, slots, classes, back, tags) -> None:
+        """Blocks stored while their key is a ghost (``back``): each is a success of the class it was
+        evicted with (it would have been a hit), and comes back in that class one hit up (in
+        ``classes``)."""
+        tags = tags[back]
         old = tags & CLASS_MASK
+        # Counting these successes keeps the estimate honest for the classes this policy evicts early.
         np.add.at(self._tables(st)[0], old, 1.0)
         first = old < HIT_STRIDE
         if first.any():
             self._reuse_times(st, st.g("tick") - (tags[first] >> CLASS_BITS))
         classes[back] = np.minimum(old // HIT_STRIDE + 1, HIT_BUCKETS - 1) * HIT_STRIDE + old % HIT_STRIDE
-        for key in keys[back].tolist():
+        for key in st.key64[slots[back]].tolist():
             st.ghost_remove(key)
         st.add_g("kv_recalled", int(back.sum()))
 

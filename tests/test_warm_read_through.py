@@ -66,7 +66,7 @@ def test_read_through_in_two_threads_at_once_gets_each_its_own_bytes(warm):
         for _ in range(30):
             got = np.zeros((hi - lo, SPEC.block_bytes), np.uint8)
 
-            def sink(i, rows):
+            def sink(i, rows, got=got):
                 got[i:i + len(rows)] = rows
 
             if t.read_through(keys[lo:hi], sink) != hi - lo or not np.array_equal(got, want[lo:hi]):
@@ -95,7 +95,7 @@ def _flip_block_on_disk(cache: TieredCache, keys, i: int, offset: int) -> None:
     raise AssertionError(f"block {i} is in no slab")
 
 
-@pytest.mark.parametrize("group_blocks", [1, 4])
+@pytest.mark.parametrize("group_blocks", [1, 4, 1000])
 def test_a_flipped_byte_in_the_middle_of_a_run_ends_a_one_pass_restore_there(tmp_path, seg_name, monkeypatch,
                                                                               group_blocks):
     monkeypatch.setattr(warm_reads, "READ_GROUP_BYTES", group_blocks * SPEC.block_bytes)
@@ -141,3 +141,37 @@ def test_counts_warm_hits_on_the_one_pass_path_so_on_nth_hit_promotes(tmp_path, 
         assert cache.load(cache.lookup(tokens), out) == 8 * C  # second: promoted from the kept rows
         assert cache.lookup(tokens).hot_blocks == 8
         assert same_bytes(out[:, :, :, :8 * C], kv[:, :, :, :8 * C])
+
+
+def test_read_through_raises_the_sinks_error_and_a_failed_read(warm, monkeypatch):
+    from tieredkv import WarmTierUnavailable
+    from tieredkv.warm import slabs as warm_slabs
+
+    t, keys = warm
+    monkeypatch.setattr(warm_reads, "READ_GROUP_BYTES", SPEC.block_bytes)
+    calls = []
+
+    def boom(i, rows):
+        calls.append(i)
+        if i == 7:
+            raise RuntimeError("sink failed")
+
+    with pytest.raises(RuntimeError, match="sink failed"):
+        t.read_through(keys, boom)
+    assert calls == list(range(8))  # nothing read past the failing group
+    real = warm_slabs.os.preadv
+    reads = []
+
+    def eio(fd, bufs, offset):
+        reads.append(offset)
+        if len(reads) == 5:
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(warm_slabs.os, "preadv", eio)
+    with pytest.raises(WarmTierUnavailable, match="Input/output error"):
+        t.read_through(keys, lambda i, rows: None)
+    monkeypatch.undo()
+    got = []
+    assert t.read_through(keys, lambda i, rows: got.append(rows.copy())) == N_BLOCKS  # nothing was dropped
+    np.testing.assert_array_equal(np.concatenate(got), payload_for(SPEC, keys))

@@ -175,3 +175,33 @@ def test_read_through_raises_the_sinks_error_and_a_failed_read(warm, monkeypatch
     got = []
     assert t.read_through(keys, lambda i, rows: got.append(rows.copy())) == N_BLOCKS  # nothing was dropped
     np.testing.assert_array_equal(np.concatenate(got), payload_for(SPEC, keys))
+
+
+@pytest.mark.parametrize("promotion", ["never", "on_nth_hit:2"])
+def test_block_reads_below_the_top_go_through_unless_promoted(tmp_path, seg_name, monkeypatch, promotion):
+    # tieredkv.blocks.read (SGLang's path) takes the same choice as a load: blocks the rule will not
+    # promote come through the warm tier's own buffer; a block due for promotion is kept and promoted.
+    from tieredkv import blocks
+    from tieredkv.cache import HOT, WARM
+
+    through = []
+    real = WarmTier.read_through
+    monkeypatch.setattr(WarmTier, "read_through", lambda self, *a, **k: through.append(1) or real(self, *a, **k))
+    keys = chunk_keys(SPEC, prompt(6 * SPEC.chunk_tokens, seed=3))
+    data = payload_for(SPEC, keys)
+    with TieredCache(SPEC, hot_bytes=8 << 20, hot_name=seg_name, warm_dir=tmp_path, warm_bytes=64 * 4096,
+                     promotion=promotion, demotion="write_through") as cache:
+        cache.put_blocks(keys, data)
+        assert cache.flush(10.0)
+        cache.hot.remove(keys)
+        for n_read in (1, 2):
+            got = np.zeros_like(data)
+
+            def sink(i, rows, got=got):
+                got[i:i + len(rows)] = rows
+
+            assert blocks.read(cache, keys, sink) == {"hot": 0, "warm": 6}
+            assert np.array_equal(got, data)
+            promoted = promotion != "never" and n_read == 2
+            assert len(through) == (n_read if promotion == "never" else 1)  # the 2nd on_nth_hit read keeps its rows
+            assert cache.locate(keys).tolist() == [HOT if promoted else WARM] * 6

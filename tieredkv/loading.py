@@ -83,17 +83,10 @@ class Loader:
                 got = level.read_shared(run, functools.partial(_place_at, place, i * C, C, True))
             else:  # each group read is copied into place before the level reads the next one
                 rows = staging[staged:staged + j - i]
-                sink = functools.partial(_place_at, place, i * C, C, False)
                 staged += j - i
-                if self._may_promote(run):
-                    got = level.read(run, rows, sink)
-                    if got:
-                        promote.append((level, run[:got], rows[:got]))
-                else:
-                    got = level.read_through(run, sink, rows)
-                    # Count the hits all the same (``on_nth_hit``). A block another thread's load made
-                    # due meanwhile is not promoted this time: its bytes were not kept.
-                    self._promotion_chosen(run[:got])
+                got, kept = self.read_below(level, run, functools.partial(_place_at, place, i * C, C, False), rows)
+                if got and kept:
+                    promote.append((level, run[:got], rows[:got]))
             loaded += got
             if got < j - i:
                 break
@@ -132,6 +125,26 @@ class Loader:
             if level is levels[0] and self.before_put is not None:
                 self.before_put(level, len(keys))
             level.put(keys, payloads, why="promoted")
+
+    def read_below(self, level: Level, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
+                   staging: np.ndarray) -> tuple[int, bool]:
+        """Read the leading ``keys`` from a level below the top, each group handed to ``sink``.
+
+        When the promotion rule will promote some of them, they are read into ``staging`` (``(>=
+        len(keys), block_bytes)`` rows) and kept there for ``promote``; otherwise the level may read
+        every group into a small buffer of its own (``Level.read_through``: the bytes go only where
+        ``sink`` puts them) and the hits are counted for the rule now.
+
+        Returns:
+            ``(got, kept)``: the leading blocks read, and whether ``staging[:got]`` holds them.
+        """
+        if self._may_promote(keys):
+            return level.read(keys, staging, sink), True
+        got = level.read_through(keys, sink, staging)
+        # Counted all the same (``on_nth_hit``). A block another thread's load made due meanwhile is
+        # not promoted this time: its bytes were not kept.
+        self._promotion_chosen(keys[:got])
+        return got, False
 
     def _may_promote(self, keys: ChunkKeys) -> bool:
         """Whether the promotion rule would promote any of ``keys`` if they were read now (counts

@@ -37,7 +37,7 @@ from tieredkv.warm.records import Records
 #: often as a plain read (one pass) instead of three (read, hash, copy). A helper thread hashing one
 #: 32 MiB group while the next was read gave no overlap on 2 cores and hashed out of DRAM (3.9x the
 #: time of hashing in L2, docs/benchmarks.md); one reading and hashing 1 MiB groups three ahead of the
-#: sink made a 112 MiB restore slower on 2 loaded cores (0.42x a page-cache read against 0.54x).
+#: sink made a 112 MiB restore slower on 2 loaded cores (0.59x a page-cache read against 0.71x at load 3).
 READ_GROUP_BYTES = 1 << 20
 
 

@@ -5,16 +5,17 @@ and verified.
 (``_lookup``, read transaction 1), copy their slots and re-check them (``_copy_checked``: the copy, one
 group of about ``READ_GROUP_BYTES`` at a time, each group hashed while it is still in the CPU cache;
 read transaction 2; the checksums) and remove what failed (``_drop_bad_records``, ``_drop_corrupt``,
-never waiting behind a writer: this is the read path).
+never waiting behind a writer: this is the read path). Copying outside any lock is safe because a slot
+is rewritten only after the record that owned it was deleted in a committed write transaction: if
+transaction 2, begun after the copy ended, still sees the same (slot, gen), no writer touched the slot
+meanwhile.
 
-``read_through`` reads every group into the same small buffer of the calling thread
-(``_read_through``), so a group is in the CPU cache from the moment the kernel copies it in until the
+``read_through`` reads every group into the same small buffer of the calling thread (``Scratch``, in
+``_read_hashing``), so a group is in the CPU cache from the moment the kernel copies it in until the
 sink has copied it out: main memory is written once, by the sink, where ``get_many`` writes the
 caller's rows and the sink then writes the destination (twice). A sink sees a group before the group is
 verified (as ``get_many``'s sink does); only the leading blocks the call returns are valid where it
-put them. Copying outside any lock is safe because a slot is rewritten
-only after the record that owned it was deleted in a committed write transaction: if transaction 2,
-begun after the copy ended, still sees the same (slot, gen), no writer touched the slot meanwhile.
+put them.
 """
 
 from __future__ import annotations

@@ -166,7 +166,8 @@ class Slabs:
         """Yield ``(begin, end)`` index ranges of ``slots`` that are consecutive within one slab."""
         n = len(slots)
         if n <= 1:  # a group of one big block: no run analysis
-            yield from [(0, n)] if n else []
+            if n:
+                yield 0, 1
             return
         slab = slots // self.slots_per_slab
         breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slab) != 0)) + 1

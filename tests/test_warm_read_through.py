@@ -80,9 +80,9 @@ def test_read_through_in_two_threads_at_once_gets_each_its_own_bytes(warm):
     assert not bad
 
 
-def _flip_block_on_disk(cache: TieredCache, keys, i: int, offset: int) -> None:
+def flip_block_on_disk(cache: TieredCache, keys, i: int, offset: int) -> None:
     """Invert one byte of block ``i``'s payload in its slab file (found by its bytes: unique here)."""
-    block = np.zeros((1, SPEC.block_bytes), np.uint8)
+    block = np.zeros((1, cache.spec.block_bytes), np.uint8)
     assert cache.warm.get_many(keys[i:i + 1], block) == 1
     for slab in sorted(cache.warm.path.glob("slab-*")):
         with open(slab, "r+b") as f:
@@ -112,7 +112,7 @@ def test_a_flipped_byte_in_the_middle_of_a_run_ends_a_one_pass_restore_there(tmp
         cache.hot.remove(hit.keys)
         hit = cache.lookup(tokens)
         assert hit.warm_blocks == N_BLOCKS
-        _flip_block_on_disk(cache, hit.keys, bad, SPEC.block_bytes // 2 + 5)  # mid-block, mid-run
+        flip_block_on_disk(cache, hit.keys, bad, SPEC.block_bytes // 2 + 5)  # mid-block, mid-run
         out = np.zeros_like(kv)
         assert cache.load(hit, out) == bad * C  # the damaged block and all after it are not returned
         assert through  # the one-pass path ran

@@ -49,6 +49,7 @@ from tieredkv.integrations.models import (
     tiny_llama_config,
     tiny_mistral_config,
 )
+from tieredkv.integrations.vllm_window import mixed_lookup, partial_keys, store_partial
 
 BLOCK, NUM_BLOCKS = 32, 64
 
@@ -252,15 +253,21 @@ def test_features_tieredkv_cannot_store_are_refused_by_name(models, seg_name, gr
 
 
 # ---- hybrid KV cache manager: a full and a sliding group ----------------------------------------------------
-def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_name):
+def gemma3_hybrid(models, seg_name, seed: int):
+    """Gemma 3 under vLLM's hybrid manager (layers 1 and 3 full, 0 and 2 a 64-token window): its
+    config, groups, a scheduler, a worker with its pages, and the model's KV for 320 positions."""
     n = names(4)
     kvc = kv_config(([n[1], n[3]], full()), ([n[0], n[2]], sliding(64)))
     cfg = config(models["gemma3"], extra(seg_name), 4)
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
-    sched = scheduler(cfg, kvc)
     w, pages = worker(cfg, kvc)
+    return cfg, kvc, scheduler(cfg, kvc), w, pages, model_kv(w, 320, seed=seed)
+
+
+def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_name):
+    n = names(4)
+    cfg, kvc, sched, w, pages, kv = gemma3_hybrid(models, seg_name, seed=1)
     tokens = np.arange(1, 301)
-    kv = model_kv(w, 320, seed=1)
     block_ids: dict = {}
     # Engine 1 computes the prompt: its 4 full chunks are saved, every layer.
     a = request("a", tokens)
@@ -281,6 +288,116 @@ def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_nam
     assert not pages2[n[0]][tv.NULL_BLOCK].any()  # nothing was written through the null block
     w.shutdown()
     w2.shutdown()
+
+
+def test_hybrid_chunks_behind_the_window_at_save_still_give_a_whole_prefix_hit(models, seg_name):
+    """Regression: a chunk whose sliding blocks vLLM hands as null at save time (here: behind vLLM's
+    own prefix hit on chunks the tiers have lost) was not stored at all, so the tiers' prefix ended
+    before it and a later engine got no hit. Its full layers are stored now (a full-layers-only block),
+    and a hit needs whole blocks only for the chunks in the window before its end."""
+    n = names(4)
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=7)
+    tokens = np.arange(1, 301)
+    block_ids: dict = {}
+    # Engine 1 computes a prompt sharing the first two chunks, then the tiers lose those chunks
+    # (evicted) while vLLM's own prefix cache keeps them.
+    a = request("a", np.concatenate([tokens[:128], np.arange(1000, 1040)]))
+    sched.add_request(a)
+    run_step(sched, [w], [a], kv, block_ids)
+    keys = tv.chunk_keys(w.spec, tokens[:256])
+    assert w.cache.hot.remove(keys[:2]) == 2
+    # The whole prompt: vLLM's local hit is 128 tokens, its sliding blocks 0-1 (tokens 0-63) are
+    # behind the window there and come as the null block, so chunk 0 has no sliding layers to read.
+    b = request("b", tokens)
+    sched.add_request(b)
+    out, meta, _ = run_step(sched, [w], [a, b], kv, block_ids)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 128
+    assert block_ids["b"][1][:2] == [tv.NULL_BLOCK] * 2 and tv.NULL_BLOCK not in block_ids["b"][1][2:8]
+    (save,) = [p for p in meta.saves if p.req_id == "b"]
+    assert (save.start_token, save.partial_tokens, len(save.token_ids)) == (0, 64, 256)
+    partial = partial_keys(keys)
+    assert len(w.cache.resident_run(keys)) == 0 and len(w.cache.resident_run(partial[:1])) == 1
+    assert len(w.cache.resident_run(keys[1:])) == 3
+    # Engine 2 gets the whole 256-token prefix: the full layers from all four chunks, the sliding
+    # layers from the window's chunk (3), which is whole.
+    out, w2, pages2 = second_engine(cfg, kvc, tokens, hit=256)
+    full_ids, window_ids = out.scheduled_new_reqs[0].block_ids
+    assert window_ids[:6] == [tv.NULL_BLOCK] * 6
+    host = torch.zeros_like(kv)
+    w2._paged.read(full_ids[:8], host, layers=(1, 3))
+    w2._paged.read(window_ids[6:8], host[:, :, :, 6 * BLOCK:], layers=(0, 2))
+    assert same(host[[1, 3], :, :, :256], kv[[1, 3], :, :, :256])
+    assert same(host[[0, 2], :, :, 192:256], kv[[0, 2], :, :, 192:256])
+    assert not pages2[n[0]][tv.NULL_BLOCK].any() and not pages2[n[1]][tv.NULL_BLOCK].any()
+    # A chunk in the window must be whole: with chunk 3 only as a full-layers-only block the hit
+    # steps back to 192, whose window (tokens 129-191) lies in chunk 2.
+    stored = w.cache.stats()["stored_blocks"]
+    host = torch.as_tensor(kv[:, :, :, :256]).clone()
+    store_partial(w.cache, tokens[:256], host, b"", None, 192, 256, (0, 2))
+    assert w.cache.stats()["stored_blocks"] == stored  # chunk 3's whole block is held: nothing stored
+    w.cache.hot.remove(keys[3:4])
+    store_partial(w.cache, tokens[:256], host, b"", None, 192, 256, (0, 2))
+    hit = mixed_lookup(w.cache, tokens, b"", None, 64)
+    assert (hit.tokens, list(hit.complete)) == (192, [False, True, True])
+    beyond = mixed_lookup(w.cache, tokens, b"", None, 64, computed=192)
+    assert (beyond.tokens, beyond.held) == (0, 4)  # nothing past vLLM's 192 tokens; the tiers hold 4 chunks
+    # KV events: a lookup announces the leading run of chunks held whole; chunk 0 is held under its
+    # full-layers-only key, so nothing (a router would otherwise track a block no tier holds).
+    from vllm.config import KVEventsConfig
+
+    from tieredkv import journal
+
+    cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    sched3 = scheduler(cfg, kvc)
+    try:
+        sched3.add_request(request("e", tokens))
+        assert sched3.schedule().num_scheduled_tokens["e"] == 300 - 192
+        assert sched3.connector.take_events() == []
+    finally:
+        sched3.connector.shutdown()
+        journal.remove(journal.journal_path(seg_name))
+    w.shutdown()
+    w2.shutdown()
+
+
+def test_hybrid_chunks_the_tiers_lack_before_vllms_own_hit_are_stored_after_a_tier_hit(models, seg_name):
+    """A hit that starts after vLLM's own prefix hit (the tiers hold chunks 2-3, not 0-1, which vLLM
+    holds itself) still stores chunks 0-1 once the prompt is computed, from vLLM's pages: otherwise
+    the tiers' copy of the prefix would keep its gap, and an engine without vLLM's local copy no hit."""
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=9)
+    tokens = np.arange(1, 301)
+    keys = tv.chunk_keys(w.spec, tokens[:256])
+    a = request("a", tokens)  # another engine stored the whole prefix
+    sched.add_request(a)
+    run_step(sched, [w], [a], kv, {})
+    assert w.cache.hot.remove(keys[:2]) == 2
+    # This engine: vLLM's own cache gets chunks 0-1 from a prompt sharing them (which stores them
+    # again: the tiers lose them again), then the whole prompt is a tier hit for chunks 2-3.
+    sched1 = scheduler(cfg, kvc)
+    w1, _ = worker(cfg, kvc)
+    block_ids: dict = {}
+    b = request("b", np.concatenate([tokens[:128], np.arange(1000, 1040)]))
+    sched1.add_request(b)
+    run_step(sched1, [w1], [b], kv, block_ids)
+    assert w.cache.hot.remove(keys[:2]) == 2
+    c = request("c", tokens)
+    sched1.add_request(c)
+    out, meta, errors = run_step(sched1, [w1], [b, c], kv, block_ids)
+    (load,) = meta.loads
+    assert errors == set() and out.num_scheduled_tokens["c"] == 300 - 256
+    assert (load.hit.keys.start, load.hit.tokens, load.skip_tokens) == (2, 128, 0)  # vLLM holds 0-1, loads 2-3
+    (save,) = [p for p in meta.saves if p.req_id == "c"]
+    assert (save.start_token, save.partial_tokens) == (0, 192)  # sliding blocks 0-5 are null there
+    assert [len(w.cache.resident_run(k)) for k in (keys, partial_keys(keys))] == [0, 2]
+    # The prompt again: vLLM holds 288 tokens itself and the tiers every chunk: nothing to save.
+    d = request("d", tokens)
+    sched1.add_request(d)
+    out, meta, _ = run_step(sched1, [w1], [b, c, d], kv, block_ids)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 288 and not meta.loads
+    assert not [p for p in meta.saves if p.req_id == "d"]
+    out, w2, _ = second_engine(cfg, kvc, tokens, hit=256)
+    for x in (w, w1, w2):
+        x.shutdown()
 
 
 def test_uniform_window_under_chunked_prefill_saves_each_chunk_while_in_the_window(models, seg_name):

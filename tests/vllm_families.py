@@ -16,12 +16,20 @@ segment, removed after) and runs, greedy, one prompt longer than any sliding win
   (for MLA backends whose prefill from a cached latent rounds differently from a full prefill);
 - ``zeroed``: the control: the prefix's blocks in the hot tier are replaced by zeros and vLLM's
   cache is reset again, so the restored prefix is wrong and the output must change;
+- sliding + full layers under vLLM's hybrid manager (Gemma 3) only: ``partial-prep`` (the tiers lose
+  the main prompt's chunks; its first 200 tokens are computed as a prompt of their own, and the tiers
+  lose the three chunks it stored), ``partial`` (the main prompt: vLLM's own prefix cache serves 192
+  tokens; the sliding blocks of tokens 0-127 are behind the window there, null, so the tiers get
+  chunks 0 and 1 as full-layers-only blocks) and ``partial-tier`` (after a reset: the whole prefix
+  from the tiers). The shared prompt is 200 tokens because vLLM 0.32 was found here to serve a window
+  from its own cache only out of blocks a request held until it finished (its window's blocks at its
+  end: tokens 128-191 here), not out of blocks it freed behind its window while decoding;
 - hybrid models only: ``state-zeroed`` (S + [t1] once more, its KV blocks intact, the recurrent
   state at S's end zero-filled: the output must change too) and ``no-state`` (a prompt sharing only the first chunk
   with the main one: its KV is stored but vLLM never snapshotted the state there, so nothing is hit).
 
-Then, for every single-rank family, a reference engine WITHOUT the connector (same model, same
-arguments) runs the main prompt twice (``ref``, then ``ref-local``: vLLM's own prefix cache serves
+Then, for every family, a reference engine WITHOUT the connector (same model, same arguments, TP
+degree included) runs the main prompt twice (``ref``, then ``ref-local``: vLLM's own prefix cache serves
 the second) and the short prompt (``ref-short``); the test compares the connector engine's tokens with
 these.
 
@@ -74,16 +82,18 @@ def run(job: dict) -> dict:
         gc.collect()
         cleanup_dist_env_and_memory()  # the next engine initialises its own (single-rank) group
         docs[family]["seconds"] = round(time.monotonic() - started, 1)
-        if FAMILIES[family][2].get("tensor_parallel_size", 1) == 1:
-            started = time.monotonic()
-            docs[family].update(run_reference(family, job))
-            gc.collect()
-            cleanup_dist_env_and_memory()
-            docs[family]["reference_seconds"] = round(time.monotonic() - started, 1)
+        started = time.monotonic()
+        docs[family].update(run_reference(family, job))
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        docs[family]["reference_seconds"] = round(time.monotonic() - started, 1)
     return docs
 
 
-def _engine_env() -> None:
+def _engine_env(llm_kwargs: dict) -> None:
+    if llm_kwargs.get("tensor_parallel_size", 1) > 1:
+        # vLLM binds each CPU rank to a NUMA node of its own; one node here: leave threads unbound.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     os.environ.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_HOST_IP="127.0.0.1",
                       VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       # numba's llvmlite objects break the module scan an in-process vLLM engine
@@ -108,11 +118,12 @@ def _model(family: str, job: dict) -> str:
 
 
 def run_reference(family: str, job: dict) -> dict:
-    """The family's prompts on an engine without the connector: what the connector must reproduce."""
-    _engine_env()
+    """The family's prompts on an engine without the connector (same ranks): what the connector must
+    reproduce."""
+    _, _, llm_kwargs = FAMILIES[family]
+    _engine_env(llm_kwargs)
     from vllm import LLM, SamplingParams
 
-    _, _, llm_kwargs = FAMILIES[family]
     tokens, short = job["prompts"][family]
     llm = LLM(model=_model(family, job), skip_tokenizer_init=True, max_model_len=1024, enforce_eager=True,
               block_size=32, max_num_seqs=2, enable_prefix_caching=True, **llm_kwargs)
@@ -162,14 +173,11 @@ def watch_pages() -> dict:
 
 
 def run_family(family: str, job: dict) -> dict:
-    _engine_env()
+    _, _, llm_kwargs = FAMILIES[family]
+    _engine_env(llm_kwargs)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    _, _, llm_kwargs = FAMILIES[family]
-    if llm_kwargs.get("tensor_parallel_size", 1) > 1:
-        # vLLM binds each CPU rank to a NUMA node of its own; one node here: leave threads unbound.
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     model = _model(family, job)
     tokens, short = job["prompts"][family]
     ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="tieredkv.integrations.vllm",
@@ -201,10 +209,17 @@ def run_family(family: str, job: dict) -> dict:
     steps = ["miss", "tier", "local", "zeroed"]
     if conn._states is not None:
         steps += ["state-zeroed", "no-state"]
+    if conn._mixed is not None:
+        steps += ["partial-prep", "partial", "partial-tier"]
+    doc["removed_blocks"] = 0
     for name in steps:
-        if name != "local":
+        if name not in ("local", "partial"):
             assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
         prompt = tokens
+        if name in ("partial-prep", "partial"):  # the tiers lose the main prompt's chunks (evicted, say)
+            doc["removed_blocks"] += forget(conn, tokens)
+        if name == "partial-prep":  # vLLM's own cache gets the main prompt's first three chunks
+            prompt = tokens[:200]
         if name == "zeroed":  # the control: the same blocks, zero-filled, must change the output
             hit = conn.cache.lookup(tokens)
             zero(conn.cache, hit.keys)
@@ -224,6 +239,8 @@ def run_family(family: str, job: dict) -> dict:
         doc[name] = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
                      "logprobs": {str(t): float(lp.logprob) for t, lp in first.items()}}
         doc[name + "-stats"] = {k: v for k, v in conn.cache.stats().items() if isinstance(v, (int, float))}
+        if name == "partial":  # per chunk of the main prompt: held whole, held as full layers only
+            doc["partial-held"] = [[bool(x) for x in conn.cache.hot.contains_many(k)] for k in main_keys(conn, tokens)]
     if pages is not None:  # the prompt's chunks as the miss saved them and as the tier run restored them
         saved = {g: dict(zip(real, np.moveaxis(got, 1, 0))) for g, (real, got) in pages["saved"].items()}
         doc["restored_pages_equal_computed"] = all(
@@ -234,6 +251,21 @@ def run_family(family: str, job: dict) -> dict:
     conn.cache.unlink_hot()
     del llm, core, conn
     return doc
+
+
+def main_keys(conn, tokens) -> tuple:
+    """The keys of the main prompt's full chunks: whole blocks, full-layers-only blocks."""
+    from tieredkv.integrations.vllm_window import partial_keys
+    from tieredkv.keys import chunk_keys
+
+    C = conn.spec.chunk_tokens
+    keys = chunk_keys(conn.spec, tokens[:len(tokens) // C * C])
+    return keys, partial_keys(keys)
+
+
+def forget(conn, tokens) -> int:
+    """Remove the main prompt's chunks (either kind of block) from the hot tier; how many were held."""
+    return sum(conn.cache.hot.remove(k) for k in main_keys(conn, tokens))
 
 
 def zero(cache, keys) -> None:

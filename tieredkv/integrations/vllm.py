@@ -59,7 +59,14 @@ from tieredkv.integrations.vllm_groups import CacheLayout, cache_layout
 from tieredkv.integrations.vllm_identity import Unkeyable, chunk_extras, request_tokens
 from tieredkv.integrations.vllm_loads import LOAD_MODES, NULL_BLOCK, LayerLoader, leading_nulls
 from tieredkv.integrations.vllm_state import StateCache, StateSave
-from tieredkv.integrations.vllm_window import WindowHit, first_chunk, window_lookup
+from tieredkv.integrations.vllm_window import (
+    MixedHit,
+    WindowHit,
+    first_chunk,
+    mixed_lookup,
+    store_partial,
+    window_lookup,
+)
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec
@@ -187,6 +194,9 @@ class SavePlan:
     extra: tuple[bytes | None, ...] | None = None
     #: hybrid models: the chunk boundaries whose recurrent state is saved, and its blocks
     states: tuple[StateSave, ...] = ()
+    #: sliding + full layers: the leading tokens from ``start_token`` whose sliding blocks vLLM no
+    #: longer holds (null), stored as full-layers-only blocks (``vllm_window.store_partial``)
+    partial_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -263,7 +273,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     Cache families (``tieredkv.integrations.vllm_groups``): full attention, MLA (one latent copy per
     host: every TP rank reads it, rank 0 alone writes it), sliding windows (with or without vLLM's
     hybrid KV cache manager: blocks outside a request's window are neither loaded nor saved; when
-    every layer slides, a hit needs only its window's chunks, ``vllm_window``), hybrid models'
+    every layer slides, a hit needs only its window's chunks; beside full layers, the full layers need
+    every chunk and the sliding ones the window's, ``vllm_window``), hybrid models'
     recurrent state at the chunk boundaries vLLM snapshots (``vllm_state``) and per-tensor fp8 KV;
     anything else is refused at start-up with the feature named.
 
@@ -306,6 +317,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._states = StateCache(self.cache, self._layout) if self._layout.states else None
         # Every layer slides (and no recurrent state): hits need a window of chunks, not a prefix.
         self._window = self._layout.uniform_window if self._states is None else None
+        # Sliding + full layers: full layers need a prefix, sliding ones the window (vllm_window).
+        self._mixed = self._layout.mixed_window if self._states is None else None
         self._declined = ("vLLM does not snapshot this model's recurrent state at block boundaries "
                           "(mamba_cache_mode is not 'align' or ReplaySSM is on; enable prefix caching)"
                           if any(not g.cached for g in self._layout.states) else None)
@@ -371,6 +384,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self._window is not None:  # every layer slides: a full window of chunks is a hit
                 hit = window_lookup(self.cache, identity.tokens, identity.salt, identity.extra, self._window,
                                     num_computed_tokens)
+            elif self._mixed is not None:  # full layers a prefix, sliding layers the window before its end
+                hit = mixed_lookup(self.cache, identity.tokens, identity.salt, identity.extra, self._mixed,
+                                   num_computed_tokens)
             else:
                 hit = self.cache.lookup(identity.tokens, identity.salt, extra=identity.extra, count=False)
         except (TieredKVError, OSError) as e:
@@ -424,8 +440,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                          num_external_tokens if hit is not None else 0)
         if identity is None:
             return  # not keyed exactly: never stored
+        saved = 0 if hit is None else hit.tokens
+        if isinstance(hit, MixedHit):  # chunks before vLLM's own hit that the tiers lack are stored too
+            saved = min(max(saved, hit.first * self.spec.chunk_tokens), hit.held * self.spec.chunk_tokens)
         self._tracked[req_id] = _Tracked(token_ids=identity.tokens, salt=identity.salt, extra=identity.extra,
-                                         saved_tokens=hit.tokens if hit is not None else 0, block_ids=block_ids)
+                                         saved_tokens=saved, block_ids=block_ids)
         self._note_events(request, hit)
         if num_external_tokens <= 0 or hit is None:
             return
@@ -435,7 +454,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         first, last = max(local // C, getattr(hit, "first", 0)), -(-end // C)
         start = max(local, first * C)
         # (A window hit cut short by vLLM would need chunks before its window, which were not looked up.)
-        short_window = isinstance(hit, WindowHit) and first_chunk(end, self._window or 0, C) < hit.first
+        short_window = (isinstance(hit, WindowHit) and first_chunk(end, self._window or 0, C) < hit.first) or \
+            (isinstance(hit, MixedHit) and not hit.window_is_whole(end, self._mixed or 0, C))
         if local % N or end % N or end > hit.tokens or short_window:
             # Not a range this connector offered: load nothing and let the worker report every
             # block as failed, so vLLM recomputes them rather than reading unfilled pages.
@@ -462,9 +482,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         n = len(identity.tokens) // C
         extra = identity.extra[:n] if identity.extra is not None else None
         keys = chunk_keys(self.spec, identity.tokens[:n * C], identity.salt, extra)
-        # Announced: the leading run found (a window hit's chunks before its window were not looked up).
-        where = hit.where[:np.argmax(hit.where < 0)] if hit is not None and (hit.where < 0).any() else \
-            (hit.where if hit is not None else np.zeros(0))
+        # Announced: the leading run found (a window hit's chunks before its window were not looked up;
+        # a full-layers-only block is held under another key than its chunk's, and is not announced).
+        where = hit.where if hit is not None else np.zeros(0)
+        if isinstance(hit, MixedHit):
+            where = np.where(hit.complete, where, -1)
+        where = where[:np.argmax(where < 0)] if (where < 0).any() else where
         events.note_request(request, keys, where.tolist())
 
     def take_events(self) -> list:
@@ -525,12 +548,19 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if any(len(g) < (full - start) // N for g in ids):
             return
         # Blocks a sliding group no longer keeps (e.g. behind vLLM's own prefix-cache hit) lead as the
-        # null block: the chunks they touch cannot be read, so the save starts after them. (State
-        # groups are null between the boundaries vLLM snapshots: they never hold chunks back.)
-        nulls = max(leading_nulls(ids[g.index]) for g in self._layout.groups)
+        # null block: the chunks they touch cannot be read, so the save starts after them; with full
+        # layers beside the sliding ones those chunks are stored as full-layers-only blocks instead.
+        # (State groups are null between the boundaries vLLM snapshots: they never hold chunks back.)
+        mixed = self._mixed is not None
+        nulls = max((leading_nulls(ids[g.index]) for g in self._layout.groups if not mixed or g.window is None),
+                    default=0)
         skip = -(-nulls * N // C) * C
         if start + skip >= full:
             return
+        partial = 0
+        if mixed:
+            sliding = max(leading_nulls(ids[g.index]) for g in self._layout.groups if g.window is not None)
+            partial = min(max(-(-sliding * N // C) * C - skip, 0), full - start - skip)
         extra = None if tracked.extra is None else tuple(tracked.extra[:full // C])
         meta.saves.append(SavePlan(req_id=req_id, token_ids=tracked.token_ids[:full], salt=tracked.salt,
                                    start_token=start + skip,
@@ -539,7 +569,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                                           if b != NULL_BLOCK),
                                    extra=extra,
                                    states=self._states.saves(tracked.block_ids, start + skip, full)
-                                   if self._states else ()))
+                                   if self._states else (), partial_tokens=partial))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Plan again the saves of requests that hold a block whose load failed.
@@ -698,10 +728,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 # Positions before start_token (already in the tiers) are left unread: store skips them.
                 host = paged.host_buffer(len(plan.token_ids))
+                whole = plan.start_token + plan.partial_tokens  # sliding layers held from here on
                 for group in self._layout.groups:
-                    paged.read(plan.block_ids[group.index], host[:, :, :, plan.start_token:], layers=group.layers)
-                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=plan.start_token,
+                    at = plan.start_token if group.window is None or not plan.partial_tokens else whole
+                    paged.read(plan.block_ids[group.index][(at - plan.start_token) // self._block_size:],
+                               host[:, :, :, at:], layers=group.layers)
+                self.cache.store(plan.token_ids, _raw(host), plan.salt, from_token=whole,
                                  extra=None if plan.extra is None else list(plan.extra))
+                if plan.partial_tokens:
+                    store_partial(self.cache, plan.token_ids, host, plan.salt, plan.extra, plan.start_token, whole,
+                                  [i for g in self._layout.groups if g.window is not None for i in g.layers])
                 if self._states is not None:  # after the KV: a stored state implies its chunks were
                     self._states.store(plan.token_ids, plan.salt, plan.extra, plan.states)
             except Exception:  # a failed save is a future miss, never a failed request

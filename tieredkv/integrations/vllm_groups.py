@@ -133,6 +133,17 @@ class CacheLayout:
         return None
 
     @property
+    def mixed_window(self) -> int | None:
+        """The largest window when some attention groups slide and others attend to the whole prefix
+        (Gemma 2/3 under vLLM's hybrid manager: a chunk outside every window at a hit point needs its
+        full layers only, ``tieredkv.integrations.vllm_window.mixed_lookup``); None otherwise (vLLM's
+        manager off folds sliding layers into one full group, which keeps every block)."""
+        windows = [g.window for g in self.groups if g.window is not None]
+        if windows and len(windows) < len(self.groups):
+            return max(windows)
+        return None
+
+    @property
     def window(self) -> int | None:
         """The smallest sliding window of any group that keeps only its window (None: no such group)."""
         windows = [g.window for g in self.groups if g.window is not None]

@@ -58,5 +58,5 @@ def test_mla_and_linear_attention_are_refused_by_name():
         hf.spec_for_model(hf_models.random_model(hf_models.tiny_deepseek_v3_config(num_hidden_layers=1)))
     model = hf_models.random_model(hf_models.tiny_gemma3_config())
     model.config.layer_types = ["linear_attention", "full_attention"] * 2
-    with pytest.raises(InvalidInput, match=r"\['linear_attention'\].*not per-token K/V"):
+    with pytest.raises(InvalidInput, match=r"\['linear_attention'\].*not verified.*not per-token K/V"):
         hf.CachedPrefill(model, None)

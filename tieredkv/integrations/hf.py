@@ -288,6 +288,11 @@ class CachedPrefill:
         self._hybrid = hf_state.HybridPrefill(model, cache, self.spec, cache_kw=self._cache_kw,
                                               logits_kw=self._logits_kw, state_boundaries=state_boundaries) \
             if hf_state.has_state_layers(model) else None
+        unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
+        if unsupported and self._hybrid is None:  # a transformers without per-layer state in DynamicCache
+            raise InvalidInput(f"layer types {unsupported}: this transformers keeps no linear-attention or mamba "
+                               "state in DynamicCache layers, so CachedPrefill caches full and sliding-window "
+                               "attention only (a linear-attention or mamba layer's state is not per-token K/V)")
         self._on_cuda = self.device.type == "cuda"
         self.reuse_host_buffer = True if reuse_host_buffer is None else bool(reuse_host_buffer)
         # The reused host buffer (pinned on CUDA, where it only carries new chunks device -> host for

@@ -27,9 +27,9 @@ only up to the last boundary before it that has one.
 
 Which boundaries get a state (``state_boundaries``): a state costs one forward piece ending there
 (the prefill of the uncached tail is split at every boundary that is stored) and its bytes, which for
-real models are many chunks' worth of K/V (Qwen3-Next-80B: 36 gated-delta-net layers x (32 heads x
-128 x 128 recurrent + 8192 x 4 conv) in bfloat16 is about 38 MiB per boundary, against 1.5 MiB for a
-64-token chunk of its 12 attention layers' K/V). ``"ends"`` (default) stores it where a later prompt
+real models are many chunks' worth of K/V (Qwen3-Next-80B in bfloat16: 36 gated-delta-net layers x
+(32 heads x 128 x 128 float32 recurrent + 8192 x 4 bfloat16 conv) is 74 MiB per boundary, against
+1.5 MiB for a 64-token chunk of its 12 attention layers' K/V). ``"ends"`` (default) stores it where a later prompt
 is likely to branch: the prompt's last boundary before its last token (a repeat of the prompt hits
 there), its last full boundary (a longer prompt that extends this one, as the next turn of a chat,
 hits there), and the end of the attention chunks already cached (where an earlier prompt and this one
@@ -254,6 +254,9 @@ class HybridPrefill:
         logits_kw: the keyword that limits the logits computed (``logits_to_keep``), if any.
         state_boundaries: ``"ends"`` or ``"every"`` (module doc).
 
+    Each call restores into a new host buffer and a new ``DynamicCache`` (``reuse_host_buffer`` and the
+    in-place ``BufferLayer`` of attention-only models do not apply here).
+
     Raises:
         SpecMismatch: the spec describes another state layout.
         InvalidInput: an unknown ``state_boundaries``.
@@ -292,7 +295,8 @@ class HybridPrefill:
         flat = torch.from_numpy(row.reshape(-1))
         offset = 0
         for t in self.layout.tensors:
-            value = flat[offset:offset + t.nbytes].view(t.dtype).reshape(t.shape).to(self.device)
+            # A copy of the bytes first: a view as another dtype needs an offset aligned to its size.
+            value = flat[offset:offset + t.nbytes].clone().view(t.dtype).reshape(t.shape).to(self.device)
             offset += t.nbytes
             layer = kv_cache.layers[t.layer]
             if t.kind == "conv":

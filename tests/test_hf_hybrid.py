@@ -21,7 +21,6 @@ from tieredkv.errors import InvalidInput, SpecMismatch
 
 torch = LazyModule("torch")
 hf = LazyModule("tieredkv.integrations.hf")
-hf_state = LazyModule("tieredkv.integrations.hf_state")
 hf_models = LazyModule("tieredkv.integrations.models")
 
 CHUNK = 16
@@ -214,3 +213,12 @@ def test_other_state_models_are_refused_by_name():
         hf.CachedPrefill(gemma, None)
     with pytest.raises(InvalidInput, match="state_boundaries"):
         hf.CachedPrefill(build(hf_models.tiny_hybrid_config("lfm2")), None, state_boundaries="some")
+
+
+def test_a_transformers_without_per_layer_state_is_refused(monkeypatch):
+    # Releases before the unified hybrid cache keep the state in model-specific caches, which
+    # DynamicCache(config) does not build: such a model must not run as if it had attention only.
+    monkeypatch.setattr("tieredkv.integrations.hf_state.has_state_layers", lambda model: False)
+    model = build(hf_models.tiny_qwen3_next_config(**QWEN3_NEXT))
+    with pytest.raises(InvalidInput, match=r"\['linear_attention'\].*keeps no linear-attention or mamba state"):
+        hf.CachedPrefill(model, None)

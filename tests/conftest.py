@@ -3,12 +3,46 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
+from functools import cache
+from pathlib import Path
 
 import posix_ipc
 import pytest
 
 from tieredkv import KVSpec
+
+# ---- the quick set: `python -m pytest -q -m quick` -----------------------------------------------------
+# The inner loop: every test that is not slow, starts no processes and no store server, needs no GPU,
+# and is not in a module that imports vLLM or SGLang (their imports alone take about 10 s). With
+# `-m quick` those modules are not even imported. The full suite runs all of it too.
+_NOT_QUICK = ("slow", "procs", "soak", "gpu", "server")
+#: Fixtures that start a store server (valkey-server) for the tests that use them; a parameter with a
+#: true ``starts_server`` attribute (a tier factory) does too.
+_SERVER_FIXTURES = {"valkey_url", "valkey_server", "mooncake_server"}
+_ENGINE_IMPORT = re.compile(r"^\s*(?:import|from)\s+(?:vllm|sglang)\b|importorskip\(\s*[\"'](?:vllm|sglang)", re.M)
+
+
+@cache
+def _imports_an_engine(path: Path) -> bool:
+    return path.suffix == ".py" and bool(_ENGINE_IMPORT.search(path.read_text()))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if config.getoption("markexpr", "").strip() == "quick" and collection_path.name.startswith("test_"):
+        return _imports_an_engine(collection_path) or None
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (_SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+                or any(getattr(v, "starts_server", False) for v in params.values())):
+            item.add_marker(pytest.mark.server)
+        if not (any(item.get_closest_marker(m) for m in _NOT_QUICK) or _imports_an_engine(item.path)):
+            item.add_marker(pytest.mark.quick)
 
 # A remote tier refuses to start without the fleet's secret: the test fleet has its own, given the way
 # operators give it (the environment; processes the tests spawn inherit it).

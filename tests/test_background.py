@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import pytest
 
-from tieredkv.background import BackgroundWriter
+from tieredkv.background import WRITER_NICE, BackgroundWriter
 from tieredkv.errors import InvalidInput
 
 
@@ -73,3 +74,24 @@ def test_forked_child_gets_its_own_writer():
 def test_bad_bound(bad):
     with pytest.raises(InvalidInput, match="max_blocks"):
         BackgroundWriter("t", max_blocks=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.0, True])
+def test_bad_nice(bad):
+    with pytest.raises(InvalidInput, match="nice"):
+        BackgroundWriter("t", max_blocks=4, nice=bad)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("nice", [0, 10])
+def test_the_writer_thread_runs_below_the_callers_priority(nice):
+    """Write-behind takes what the requests leave: its thread's nice value is the caller's plus ``nice``
+    (the default is WRITER_NICE); the calling thread's own priority is unchanged."""
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    w = BackgroundWriter("t", max_blocks=4, nice=nice)
+    assert w.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert w.flush(10.0) and w.close()
+    assert seen == [min(19, mine + nice)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    assert BackgroundWriter("t", max_blocks=4).nice == WRITER_NICE > 0

@@ -91,6 +91,7 @@ def _gen_api():
     return mod
 
 
+@pytest.mark.slow  # imports every integration, vLLM's and SGLang's too (10-15 s): the full suite runs it
 def test_api_md_is_up_to_date():
     gen = _gen_api()
     assert (ROOT / "docs" / "api.md").read_text() == gen.generate(), \

@@ -53,6 +53,7 @@ def test_smollm2_is_converted_once_and_loads_the_same_weights(tmp_path):
     assert models._file_digest(other) != models._file_digest(gguf)
 
 
+@pytest.mark.slow  # builds and saves a transformers model
 def test_a_converted_directory_is_repaired_for_vllm(tmp_path):
     """vLLM picks the model class from config.json's ``architectures`` (without it: the bare
     ``LlamaModel``, no LM head) and loads tied embeddings from the embedding's name (``save_model`` kept

@@ -25,6 +25,8 @@ from tieredkv.remote.auth import FleetKey
 from tieredkv.remote.value import HEADER_BYTES, Codec
 from tieredkv.tier import PutResult
 
+pytestmark = pytest.mark.server  # every test here talks to a real store server on 127.0.0.1
+
 SPAWN = mp.get_context("spawn")
 MiB = 1 << 20
 

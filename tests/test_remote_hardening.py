@@ -26,6 +26,8 @@ from tieredkv.remote import testing as servers
 from tieredkv.remote.auth import ENV_SECRET, ENV_SECRET_FILE, FleetKey
 from tieredkv.remote.value import HEADER, HEADER_BYTES, Codec, inflate
 
+pytestmark = pytest.mark.server  # every test here talks to a real valkey-server on 127.0.0.1
+
 valkey = pytest.importorskip("valkey", reason="the remote tests need the valkey client (tieredkv[remote])")
 MiB = 1 << 20
 

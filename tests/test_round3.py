@@ -150,6 +150,7 @@ def test_cli_fuzz_every_mistake_is_one_line_and_a_non_zero_exit(tmp_path, monkey
     assert not problems, problems[:5]
 
 
+@pytest.mark.procs  # a fresh interpreter without transformers
 def test_demo_without_the_hf_extra_says_how_to_install_it():
     import os
     import subprocess

@@ -77,6 +77,7 @@ def remote_tier(spec: KVSpec, capacity_blocks: int, where: pathlib.Path, cleanup
 #: The store evicts by itself (maxmemory + LRU, server-side) and names no victims: the cases that assert
 #: which blocks ``evict`` and a full tier choose do not apply (store eviction: tests/test_remote.py).
 remote_tier.evicts_by_itself = True
+remote_tier.starts_server = True  # its cases are `server` tests (tests/conftest.py)
 
 def memory_tier(spec: KVSpec, capacity_blocks: int, where: pathlib.Path, cleanup: list) -> Tier:
     """The fourth level of tests/test_levels.py: process memory, LRU."""

@@ -7,6 +7,12 @@ store() ──submit(job, blocks)──► [ queue, at most max_blocks pending ]
 close() ──flush(timeout_s)──► waits until the queue is empty or the bound passes, then stops the thread
 ```
 
+The thread runs at a lower CPU priority than the requests (``nice``, default ``WRITER_NICE``; Linux,
+where each thread has its own nice value): on a host whose cores the model's forwards keep busy, the
+copies and checksums of write-behind take what the forwards leave instead of slowing them down. The
+writer still gets a share of a busy core (about 10% at nice 10 against 0), and a full queue drops and
+counts, as always.
+
 A job is a callable with no arguments; it owns its data (the caller hands it copies, never views of
 buffers it will reuse). An exception raised by a job is caught, counted and handed to ``on_error``: the
 writer keeps running. After ``fork`` the child starts with an unlocked condition (``tieredkv.forksafe``:
@@ -18,11 +24,16 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 from collections.abc import Callable
 
 from tieredkv import forksafe
 from tieredkv.errors import InvalidInput
+
+#: How much lower than the process the writer threads run (added to the thread's nice value; 0 keeps
+#: it). Only where threads have nice values of their own (Linux).
+WRITER_NICE = 10
 
 
 class BackgroundWriter:
@@ -32,6 +43,8 @@ class BackgroundWriter:
         name: the thread's name (shows in stack dumps and ``py-spy``).
         max_blocks: bound on the blocks held by queued jobs; a job that would exceed it is dropped.
         on_error: called with the exception of a job that raised (on the writer thread).
+        nice: added to the writer thread's nice value when it starts (Linux; ignored elsewhere, and
+            where the process may not change it).
 
     Attributes:
         submitted, done, dropped, failed: counts of jobs (``done``: finished, failed ones included;
@@ -39,10 +52,14 @@ class BackgroundWriter:
         dropped_blocks: blocks in dropped jobs.
     """
 
-    def __init__(self, name: str, max_blocks: int, on_error: Callable[[BaseException], None] | None = None):
+    def __init__(self, name: str, max_blocks: int, on_error: Callable[[BaseException], None] | None = None,
+                 nice: int = WRITER_NICE):
         if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
             raise InvalidInput(f"max_blocks must be a positive int, got {max_blocks!r}")
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise InvalidInput(f"nice must be an int in [0, 19], got {nice!r}")
         self.name = name
+        self.nice = nice
         self.max_blocks = max_blocks
         self._on_error = on_error
         self._cond = threading.Condition()
@@ -117,7 +134,17 @@ class BackgroundWriter:
             self._thread = None
             self.submitted = self.done = self.dropped = self.failed = self.dropped_blocks = 0
 
+    def _lower_priority(self) -> None:
+        if not self.nice or not sys.platform.startswith("linux"):
+            return
+        tid = threading.get_native_id()  # on Linux a thread is a task: its own nice value
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice))
+        except OSError:
+            pass  # not allowed here (a sandbox): the writer runs at the process's priority
+
     def _run(self) -> None:
+        self._lower_priority()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closed)

@@ -12,7 +12,8 @@ kernels (``flash-linear-attention`` and ``causal-conv1d`` are not installed here
 forward warms the kernels up first.
 
 Rows, each a median over ``--repeats`` rounds (every row once per round, in turn) of a ``--tokens``-token
-prompt, measured in the same run:
+prompt, measured in the same run, in wall and in CPU milliseconds (the process's CPU time; with
+``--threads 1`` on a machine that other work loads it is the steadier of the two):
 
 - ``one-shot``: ``CachedPrefill(model, None).prefill``: one forward (the baseline);
 - ``pieces of C``: the same prompt in forwards of ``C`` tokens, no store (the compute cost of ending a
@@ -39,13 +40,12 @@ import time
 import uuid
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _timed(fn) -> tuple[float, float]:
+    """``fn()``'s wall and CPU milliseconds (the process's CPU time: on a machine other work loads, the
+    work done, which the wall time is not)."""
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return (time.perf_counter() - w) * 1e3, (time.process_time() - c) * 1e3
 
 
 def main(argv=None) -> int:
@@ -100,31 +100,30 @@ def main(argv=None) -> int:
         with TieredCache(spec, hot_bytes=hot_bytes, hot_name=f"/{spec.model_id}-{mode}") as cache:
             try:
                 runner = hf.CachedPrefill(model, cache, state_boundaries=mode)
-                t0 = time.perf_counter()
-                runner.prefill(ids)
-                times[f"cold, {mode}"].append((time.perf_counter() - t0) * 1e3)
+                times[f"cold, {mode}"].append(_timed(lambda: runner.prefill(ids)))
                 if mode == "ends":
-                    t0 = time.perf_counter()
-                    res = runner.prefill(ids)
-                    times["hit"].append((time.perf_counter() - t0) * 1e3)
-                    assert res.cached_tokens == (args.tokens - 1) // C * C, res.cached_tokens
+                    got: list = []
+                    times["hit"].append(_timed(lambda: got.append(runner.prefill(ids))))
+                    assert got[0].cached_tokens == (args.tokens - 1) // C * C, got[0].cached_tokens
             finally:
                 cache.unlink_hot()
 
     # Rounds of every row in turn: a load that drifts during the run weighs on all rows alike.
-    times: dict[str, list[float]] = {k: [] for k in ("one-shot", f"pieces of {C}", "cold, ends", "cold, every",
-                                                      "hit")}
+    names = ("one-shot", f"pieces of {C}", "cold, ends", "cold, every", "hit")
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in names}
     for _ in range(args.repeats):
-        times["one-shot"].append(_median_ms(lambda: base.prefill(ids), 1))
-        times[f"pieces of {C}"].append(_median_ms(pieces, 1))
+        times["one-shot"].append(_timed(lambda: base.prefill(ids)))
+        times[f"pieces of {C}"].append(_timed(pieces))
         cold("ends", times)
         cold("every", times)
-    rows = {k: statistics.median(v) for k, v in times.items()}
+    rows = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
     kv_chunk = spec.block_bytes
     out = {
         "tokens": args.tokens, "chunk": C, "layers": args.layers, "dtype": args.dtype, "threads": args.threads,
-        "load_average": {"start": load_start, "end": os.getloadavg()}, "ms": rows,
-        "x_one_shot": {k: v / rows["one-shot"] for k, v in rows.items()},
+        "load_average": {"start": load_start, "end": os.getloadavg()}, "wall_ms": rows, "cpu_ms": cpu,
+        "x_one_shot_wall": {k: v / rows["one-shot"] for k, v in rows.items()},
+        "x_one_shot_cpu": {k: v / cpu["one-shot"] for k, v in cpu.items()},
         "state_bytes_per_boundary": layout.state_bytes, "kv_bytes_per_chunk": kv_chunk,
         "state_tensors": [f"{t.kind} {t.shape} {t.dtype}" for t in layout.tensors[:2]],
         "real_48_layers": {"state_bytes_per_boundary": layout.state_bytes // n_state_layers * 36,

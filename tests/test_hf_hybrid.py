@@ -213,6 +213,8 @@ def test_other_state_models_are_refused_by_name():
         hf.CachedPrefill(gemma, None)
     with pytest.raises(InvalidInput, match="state_boundaries"):
         hf.CachedPrefill(build(hf_models.tiny_hybrid_config("lfm2")), None, state_boundaries="some")
+    with pytest.raises(InvalidInput, match="state_boundaries"):  # checked for any model
+        hf.CachedPrefill(build(hf_models.tiny_llama_config()), None, state_boundaries="all")
 
 
 def test_a_transformers_without_per_layer_state_is_refused(monkeypatch):

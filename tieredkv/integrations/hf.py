@@ -284,6 +284,8 @@ class CachedPrefill:
         forward_params = _forward_params(model)
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward_params),
                                None)
+        if state_boundaries not in hf_state.STATE_BOUNDARIES:
+            raise InvalidInput(f"state_boundaries must be one of {hf_state.STATE_BOUNDARIES}, got {state_boundaries!r}")
         # Linear-attention / mamba layers: attention chunks plus the state at chunk boundaries.
         self._hybrid = hf_state.HybridPrefill(model, cache, self.spec, cache_kw=self._cache_kw,
                                               logits_kw=self._logits_kw, state_boundaries=state_boundaries) \

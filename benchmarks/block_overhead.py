@@ -18,7 +18,11 @@ baseline.
 Both parts also time the baseline copy into or out of private memory mapped with 4 KiB pages (numpy's
 large buffers get 2 MiB pages; a segment in /dev/shm has 4 KiB pages unless its tmpfs is mounted
 ``huge=always``, docs/tuning.md): the "4 KiB pages" columns say how much of a gap is the page size, not
-tieredkv. ``--huge`` (root) also runs every round with the segments on a ``huge=always`` tmpfs.
+tieredkv. The big part also times the same flat copy out of and into a plain file mapping in the
+segment's directory (the pages a segment there gets: 4 KiB in /dev/shm), and divides get and put by
+those ("x same pages": what tieredkv adds over a memcpy between the same kinds of pages); it prints
+how much of the baseline's buffers the kernel mapped with 2 MiB pages. ``--huge`` (root) also runs
+every round with the segments on a ``huge=always`` tmpfs.
 
 Each round prints the load average beside its figures; medians over ``--repeats`` per round. Not a
 test: nothing here asserts a timing.
@@ -196,6 +200,52 @@ def _overheads(t: dict, batch: int) -> dict:
     return per
 
 
+def segment_dir_pages(shape: tuple[int, int]) -> np.ndarray:
+    """A touched uint8 buffer mapped from a file in the segments' directory (``TIEREDKV_SHM_DIR``,
+    else /dev/shm), shared like a segment: the page size a segment there gets. The file is unlinked at
+    once; the mapping goes with the array."""
+    directory = os.environ.get("TIEREDKV_SHM_DIR") or "/dev/shm"
+    path = os.path.join(directory, f"tieredkv-bench-pages-{os.getpid()}-{secrets.token_hex(3)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, shape[0] * shape[1])
+        mm = mmap.mmap(fd, shape[0] * shape[1])
+    finally:
+        os.close(fd)
+    buf = np.frombuffer(mm, np.uint8).reshape(shape)
+    buf[:] = 1
+    return buf
+
+
+def huge_pages(shape: tuple[int, int]) -> np.ndarray:
+    """A private, touched uint8 buffer, 2 MiB-aligned and advised ``MADV_HUGEPAGE`` before it is
+    touched, so the kernel backs it with 2 MiB pages when it has them (``huge_kib`` says)."""
+    nbytes = shape[0] * shape[1]
+    mm = mmap.mmap(-1, nbytes + (2 << 20))
+    raw = np.frombuffer(mm, np.uint8)
+    start = (-raw.__array_interface__["data"][0]) % (2 << 20)
+    with contextlib.suppress(AttributeError, OSError):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    buf = raw[start:start + nbytes].reshape(shape)
+    buf[:] = 1
+    return buf
+
+
+def huge_kib(arr: np.ndarray) -> int:
+    """KiB of ``arr``'s mapping that the kernel backs with 2 MiB pages (/proc/self/smaps)."""
+    addr, inside, total = arr.__array_interface__["data"][0], False, 0
+    with contextlib.suppress(OSError), open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and not head[0].endswith(":"):
+                lo, _, hi = head[0].partition("-")
+                inside = int(lo, 16) <= addr < int(hi, 16)
+            elif inside and head[0] in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+                total += int(head[1])
+    return total
+
+
 def big_round(repeats: int, blocks: int = 64) -> dict:
     """One round of the big-block figures (see the module docstring)."""
     spec = BIG
@@ -206,6 +256,8 @@ def big_round(repeats: int, blocks: int = 64) -> dict:
     out = np.empty_like(payload)
     src = np.ones_like(payload)
     src4k = small_pages(src.shape)
+    seg_pages = segment_dir_pages(src.shape)
+    huge_src, huge_out = huge_pages(src.shape), huge_pages(src.shape)
 
     def flat_get():
         np.copyto(out, src)
@@ -220,6 +272,15 @@ def big_round(repeats: int, blocks: int = 64) -> dict:
         for i in range(blocks):
             np.copyto(out[i], src[i])
 
+    def flat_from_seg():
+        np.copyto(out, seg_pages)
+
+    def flat_into_seg():
+        np.copyto(seg_pages, payload)
+
+    def flat_huge():
+        np.copyto(huge_out, huge_src)
+
     load0 = _load()
     tier = HotTier(spec, n_slots=2 * blocks, name=_name())
     try:
@@ -229,12 +290,21 @@ def big_round(repeats: int, blocks: int = 64) -> dict:
             assert tier.get_many(keys, out) == blocks
 
         t = _pairs({"flat_get": flat_get, "get": get, "pieces": pieces, "flat_put": flat_put,
-                    "flat_put_4k": flat_put_4k, "put": lambda: tier.put_many(fresh, payload)}, repeats,
-                   before=lambda: tier.remove(fresh))
+                    "flat_put_4k": flat_put_4k, "put": lambda: tier.put_many(fresh, payload),
+                    "flat_from_seg": flat_from_seg, "flat_into_seg": flat_into_seg, "flat_huge": flat_huge},
+                   repeats, before=lambda: tier.remove(fresh))
+        huge = {"out": huge_kib(out), "src": huge_kib(src), "segment_dir_file": huge_kib(seg_pages),
+                "huge_src": huge_kib(huge_src), "huge_out": huge_kib(huge_out)}
     finally:
         tier.unlink()
     gbps = {k: nbytes / w / 1e9 for k, (w, _) in t.items()}
-    return {"load_before": load0, "load_after": _load(), "gbps": gbps,
+    return {"load_before": load0, "load_after": _load(), "gbps": gbps, "huge_kib": huge, "bytes": nbytes,
+            "huge_vs_flat": t["flat_get"][0] / t["flat_huge"][0],
+            "seg_from_vs_flat": t["flat_get"][0] / t["flat_from_seg"][0],
+            "seg_into_vs_flat": t["flat_put"][0] / t["flat_into_seg"][0],
+            "get_vs_seg": t["flat_from_seg"][0] / t["get"][0], "put_vs_seg": t["flat_into_seg"][0] / t["put"][0],
+            "get_vs_seg_cpu": t["flat_from_seg"][1] / t["get"][1],
+            "put_vs_seg_cpu": t["flat_into_seg"][1] / t["put"][1],
             "get_vs_flat": t["flat_get"][0] / t["get"][0], "put_vs_flat": t["flat_put"][0] / t["put"][0],
             "pieces_vs_flat": t["flat_get"][0] / t["pieces"][0],
             "put_4k_vs_flat": t["flat_put"][0] / t["flat_put_4k"][0],
@@ -298,17 +368,34 @@ def _run(args, place: str, report: dict) -> None:
     if args.only != "small":
         print(f"\nbig: 64 x 1.75 MiB (112 MiB) in one call, segment in {place}, vs ONE flat 112 MiB np.copyto "
               "between private buffers (x; > 1 is faster); goal get >= 0.95, put >= 0.90")
-        print("| round | load | get (x flat) | put (x flat) | block-by-block copy (x flat) "
-              "| flat copy into 4 KiB pages (x flat) | flat GB/s | get CPU (x flat) | put CPU (x flat) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| round | load | get / put (x flat) | get / put CPU (x flat) | get / put (x the flat copy out of / "
+              "into the segment dir's pages) | that copy out of / into (x flat) | flat between 2 MiB pages (x flat) "
+              "| block-by-block (x flat) | flat into private 4 KiB pages (x flat) | flat GB/s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        rows = []
         for r in range(args.rounds):
             b = big_round(args.repeats)
             b["segment_dir"] = place
             report["big"].append(b)
-            print(f"| {r + 1} | {b['load_before']:.1f}-{b['load_after']:.1f} | {b['get_vs_flat']:.2f} "
-                  f"| {b['put_vs_flat']:.2f} | {b['pieces_vs_flat']:.2f} | {b['put_4k_vs_flat']:.2f} "
-                  f"| {b['gbps']['flat_get']:.2f} | {b['get_vs_flat_cpu']:.2f} | {b['put_vs_flat_cpu']:.2f} |",
+            rows.append(b)
+            print(f"| {r + 1} | {b['load_before']:.1f}-{b['load_after']:.1f} "
+                  f"| {b['get_vs_flat']:.2f} / {b['put_vs_flat']:.2f} "
+                  f"| {b['get_vs_flat_cpu']:.2f} / {b['put_vs_flat_cpu']:.2f} "
+                  f"| {b['get_vs_seg']:.2f} / {b['put_vs_seg']:.2f} "
+                  f"| {b['seg_from_vs_flat']:.2f} / {b['seg_into_vs_flat']:.2f} | {b['huge_vs_flat']:.2f} "
+                  f"| {b['pieces_vs_flat']:.2f} | {b['put_4k_vs_flat']:.2f} | {b['gbps']['flat_get']:.2f} |",
                   flush=True)
+        med = {k: statistics.median(b[k] for b in rows) for k in
+               ("get_vs_flat", "put_vs_flat", "seg_from_vs_flat", "seg_into_vs_flat", "get_vs_seg", "put_vs_seg",
+                "huge_vs_flat")}
+        huge = rows[-1]["huge_kib"]
+        print(f"median of {len(rows)} rounds: get / put {med['get_vs_flat']:.2f} / {med['put_vs_flat']:.2f} x flat "
+              f"(goal 0.95 / 0.90); {med['get_vs_seg']:.2f} / {med['put_vs_seg']:.2f} x the flat copy out of / "
+              f"into the segment dir's pages, which is itself {med['seg_from_vs_flat']:.2f} / "
+              f"{med['seg_into_vs_flat']:.2f} x flat; flat between 2 MiB pages {med['huge_vs_flat']:.2f} x flat. "
+              f"KiB on 2 MiB pages of {rows[-1]['bytes'] >> 10}: flat's src {huge['src']} / out {huge['out']}, "
+              f"segment dir file {huge['segment_dir_file']}, 2 MiB buffers {huge['huge_src']} / {huge['huge_out']}; "
+              f"load average now {_load():.1f}")
 
 
 if __name__ == "__main__":

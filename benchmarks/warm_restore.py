@@ -12,6 +12,8 @@ time does).
 
 With ``--baseline`` each round runs this file once per checkout (a subprocess importing that checkout's
 ``tieredkv``), in alternating order, and prints both ratios with the load average beside them.
+``--parts`` also times, in the same process and against the same page-cache read, the pieces a
+one-pass restore is made of and one alternative (CPU time; see ``PARTS``).
 Not a test: nothing here asserts a timing.
 """
 
@@ -30,8 +32,71 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: ``--parts``: what each piece is (all read the same 112 MiB of the page-cache file, block by block).
+PARTS = {
+    "read": "preadv of each block into one kept block-sized buffer (stays in the CPU cache)",
+    "read+hash": "the same, then xxh3_64 of the buffer",
+    "read+hash+place": "the same, then the copy into the model layout (what a one-pass restore does)",
+    "direct+hash": "preadv of each block straight into the model layout (one 16 KiB piece per layer, K/V "
+                   "and head), then xxh3_64 streamed over those pieces",
+}
 
-def measure(prefix_tokens: int, repeats: int) -> dict:
+
+def parts(spec, fd: int, out, n_blocks: int, repeats: int, page) -> dict:
+    """CPU time of each of ``PARTS`` over ``n_blocks`` blocks of ``fd``, x the page-cache read ``page``."""
+    import numpy as np
+    import xxhash
+
+    from tieredkv.layout import blocks_to_model, page_aligned_empty
+
+    bb, C = spec.block_bytes, spec.chunk_tokens
+    buf = page_aligned_empty(bb).reshape(1, bb)
+    flat = memoryview(out.reshape(-1).view(np.uint8)) if out.flags.c_contiguous else None
+    assert flat is not None
+    L, two, H, T, D = out.shape
+    piece = C * D * out.itemsize
+    starts = [((la * two + k) * H + h) * T * D * out.itemsize for la in range(L) for k in range(two) for h in range(H)]
+
+    def read():
+        for i in range(n_blocks):
+            os.preadv(fd, [buf[0]], i * bb)
+
+    def read_hash():
+        for i in range(n_blocks):
+            os.preadv(fd, [buf[0]], i * bb)
+            xxhash.xxh3_64_intdigest(buf[0])
+
+    def read_hash_place():
+        for i in range(n_blocks):
+            os.preadv(fd, [buf[0]], i * bb)
+            xxhash.xxh3_64_intdigest(buf[0])
+            blocks_to_model(spec, buf, out, i * C)
+
+    def direct_hash():
+        for i in range(n_blocks):
+            at = i * piece
+            iov = [flat[s + at:s + at + piece] for s in starts]
+            os.preadv(fd, iov, i * bb)
+            h = xxhash.xxh3_64()
+            for p in iov:
+                h.update(p)
+            h.intdigest()
+
+    subjects = {"page": page, "read": read, "read+hash": read_hash, "read+hash+place": read_hash_place,
+                "direct+hash": direct_hash}
+    for fn in subjects.values():
+        fn()
+    cpu: dict[str, list[float]] = {k: [] for k in subjects}
+    for _ in range(repeats):
+        for name, fn in subjects.items():
+            c0 = time.thread_time()
+            fn()
+            cpu[name].append(time.thread_time() - c0)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    return {k: {"cpu_ms": med[k] * 1e3, "x_page": med["page"] / med[k]} for k in PARTS}
+
+
+def measure(prefix_tokens: int, repeats: int, with_parts: bool = False) -> dict:
     import numpy as np
 
     from tieredkv import KVSpec, TieredCache
@@ -75,13 +140,15 @@ def measure(prefix_tokens: int, repeats: int) -> dict:
                         samples[name].append((time.perf_counter() - w0, time.process_time() - c0))
                 assert out[:, :, :, :n_blocks * spec.chunk_tokens].tobytes() == \
                     kv[:, :, :, :n_blocks * spec.chunk_tokens].tobytes()
+                pieces = parts(spec, fd, out, n_blocks, repeats, page) if with_parts else None
             finally:
                 cache.unlink_hot()
     finally:
         os.close(fd)
         shutil.rmtree(work, ignore_errors=True)
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in samples.items()}
-    return {"bytes": nbytes, "restore_ms": med["restore"][0] * 1e3, "restore_cpu_ms": med["restore"][1] * 1e3,
+    return {"bytes": nbytes, "parts": pieces,
+            "restore_ms": med["restore"][0] * 1e3, "restore_cpu_ms": med["restore"][1] * 1e3,
             "page_ms": med["page"][0] * 1e3, "page_cpu_ms": med["page"][1] * 1e3,
             "wall_ratio": med["page"][0] / med["restore"][0], "cpu_ratio": med["page"][1] / med["restore"][1]}
 
@@ -92,10 +159,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--baseline", type=Path, help="an older checkout to measure alternately")
     ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds (default 3)")
+    ap.add_argument("--parts", action="store_true", help="also time the pieces of a one-pass restore (PARTS)")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a subprocess: print JSON
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(measure(args.prefix_tokens, args.repeats)))
+        print(json.dumps(measure(args.prefix_tokens, args.repeats, args.parts)))
         return 0
     trees = [("this", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
     got: dict[str, list[dict]] = {name: [] for name, _ in trees}
@@ -104,7 +172,8 @@ def main() -> int:
             env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))
             load = os.getloadavg()[0]
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", "--prefix-tokens",
-                                   str(args.prefix_tokens), "--repeats", str(args.repeats)],
+                                   str(args.prefix_tokens), "--repeats", str(args.repeats)]
+                                  + (["--parts"] if args.parts and name == "this" else []),
                                   env=env, cwd=str(tree), capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(proc.stderr[-3000:])
@@ -114,6 +183,9 @@ def main() -> int:
                   f"({res['restore_cpu_ms']:.1f} ms CPU), page-cache read {res['page_ms']:.1f} ms "
                   f"({res['page_cpu_ms']:.1f} ms CPU); x page cache: wall {res['wall_ratio']:.2f}, "
                   f"CPU {res['cpu_ratio']:.2f}", flush=True)
+            for part, got_part in (res.get("parts") or {}).items():
+                print(f"    {part:<16} {got_part['cpu_ms']:6.1f} ms CPU, x page-cache read {got_part['x_page']:.2f}: "
+                      f"{PARTS[part]}")
     mib = got["this"][0]["bytes"] / 2**20
     print(f"median, {mib:.0f} MiB warm-only verified restore, x page-cache read (goal >= 0.8); "
           f"load average now {os.getloadavg()[0]:.1f}:")

@@ -30,7 +30,12 @@ class PromotionRule(abc.ABC):
 
     @abc.abstractmethod
     def should_promote(self, warm_hits: np.ndarray) -> np.ndarray:
-        """Bool per block: promote now. ``warm_hits``: warm-tier hits so far, this one included."""
+        """Bool per block: promote now. ``warm_hits``: warm-tier hits so far, this one included.
+
+        Answer from the counts alone: a load also asks before it reads (with the counts the read would
+        make) whether to keep the bytes for a promotion, and reads the blocks without keeping them when
+        none would be promoted.
+        """
 
     def __repr__(self):
         return f"{type(self).__name__}()"

@@ -44,12 +44,18 @@ def test_slot_runs_cover_any_sequence():
             assert run_rows(rows, s, e - b, step).tolist() == slots[b:e].tolist()
 
 
+def five_blocks(spec):
+    """A 5-chunk (+1 token) model-layout KV array, its tokens and its 5 blocks (``model_to_blocks``)."""
+    tokens = np.arange(5 * spec.chunk_tokens + 1)
+    kv = kv_for(spec, tokens)
+    blocks = np.zeros((5, spec.block_bytes), np.uint8)
+    model_to_blocks(spec, kv, 0, blocks)
+    return tokens, kv, blocks
+
+
 def test_layout_helpers_roundtrip(tiny_spec):
     C = tiny_spec.chunk_tokens
-    tokens = np.arange(5 * C + 1)
-    kv = kv_for(tiny_spec, tokens)
-    blocks = np.zeros((5, tiny_spec.block_bytes), np.uint8)
-    model_to_blocks(tiny_spec, kv, 0, blocks)
+    tokens, kv, blocks = five_blocks(tiny_spec)
     assert same_bytes(blocks, payload_for(tiny_spec, chunk_keys(tiny_spec, tokens[:5 * C])))
     out = np.zeros_like(kv)
     blocks_to_model(tiny_spec, blocks[1:4], out, C)  # blocks 1..3 into tokens [C, 4C)
@@ -59,6 +65,24 @@ def test_layout_helpers_roundtrip(tiny_spec):
     rev = np.zeros_like(kv)
     blocks_to_model(tiny_spec, blocks[::-1][1:4][::-1], rev, C)
     assert same_bytes(rev[:, :, :, C:4 * C], kv[:, :, :, C:4 * C])
+
+
+def test_host_placer_puts_groups_where_blocks_to_model_does(tiny_spec):
+    # The placer views the target's whole chunks once; groups at a chunk boundary go through that
+    # view, any other position (or past the last whole chunk) through blocks_to_model.
+    from tieredkv.tensors import host_placer
+
+    C = tiny_spec.chunk_tokens
+    _, kv, blocks = five_blocks(tiny_spec)
+    out = np.zeros_like(kv)
+    place = host_placer(tiny_spec, out[:, :, :, 1:])  # a strided target, 5 * C tokens
+    for first, k in ((0, 1), (1, 3), (4, 1)):
+        place(blocks[first:first + k], first * C, False)
+    assert same_bytes(out[:, :, :, 1:], kv[:, :, :, :5 * C]) and not out[:, :, :, :1].any()
+    skewed = np.zeros_like(kv)
+    host_placer(tiny_spec, skewed)(blocks[2:4], 3, False)  # not at a chunk boundary
+    assert same_bytes(skewed[:, :, :, 3:3 + 2 * C], kv[:, :, :, 2 * C:4 * C])
+    assert not skewed[:, :, :, :3].any() and not skewed[:, :, :, 3 + 2 * C:].any()
 
 
 def slots_of(tier, keys):

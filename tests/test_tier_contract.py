@@ -426,6 +426,25 @@ def test_get_many_sink_sees_every_returned_row_in_order(make):
         tier.get_many(keys, out, boom)
 
 
+def test_read_through_hands_the_sink_what_get_many_returns(make):
+    tier = make()
+    keys = prompt(5, seed=19)
+    data = blocks(keys)
+    tier.put_many(keys[:3], data[:3])
+    seen: list[tuple[int, bytes]] = []
+    before = counts(tier.stats())
+    assert tier.read_through(keys, lambda i, rows: seen.append((i, rows.tobytes()))) == 3
+    assert [i for i, _ in seen] == sorted(i for i, _ in seen)
+    assert b"".join(r for _, r in seen)[:3 * SPEC.block_bytes] == data[:3].tobytes()
+    assert tuple(a - b for a, b in zip(counts(tier.stats())[:2], before[:2])) == (3, 2)
+
+    def boom(i, rows):
+        raise RuntimeError("sink failed")
+
+    with pytest.raises(RuntimeError, match="sink failed"):
+        tier.read_through(keys, boom)
+
+
 def test_corrupt_seen_and_cache_counters_are_there(make):
     tier = make()
     assert tier.corrupt_seen == 0

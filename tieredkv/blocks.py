@@ -6,7 +6,8 @@ chain the prefix and whose pages are opaque bytes (``tieredkv.keys.opaque_keys``
 ```
 cache.resident_run(keys)     -> per block of the leading run held by some level: its level's code
 read(cache, keys, sink)      -> leading blocks handed to sink(i, rows): top-level rows straight from
-                                shared memory, lower ones from a staging buffer (then promoted)
+                                shared memory, lower ones from a staging buffer (then promoted) or,
+                                when none will be promoted, from the level's own small buffer
 cache.put_blocks(keys, rows) -> per block: held by some level afterwards (as ``store`` places blocks)
 ```
 
@@ -50,9 +51,10 @@ def read(cache: TieredCache, keys: ChunkKeys, sink: Sink) -> dict[str, int]:
                 break
             rest = keys[done:]
             staging = np.empty((len(rest), cache.spec.block_bytes), dtype=np.uint8)
-            got = level.read(rest, staging, functools.partial(_shifted, sink, done))
+            got, kept = cache._loader.read_below(level, rest, functools.partial(_shifted, sink, done), staging)
             if got:
-                cache._loader.promote(levels, level, rest[:got], staging[:got])
+                if kept:
+                    cache._loader.promote(levels, level, rest[:got], staging[:got])
                 done += got
                 by_level[level.name] += got
                 progress += got

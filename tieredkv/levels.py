@@ -231,6 +231,14 @@ class Level:
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 
+    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None], staging: np.ndarray) -> int:
+        """``read`` for blocks needed only where ``sink`` puts them (``Tier.read_through``: the tier may
+        reuse one small buffer instead of ``staging``); counts as ``read``."""
+        corrupt_before = self.tier.corrupt_seen
+        got = self.call(lambda: self.tier.read_through(keys, sink, staging), default=0)
+        self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
+        return got
+
     def read_shared(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
         """Read leading blocks as runs of the tier's own memory (the top level: no staging copy)."""
         got = self.call(lambda: self.tier.read_runs(keys, sink), default=0)

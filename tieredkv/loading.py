@@ -2,8 +2,11 @@
 
 ``TieredCache.load`` hands the work to a ``Loader`` (``get_blocks`` its promotions). It reads each run
 of blocks from the level that holds it: the top level's straight from the tier's memory into place (one
-copy), a lower level's into a kept staging buffer, each group copied into place while the level reads the
-next. Only once all is in place are the blocks read below the top level promoted into the levels above:
+copy), a lower level's group by group, each group copied into place right after the level read it. A
+lower run that the promotion rule will not promote is needed only in place: the level may read every
+group into one small buffer of its own (``Tier.read_through``; the warm tier's group is then still in
+the CPU cache when it is placed). A run to promote is read into a kept staging buffer, from which it is
+promoted. Only once all is in place are the blocks read below the top level promoted into the levels above:
 promoting mid-load could evict this very hit's top-level blocks before they were read (a full hot tier),
 cutting the restore short. The promotion rule answers from each block's count of hits below the top level, this
 process's memory of the last ``HIT_MEMORY`` keys.
@@ -78,11 +81,11 @@ class Loader:
                 break  # a level closed since the lookup
             if level is levels[0]:  # one copy per run of adjacent slots, straight from the tier's memory
                 got = level.read_shared(run, functools.partial(_place_at, place, i * C, C, True))
-            else:  # each group read is copied into place while the level reads the next one
+            else:  # each group read is copied into place before the level reads the next one
                 rows = staging[staged:staged + j - i]
-                got = level.read(run, rows, functools.partial(_place_at, place, i * C, C, False))
                 staged += j - i
-                if got:
+                got, kept = self.read_below(level, run, functools.partial(_place_at, place, i * C, C, False), rows)
+                if got and kept:
                     promote.append((level, run[:got], rows[:got]))
             loaded += got
             if got < j - i:
@@ -122,6 +125,33 @@ class Loader:
             if level is levels[0] and self.before_put is not None:
                 self.before_put(level, len(keys))
             level.put(keys, payloads, why="promoted")
+
+    def read_below(self, level: Level, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
+                   staging: np.ndarray) -> tuple[int, bool]:
+        """Read the leading ``keys`` from a level below the top, each group handed to ``sink``.
+
+        When the promotion rule will promote some of them, they are read into ``staging`` (``(>=
+        len(keys), block_bytes)`` rows) and kept there for ``promote``; otherwise the level may read
+        every group into a small buffer of its own (``Level.read_through``: the bytes go only where
+        ``sink`` puts them) and the hits are counted for the rule now.
+
+        Returns:
+            ``(got, kept)``: the leading blocks read, and whether ``staging[:got]`` holds them.
+        """
+        if self._may_promote(keys):
+            return level.read(keys, staging, sink), True
+        got = level.read_through(keys, sink, staging)
+        # Counted all the same (``on_nth_hit``). A block another thread's load made due meanwhile is
+        # not promoted this time: its bytes were not kept.
+        self._promotion_chosen(keys[:got])
+        return got, False
+
+    def _may_promote(self, keys: ChunkKeys) -> bool:
+        """Whether the promotion rule would promote any of ``keys`` if they were read now (counts
+        nothing: ``_promotion_chosen`` does, after the read)."""
+        with self._hits_lock:
+            counts = np.fromiter((self._lower_hits.get(k, 0) + 1 for k in keys), dtype=np.int64, count=len(keys))
+        return bool(np.any(self.promotion.should_promote(counts)))
 
     def _promotion_chosen(self, keys: ChunkKeys) -> np.ndarray:
         """Count a hit below the top level for each key; return the rows the promotion rule promotes."""

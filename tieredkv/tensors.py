@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tieredkv.errors import InvalidPayload
-from tieredkv.layout import blocks_to_model, overlaps_itself
+from tieredkv.layout import blocks_to_chunks, blocks_to_model, model_chunks, overlaps_itself
 from tieredkv.spec import KVSpec
 
 #: ``place(rows, at_token, shared)``: copy ``(k, block_bytes)`` uint8 rows of blocks into the load's
@@ -125,8 +125,17 @@ def host_source(spec: KVSpec, kv: Any) -> np.ndarray:
 
 def host_placer(spec: KVSpec, target: np.ndarray) -> Placer:
     """A ``Placer`` into a host array in the model layout."""
+    C = spec.chunk_tokens
+    chunks: list[np.ndarray] = []  # target's whole chunks, viewed once (on the first place)
+
     def place(rows: np.ndarray, at_token: int, shared: bool) -> None:
-        blocks_to_model(spec, rows, target, at_token)
+        first, within = divmod(at_token, C)
+        if within or (first + len(rows)) * C > target.shape[3]:
+            blocks_to_model(spec, rows, target, at_token)
+            return
+        if not chunks:
+            chunks.append(model_chunks(spec, target))
+        blocks_to_chunks(spec, rows, chunks[0], first)
 
     return place
 

@@ -15,6 +15,8 @@ The contract, call by call (batch calls are primary; a 4k-token prompt is one ca
                           torn or corrupt meanwhile ends the run: it is never returned
 ``read_into(keys, sink)`` like ``get_many``, but hand each block to ``sink(i, block_bytes)``
 ``read_runs(keys, sink)`` like ``read_into``, a run of blocks at a time: ``sink(i, rows)``
+``read_through(keys, sink)`` ``get_many`` with a sink, for a caller that keeps no rows: a group's rows
+                          are valid only during its sink call and may precede its verification
 ``put_many(keys, blks)``  store; one ``PutResult`` per key (``STORED`` / ``EXISTS`` / ``NO_SPACE``);
                           never waits on another writer; a full tier evicts by its policy
 ``remove(keys)``          drop the resident blocks among ``keys``; return how many were dropped
@@ -39,16 +41,18 @@ Rules every tier keeps:
 - **``Evicted``** carries, per evicted block: its key, parent key, chunk tokens and position
   (``keys``), its payload bytes (``payloads``, ``(m, block_bytes)`` uint8, or ``None`` when the caller
   asked for keys only), and its hit count while resident (``hits``, int64).
-- **``sink``s** (``get_many(keys, out, sink)``, ``read_into``, ``read_runs``) are called in key order,
-  each block exactly once, with rows that are valid only during the call; ``get_many``'s sink sees
-  rows of ``out`` as soon as they are filled, which may be before they are verified, so only the
-  leading rows the call returns are valid there too. An exception in a sink is raised by the call.
-- **Counters** (``stats()``): ``get_many``, ``read_into`` and ``read_runs`` add the returned count to ``hits``, the rest
-  of ``len(keys)`` to ``misses`` and ``hits * block_bytes`` to ``bytes_out``; ``put_many`` adds the
-  ``STORED`` count to ``puts`` and ``STORED * block_bytes`` to ``bytes_in``; every block evicted (by
-  ``evict`` or to make room in ``put_many``) adds one to ``evictions``; ``match``, ``contains_many``
-  and ``remove`` change none of these. A tier states the scope of its counters in ``TierStats``'s
-  docstring of its own ``stats`` (the hot tier's are per host, the warm tier's per handle).
+- **``sink``s** (``get_many(keys, out, sink)``, ``read_through``, ``read_into``, ``read_runs``) are called
+  in key order, each block exactly once, with rows that are valid only during the call; ``get_many``'s
+  and ``read_through``'s sinks see rows as soon as they are filled, which may be before they are
+  verified, so only the leading blocks the call returns are valid where the sink put them. An
+  exception in a sink is raised by the call.
+- **Counters** (``stats()``): ``get_many``, ``read_through``, ``read_into`` and ``read_runs`` add the
+  returned count to ``hits``, the rest of ``len(keys)`` to ``misses`` and ``hits * block_bytes`` to
+  ``bytes_out``; ``put_many`` adds the ``STORED`` count to ``puts`` and ``STORED * block_bytes`` to
+  ``bytes_in``; every block evicted (by ``evict`` or to make room in ``put_many``) adds one to
+  ``evictions``; ``match``, ``contains_many`` and ``remove`` change none of these. A tier states the
+  scope of its counters in ``TierStats``'s docstring of its own ``stats`` (the hot tier's are per host,
+  the warm tier's per handle).
 - **Errors** are ``TieredKVError`` subclasses; running out of room is ``NO_SPACE``, not an exception.
 """
 
@@ -185,6 +189,24 @@ class Tier(abc.ABC):
         filled, so a caller can move them on (into a model layout, say) while the tier works on the
         next ones; only the leading rows the call returns are valid.
         """
+
+    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
+                     staging: np.ndarray | None = None) -> int:
+        """``get_many(keys, staging, sink)`` for a caller that needs the blocks only where ``sink`` puts
+        them (a restore into a model layout): ``sink(i, rows)`` gets each group as soon as it is read,
+        possibly before it is verified, with rows valid only during the call; only the leading blocks
+        the call returns are valid where the sink put them.
+
+        This default reads into ``staging`` (``(>= len(keys), block_bytes)`` uint8 rows; a new buffer
+        when None). A tier that reads in groups overrides it to reuse one small buffer for every group
+        (the warm tier: each group is still in the CPU cache when the sink copies it on).
+
+        Returns:
+            How many leading blocks were read and verified (the count ``get_many`` would return).
+        """
+        if staging is None:
+            staging = np.empty((len(check_keys(self.spec, keys)), self.spec.block_bytes), dtype=np.uint8)
+        return self.get_many(keys, staging, sink)
 
     def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
         """Deliver the leading resident blocks one by one: ``sink(i, block)`` for ``i`` in ``0..n-1``.

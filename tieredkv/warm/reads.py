@@ -1,22 +1,33 @@
 """The warm tier's checked reads: records confirmed, slots copied without any lock, then re-checked
 and verified.
 
-``get_many`` (warm/tier.py, whose docstring draws the steps) looks the records up (``_lookup``, read
-transaction 1), copies their slots and re-checks them (``_copy_checked``: the copy, one group of about
-``READ_GROUP_BYTES`` at a time, each group hashed while it is still in the CPU cache; read transaction
-2; the checksums) and removes what failed (``_drop_bad_records``, ``_drop_corrupt``, never waiting
-behind a writer: this is the read path). Copying outside any lock is safe because a slot is rewritten
-only after the record that owned it was deleted in a committed write transaction: if transaction 2,
-begun after the copy ended, still sees the same (slot, gen), no writer touched the slot meanwhile.
+``get_many`` and ``read_through`` (warm/tier.py, whose docstring draws the steps) look the records up
+(``_lookup``, read transaction 1), copy their slots and re-check them (``_copy_checked``: the copy, one
+group of about ``READ_GROUP_BYTES`` at a time, each group hashed while it is still in the CPU cache;
+read transaction 2; the checksums) and remove what failed (``_drop_bad_records``, ``_drop_corrupt``,
+never waiting behind a writer: this is the read path). Copying outside any lock is safe because a slot
+is rewritten only after the record that owned it was deleted in a committed write transaction: if
+transaction 2, begun after the copy ended, still sees the same (slot, gen), no writer touched the slot
+meanwhile.
+
+``read_through`` reads every group into the same small buffer of the calling thread (``Scratch``, in
+``_read_hashing``), so a group is in the CPU cache from the moment the kernel copies it in until the
+sink has copied it out: main memory is written once, by the sink, where ``get_many`` writes the
+caller's rows and the sink then writes the destination (twice). A sink sees a group before the group is
+verified (as ``get_many``'s sink does); only the leading blocks the call returns are valid where it
+put them.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import xxhash
 
 from tieredkv.errors import TieredKVError
 from tieredkv.keys import ChunkKeys, key_at
+from tieredkv.layout import page_aligned_empty
 from tieredkv.warm import index as ix
 from tieredkv.warm import packed
 from tieredkv.warm.records import Records
@@ -26,16 +37,25 @@ from tieredkv.warm.records import Records
 #: the CPU's L2 cache when it is hashed and copied out, so a verified read touches main memory about as
 #: often as a plain read (one pass) instead of three (read, hash, copy). A helper thread hashing one
 #: 32 MiB group while the next was read gave no overlap on 2 cores and hashed out of DRAM (3.9x the
-#: time of hashing in L2, docs/benchmarks.md).
+#: time of hashing in L2, docs/benchmarks.md); one reading and hashing 1 MiB groups three ahead of the
+#: sink made a 112 MiB restore slower on 2 loaded cores (0.59x a page-cache read against 0.71x at load 3).
 READ_GROUP_BYTES = 1 << 20
 
 
-def _work(rows: np.ndarray, which: np.ndarray, sink, b: int, e: int) -> list[int]:
-    """Checksum ``rows[which]`` and hand ``rows[b:e]`` to ``sink``; returns the digests."""
-    sums = [xxhash.xxh3_64_intdigest(rows[i]) for i in which.tolist()]
-    if sink is not None:
-        sink(b, rows[b:e])
-    return sums
+class Scratch(threading.local):
+    """One kept, page-aligned buffer per reading thread for ``read_through``'s groups (reads take no
+    lock, so threads cannot share one). Kept, not allocated per call: a fresh buffer costs a page
+    fault per 4 KiB, and a fresh one is not in the CPU cache."""
+
+    buf: np.ndarray | None = None
+
+    def rows(self, k: int, block_bytes: int) -> np.ndarray:
+        """``(k, block_bytes)`` uint8 rows of this thread's buffer (grown when too small)."""
+        need = k * block_bytes
+        if self.buf is None or self.buf.size < need:
+            self.buf = None  # drop the old one before allocating the larger one
+            self.buf = page_aligned_empty(need)
+        return self.buf[:need].reshape(k, block_bytes)
 
 
 class CheckedReads(Records):
@@ -122,8 +142,13 @@ class CheckedReads(Records):
         except TieredKVError:
             pass  # dropped by a later read
 
-    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray, sink=None) -> int:
-        """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run."""
+    def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray | None,
+                      sink=None) -> int:
+        """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run.
+
+        ``rows`` None (``read_through``): each group is read into this thread's scratch buffer and
+        handed to ``sink`` (required then), the only place its bytes go.
+        """
         run = len(recs)
         slots = recs["slot"].astype(np.int64)
         check = np.full(run, self.verify != "never")
@@ -134,6 +159,8 @@ class CheckedReads(Records):
         if (recs["length"] == self.block_bytes).all():
             complete, sums = self._read_hashing(slots, rows, check, sink)
         else:  # some blocks are stored compressed: always checked, then decompressed
+            if rows is None:  # into rows of their own (decompressing dominates such a read)
+                rows = np.empty((run, self.block_bytes), dtype=np.uint8)
             complete, sums, check, failed, lacking = packed.read(
                 self._slabs, slots, recs["length"], recs["checksum"], rows, check, sink, self.spec.dtype_bytes,
                 READ_GROUP_BYTES)
@@ -152,31 +179,38 @@ class CheckedReads(Records):
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))
         return good
 
-    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray, check: np.ndarray,
+    def _read_hashing(self, slots: np.ndarray, rows: np.ndarray | None, check: np.ndarray,
                       sink=None) -> tuple[np.ndarray, np.ndarray]:
         """Read ``slots`` into ``rows`` and checksum the ``check`` rows, one group of about
         ``READ_GROUP_BYTES`` at a time: each group is hashed and handed to ``sink`` right after it is
-        read, while it is still in the CPU cache.
+        read, while it is still in the CPU cache. ``rows`` None: every group is read into this
+        thread's scratch buffer (``read_through``), overwritten by the next one once ``sink`` returns.
 
         Returns:
             ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
         """
         n = len(slots)
-        sums = np.zeros(n, dtype=np.uint64)
         per_group = max(1, READ_GROUP_BYTES // self.block_bytes)
-        if n <= per_group or not (check.any() or sink is not None):
-            complete = self._slabs.read(slots, rows)
-            which = np.flatnonzero(check & complete)
-            sums[which] = _work(rows, which, sink, 0, n)
-            return complete, sums
+        if rows is not None and (n <= per_group or not (check.any() or sink is not None)):
+            per_group = max(n, 1)  # one read: nothing gains from being in the cache
+        scratch = self._scratch.rows(min(n, per_group), self.block_bytes) if rows is None else rows
+        if n > per_group:
+            self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the groups, as for one read
         complete = np.zeros(n, dtype=bool)
-        self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the groups, as for one read
+        sums = [0] * n
+        checks = check.tolist()
+        # Per group: lists, not numpy calls (a 112 MiB restore of 1.75 MiB blocks is 64 groups).
         for b in range(0, n, per_group):
             e = min(n, b + per_group)
-            complete[b:e] = self._slabs.read(slots[b:e], rows[b:e])
-            todo = np.flatnonzero(check[b:e] & complete[b:e]) + b
-            sums[todo] = _work(rows, todo, sink, b, e)
-        return complete, sums
+            group = scratch[:e - b] if rows is None else rows[b:e]
+            ok = self._slabs.read(slots[b:e], group)
+            complete[b:e] = ok
+            for j, whole in enumerate(ok.tolist()):
+                if whole and checks[b + j]:
+                    sums[b + j] = xxhash.xxh3_64_intdigest(group[j])
+            if sink is not None:
+                sink(b, group)
+        return complete, np.array(sums, dtype=np.uint64)
 
     def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:
         """Count bad blocks and remove their records (if still the same gen) so they are never served."""

@@ -165,7 +165,9 @@ class Slabs:
     def _runs(self, slots: np.ndarray):
         """Yield ``(begin, end)`` index ranges of ``slots`` that are consecutive within one slab."""
         n = len(slots)
-        if n == 0:
+        if n <= 1:  # a group of one big block: no run analysis
+            if n:
+                yield 0, 1
             return
         slab = slots // self.slots_per_slab
         breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(slab) != 0)) + 1

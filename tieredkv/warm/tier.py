@@ -14,7 +14,8 @@ invariant 7)::
 A get copies without holding anything, then re-checks::
 
     read txn 1: records of the keys (confirm parent key + chunk tokens)
-    preadv each slot into the caller's rows
+    preadv each slot into the caller's rows (``read_through``: group by group into one small buffer
+               of this thread, each group hashed and handed to the caller's sink while in the CPU cache)
     read txn 2: the same records still carry the same (slot, gen)?  else the block was removed or
                recycled while we copied: the run ends there, those bytes are never returned
     checksum (always / sampled / never): a mismatch is corruption: counted, removed, a miss
@@ -59,7 +60,7 @@ from tieredkv.spec import KVSpec
 from tieredkv.tier import Evicted, PutResult, Tier, TierStats, check_count, out_rows
 from tieredkv.warm import index as ix
 from tieredkv.warm import packed
-from tieredkv.warm.reads import READ_GROUP_BYTES, CheckedReads
+from tieredkv.warm.reads import READ_GROUP_BYTES, CheckedReads, Scratch
 from tieredkv.warm.recovery import OWN_CLAIMS, OWN_CLAIMS_LOCK
 from tieredkv.warm.writes import Writes
 
@@ -182,6 +183,7 @@ class WarmTier(Writes, CheckedReads, Tier):
         self._mem = threading.RLock()
         forksafe.register(self)  # both unlocked in a forked child: a write-behind write may hold them
         self._rng = default_rng()
+        self._scratch = Scratch()
         self._map_size = map_size_bytes
         self._map_max = map_max_bytes
         self._reset_process_state()
@@ -221,12 +223,31 @@ class WarmTier(Writes, CheckedReads, Tier):
             unconfirmed, removed or recycled while being copied, or fails its checksum (that block is
             removed and counted as corrupt). Rows past the run hold unspecified bytes.
         """
+        return self._get(keys, out, sink)
+
+    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
+                     staging: np.ndarray | None = None) -> int:
+        """``get_many`` for a caller that needs the blocks only where ``sink`` puts them: every group
+        is read into the same small buffer of this thread (``staging`` is not used), hashed and handed
+        to ``sink`` while it is still in the CPU cache, so a verified read writes main memory once
+        (``warm/reads.py``). ``sink``'s rows are valid only during the call and may be handed over
+        before they are verified: only the leading blocks this call returns are valid where the sink
+        put them; the block that ends the run is treated as in ``get_many`` (removed and counted when
+        corrupt).
+
+        Returns:
+            The length of the leading run, as ``get_many``.
+        """
+        return self._get(keys, None, sink)
+
+    def _get(self, keys: ChunkKeys, out: np.ndarray | None, sink) -> int:
+        """``get_many`` (``out`` None: ``read_through``)."""
         # No lock: the copy is made safe by the re-check after it (module docstring), not by
         # excluding writers, so a read never waits for a write (see __init__).
         self._check()
         n = len(keys)
         raw = self._raw(keys)
-        rows = out_rows(self.spec, out, n)
+        rows = out_rows(self.spec, out, n) if out is not None else None
         if n == 0:
             return 0
 
@@ -531,6 +552,7 @@ class WarmTier(Writes, CheckedReads, Tier):
                     self._index.close()
                     self._slabs.close()
                 finally:
+                    self._scratch = Scratch()  # every thread's read buffer goes with the old one
                     if quiet:
                         self._index.resume()
 

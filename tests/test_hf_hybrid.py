@@ -21,6 +21,7 @@ from tieredkv.errors import InvalidInput, SpecMismatch
 
 torch = LazyModule("torch")
 hf = LazyModule("tieredkv.integrations.hf")
+hf_state = LazyModule("tieredkv.integrations.hf_state")
 hf_models = LazyModule("tieredkv.integrations.models")
 
 CHUNK = 16
@@ -146,9 +147,14 @@ def test_no_hit_beyond_the_last_boundary_with_a_state(tmp_path):
             cache.unlink_hot()
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "nemotron_h", "bamba", "falcon_h1",
-                                    "lfm2", "olmo_hybrid", "zamba2"])
+#: Every verified model type but Qwen3-Next (tested above with more cases).
+FAMILIES = ["qwen3_5_text", "qwen3_5_moe_text", "granitemoehybrid", "nemotron_h", "bamba", "falcon_h1", "lfm2",
+            "lfm2_moe", "olmo_hybrid", "zamba2"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_verified_family_restores_exactly(family, tmp_path):
+    assert family in hf_state.VERIFIED
     from tieredkv import TieredCache
 
     model = build(hf_models.tiny_hybrid_config(family, initializer_range=0.2))
@@ -224,3 +230,8 @@ def test_a_transformers_without_per_layer_state_is_refused(monkeypatch):
     model = build(hf_models.tiny_qwen3_next_config(**QWEN3_NEXT))
     with pytest.raises(InvalidInput, match=r"\['linear_attention'\].*keeps no linear-attention or mamba state"):
         hf.CachedPrefill(model, None)
+
+
+
+def test_every_verified_type_is_tested_here():
+    assert set(hf_state.VERIFIED) == {*FAMILIES, "qwen3_next"}

@@ -296,6 +296,10 @@ _HYBRID: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_5_text": ("Qwen3_5TextConfig", dict(
         num_hidden_layers=4, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(
+        num_hidden_layers=4, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
     "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
         num_hidden_layers=4, layer_types=["mamba", "attention"] * 2, mamba_n_heads=4, mamba_d_state=16,
         mamba_d_head=32, mamba_chunk_size=16, num_local_experts=4, shared_intermediate_size=64)),
@@ -309,6 +313,9 @@ _HYBRID: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon_h1": ("FalconH1Config", dict(
         num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)),
     "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2)),
+    "lfm2_moe": ("Lfm2MoeConfig", dict(
+        num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, num_dense_layers=1)),
     "olmo_hybrid": ("OlmoHybridConfig", dict(
         num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
         linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32)),
@@ -326,8 +333,9 @@ _HYBRID: dict[str, tuple[str, dict[str, Any]]] = {
 
 def tiny_hybrid_config(model_type: str, **overrides: Any):
     """A small config of a hybrid family (attention and linear-attention / mamba layers), by model type:
-    ``qwen3_5_text``, ``granitemoehybrid`` (Granite 4), ``nemotron_h``, ``bamba``, ``falcon_h1``,
-    ``lfm2``, ``olmo_hybrid``, ``zamba2``, ``jamba``, ``zamba`` (Qwen3-Next: ``tiny_qwen3_next_config``).
+    ``qwen3_5_text``, ``qwen3_5_moe_text``, ``granitemoehybrid`` (Granite 4), ``nemotron_h``, ``bamba``,
+    ``falcon_h1``, ``lfm2``, ``lfm2_moe``, ``olmo_hybrid``, ``zamba2``, ``jamba``, ``zamba`` (Qwen3-Next:
+    ``tiny_qwen3_next_config``).
 
     Raises:
         InvalidInput: a model type not listed.

@@ -1,5 +1,6 @@
 """CachedPrefill on sliding-window models (Mistral: every layer; Gemma 3: sliding and full layers
-interleaved), and the families it refuses (MLA, linear attention). Tiny random-weight models built in
+interleaved), and the families it refuses (MLA; linear-attention layers in a model type hf_state has
+not verified: hybrid models are tested in test_hf_hybrid.py). Tiny random-weight models built in
 code; a restored prefix gives the logits of a full prefill (float32, within 1e-5) and the same greedy
 tokens, for a prompt several windows long."""
 

@@ -213,6 +213,14 @@ def test_other_state_models_are_refused_by_name():
                                   layer_types=["linear_attention", "full_attention"]))
     with pytest.raises(InvalidInput, match="MiniMaxCache"):
         hf.CachedPrefill(minimax, None)
+    from transformers import Mamba2Config
+
+    config = Mamba2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32,
+                          state_size=16, n_groups=1, chunk_size=16)
+    config._attn_implementation = "eager"  # a model without attention takes no sdpa
+    mamba2 = build(config)
+    with pytest.raises(InvalidInput, match="without attention layers"):
+        hf.spec_for_model(mamba2)
     gemma = build(hf_models.tiny_gemma3_config())
     gemma.config.layer_types = ["linear_attention", "full_attention"] * 2
     with pytest.raises(InvalidInput, match=r"gemma3_text.*\['linear_attention'\].*not verified"):

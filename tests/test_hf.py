@@ -278,6 +278,9 @@ def test_hit_spanning_hot_and_warm(models, namespace, tmp_path, promotion):
         runner = hf.CachedPrefill(model, cache)
         assert runner.prefill(ids[:, :8 * CHUNK + 1]).stored_blocks == 8
         assert runner.prefill(ids).stored_blocks == 8
+        # Write-behind: the evicted half was copied out of hot before the eviction, and the writer
+        # thread (below the process's priority) puts it into warm when it runs: wait for it.
+        assert cache.flush(60)
         hit = cache.lookup(ids[0].numpy())
         assert (hit.tokens, hit.warm_blocks, hit.hot_blocks) == (16 * CHUNK, 8, 8)
         res = runner.prefill(ids, all_logits=True)

@@ -1,5 +1,6 @@
 """CachedPrefill on sliding-window models (Mistral: every layer; Gemma 3: sliding and full layers
-interleaved), and the families it refuses (MLA, linear attention). Tiny random-weight models built in
+interleaved), and the families it refuses (MLA; linear-attention layers in a model type hf_state has
+not verified: hybrid models are tested in test_hf_hybrid.py). Tiny random-weight models built in
 code; a restored prefix gives the logits of a full prefill (float32, within 1e-5) and the same greedy
 tokens, for a prompt several windows long."""
 
@@ -58,5 +59,5 @@ def test_mla_and_linear_attention_are_refused_by_name():
         hf.spec_for_model(hf_models.random_model(hf_models.tiny_deepseek_v3_config(num_hidden_layers=1)))
     model = hf_models.random_model(hf_models.tiny_gemma3_config())
     model.config.layer_types = ["linear_attention", "full_attention"] * 2
-    with pytest.raises(InvalidInput, match=r"\['linear_attention'\].*not per-token K/V"):
+    with pytest.raises(InvalidInput, match=r"\['linear_attention'\].*not verified.*not per-token K/V"):
         hf.CachedPrefill(model, None)

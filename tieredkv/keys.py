@@ -212,3 +212,29 @@ def opaque_keys(spec: KVSpec, names: Sequence[bytes]) -> ChunkKeys:
     n = len(raw) // 16
     return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2), np.zeros((n, 2), dtype="<u8"),
                      np.zeros((n, spec.chunk_tokens), dtype="<u4"))
+
+
+#: Separates a chunk key from a piece number in a recurrent-state piece's hashed input.
+STATE_TAG = b"\x00tieredkv-recurrent-state\x00"
+
+
+def piece_count(state_bytes: int, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` that hold one chunk boundary's recurrent state of ``state_bytes``."""
+    return -(-int(state_bytes) // int(block_bytes))
+
+
+def state_keys(boundaries: ChunkKeys, pieces: int) -> ChunkKeys:
+    """The keys of the recurrent-state pieces at the end of each chunk of ``boundaries``.
+
+    A hybrid model (linear-attention or mamba layers beside attention layers) needs, to continue a
+    prefix, its recurrent state at the prefix's end besides the attention K/V. That state is cut into
+    ``pieces`` blocks of the same cache: piece ``j`` of the state at the end of chunk ``k`` has the key
+    ``xxh3_128(key_k || STATE_TAG || j)``, parent ``key_k`` and chunk ``k``'s tokens, so a read confirms
+    it like any block. ``pieces`` per chunk, chunk by chunk.
+    """
+    raw = b"".join(xxhash.xxh3_128_digest(key + STATE_TAG + j.to_bytes(4, "little"))
+                   for key in boundaries for j in range(pieces))
+    n = len(boundaries) * pieces
+    return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2) if n else np.zeros((0, 2), "<u8"),
+                     np.repeat(boundaries.keys, pieces, axis=0), np.repeat(boundaries.tokens, pieces, axis=0),
+                     positions=np.repeat(boundaries.positions, pieces))

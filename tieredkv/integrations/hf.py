@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tieredkv.errors import InvalidInput, SpecMismatch
+from tieredkv.integrations import hf_state
 from tieredkv.integrations.hf_adapters import adapter_identity
 from tieredkv.spec import KVSpec
 
@@ -96,8 +97,17 @@ def spec_for_model(model: Any, *, chunk_tokens: int = 64, model_id: str | None =
     """The ``KVSpec`` of ``model``'s KV cache: geometry from its config, dtype from its weights.
 
     Build the ``TieredCache`` with this spec. ``model_id`` defaults to the config's ``_name_or_path``;
-    pass your own for weights that have no name (e.g. random weights: include the seed).
+    pass your own for weights that have no name (e.g. random weights: include the seed). A hybrid
+    model (linear-attention or mamba layers) gets its attention layers' geometry and its state layout
+    in ``extra`` (``hf_state``; its state is probed with a two-token forward, once per model).
     """
+    if hf_state.has_state_layers(model):
+        # The model id as for any model; the geometry comes from the model's cache (hf_state), not
+        # from config fields that some hybrid configs name otherwise.
+        named = {**model.config.to_dict(), "num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 1,
+                 "kv_lora_rank": None}
+        model_id = KVSpec.from_hf_config(named, model_id=model_id or None).model_id
+        return hf_state.hybrid_spec(model, chunk_tokens=chunk_tokens, model_id=model_id)
     return KVSpec.from_hf_config(model.config, chunk_tokens=chunk_tokens, dtype=model.dtype,
                                  model_id=model_id or None)
 
@@ -213,9 +223,9 @@ class CachedPrefill:
     """Prefill a causal LM through a ``TieredCache``: restore the longest cached prefix, compute the rest.
 
     Args:
-        model: a transformers causal LM (full attention, or sliding windows as in Mistral and Gemma 3), in
-            eval mode, on
-            CPU or one CUDA device. Its dtype is the KV dtype.
+        model: a transformers causal LM (full attention, sliding windows as in Mistral and Gemma 3, or
+            a hybrid of attention and linear-attention / mamba layers: ``hf_state.VERIFIED``), in eval
+            mode, on CPU or one CUDA device. Its dtype is the KV dtype.
         cache: a ``TieredCache`` (or anything with its ``lookup`` / ``load`` / ``store`` contract) whose
             spec matches the model (build it with ``spec_for_model(model)``), or ``None`` to prefill
             without a cache (a baseline with the same code path).
@@ -230,6 +240,9 @@ class CachedPrefill:
             result's cache uses the buffer until the result is dropped; a call made while it is still
             in use gets a new buffer (kept instead). On CUDA the buffer is pinned (pinning is
             expensive) and carries new chunks to ``store``. ``False``: a new buffer per call.
+        state_boundaries: for a hybrid model, the chunk boundaries whose recurrent state is stored:
+            ``"ends"`` (the prompt's last boundaries and where it parts from cached prefixes) or
+            ``"every"`` (``hf_state``).
 
     A model running peft adapters (a ``PeftModel`` or ``model.load_adapter``) keys every chunk with the
     active adapters' identity (``hf_adapters.adapter_identity``): KV computed under an adapter is never
@@ -237,12 +250,13 @@ class CachedPrefill:
 
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
-        InvalidInput: the model has linear-attention or mamba layers, is an MLA model (see
-            ``KVSpec.from_hf_config``), or has no KV-cache keyword.
+        InvalidInput: the model has linear-attention or mamba layers of a family ``hf_state`` refuses
+            or has not verified, is an MLA model (see ``KVSpec.from_hf_config``), or has no KV-cache
+            keyword.
     """
 
     def __init__(self, model: Any, cache: Any = None, *, spec: KVSpec | None = None,
-                 reuse_host_buffer: bool | None = None):
+                 reuse_host_buffer: bool | None = None, state_boundaries: str = "ends"):
         self.model = model
         self.cache = cache
         params = next(iter(model.parameters()))
@@ -262,10 +276,6 @@ class CachedPrefill:
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         layer_types = set(getattr(text_config, "layer_types", None) or [])
-        unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
-        if unsupported:
-            raise InvalidInput(f"layer types {unsupported}: CachedPrefill caches full and sliding-window "
-                               "attention only (a linear-attention or mamba layer's state is not per-token K/V)")
         # transformers' sliding-window cache layers keep only the window, so the K/V of a whole prefix
         # could not be read back: a model with a window gets plain layers (its masks still apply the
         # window), holding the prefix's K/V for every layer while the request runs.
@@ -274,6 +284,17 @@ class CachedPrefill:
         forward_params = _forward_params(model)
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward_params),
                                None)
+        if state_boundaries not in hf_state.STATE_BOUNDARIES:
+            raise InvalidInput(f"state_boundaries must be one of {hf_state.STATE_BOUNDARIES}, got {state_boundaries!r}")
+        # Linear-attention / mamba layers: attention chunks plus the state at chunk boundaries.
+        self._hybrid = hf_state.HybridPrefill(model, cache, self.spec, cache_kw=self._cache_kw,
+                                              logits_kw=self._logits_kw, state_boundaries=state_boundaries) \
+            if hf_state.has_state_layers(model) else None
+        unsupported = sorted(layer_types - {"full_attention", "sliding_attention"})
+        if unsupported and self._hybrid is None:  # a transformers without per-layer state in DynamicCache
+            raise InvalidInput(f"layer types {unsupported}: this transformers keeps no linear-attention or mamba "
+                               "state in DynamicCache layers, so CachedPrefill caches full and sliding-window "
+                               "attention only (a linear-attention or mamba layer's state is not per-token K/V)")
         self._on_cuda = self.device.type == "cuda"
         self.reuse_host_buffer = True if reuse_host_buffer is None else bool(reuse_host_buffer)
         # The reused host buffer (pinned on CUDA, where it only carries new chunks device -> host for
@@ -409,6 +430,9 @@ class CachedPrefill:
         # buffer is taken: an adapter that cannot be keyed raises here.
         adapter = adapter_identity(self.model) if self.cache is not None and n_full else None
         keyed: dict[str, Any] = {} if adapter is None else {"extra": [adapter] * (n_full // chunk)}
+        if self._hybrid is not None:
+            return PrefillResult(**self._hybrid.prefill(ids, salt, keyed.get("extra"), all_logits=all_logits,
+                                                        store=store))
         cpu0 = time.thread_time()
         t0 = time.perf_counter()
         # On CPU one buffer holds the whole prompt's KV: the prefix is loaded into it, the tail's

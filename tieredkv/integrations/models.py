@@ -287,6 +287,67 @@ def tiny_qwen3_next_config(**overrides: Any):
     return Qwen3NextConfig(**fields)
 
 
+#: Small configs of the hybrid families ``tiny_hybrid_config`` builds: (transformers config class,
+#: fields). Two to four layers, state and attention layers interleaved, every size small.
+_HYBRID_COMMON: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_HYBRID: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(
+        num_hidden_layers=4, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=4, layer_types=["mamba", "attention"] * 2, mamba_n_heads=4, mamba_d_state=16,
+        mamba_d_head=32, mamba_chunk_size=16, num_local_experts=4, shared_intermediate_size=64)),
+    "nemotron_h": ("NemotronHConfig", dict(
+        layers_block_type=["mamba", "attention", "mamba", "moe"], head_dim=16, ssm_state_size=16,
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=16, n_routed_experts=4,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)),
+    "bamba": ("BambaConfig", dict(
+        num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_state=16, mamba_d_head=32,
+        mamba_chunk_size=16)),
+    "falcon_h1": ("FalconH1Config", dict(
+        num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)),
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2)),
+    "lfm2_moe": ("Lfm2MoeConfig", dict(
+        num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, num_dense_layers=1)),
+    "olmo_hybrid": ("OlmoHybridConfig", dict(
+        num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=32)),
+    "zamba2": ("Zamba2Config", dict(
+        num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=16,
+        n_mamba_heads=4, chunk_size=16, use_mem_eff_path=False)),
+    "jamba": ("JambaConfig", dict(
+        num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, mamba_d_state=8)),
+    "zamba": ("ZambaConfig", dict(
+        num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, n_mamba_heads=2,
+        attention_head_dim=16)),
+}
+
+
+def tiny_hybrid_config(model_type: str, **overrides: Any):
+    """A small config of a hybrid family (attention and linear-attention / mamba layers), by model type:
+    ``qwen3_5_text``, ``qwen3_5_moe_text``, ``granitemoehybrid`` (Granite 4), ``nemotron_h``, ``bamba``,
+    ``falcon_h1``, ``lfm2``, ``lfm2_moe``, ``olmo_hybrid``, ``zamba2``, ``jamba``, ``zamba`` (Qwen3-Next:
+    ``tiny_qwen3_next_config``).
+
+    Raises:
+        InvalidInput: a model type not listed.
+    """
+    import transformers
+
+    if model_type not in _HYBRID:
+        raise InvalidInput(f"no tiny config for {model_type!r}; one of {sorted(_HYBRID)}")
+    name, fields = _HYBRID[model_type]
+    return getattr(transformers, name)(**{**_HYBRID_COMMON, **fields, **overrides})
+
+
 def demo_llama_config(**overrides: Any):
     """The demo's default model: a random-weight Llama whose KV is large next to its weights.
 

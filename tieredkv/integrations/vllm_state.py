@@ -32,35 +32,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from tieredkv.cache import PrefixHit, TieredCache
 from tieredkv.errors import InvalidInput
 from tieredkv.integrations.vllm_groups import CacheLayout
-from tieredkv.keys import ChunkKeys, chunk_keys
+from tieredkv.keys import STATE_TAG, chunk_keys, piece_count, state_keys
 
 logger = logging.getLogger(__name__)
 
-#: Separates a chunk key from a piece number in a state piece's hashed input.
-STATE_TAG = b"\x00tieredkv-recurrent-state\x00"
+__all__ = ["NULL_BLOCK", "STATE_TAG", "StateCache", "StateSave", "piece_count", "state_keys"]
 
 NULL_BLOCK = 0
-
-
-def piece_count(state_bytes: int, block_bytes: int) -> int:
-    """Blocks of ``block_bytes`` that hold one boundary's state of ``state_bytes``."""
-    return -(-int(state_bytes) // int(block_bytes))
-
-
-def state_keys(boundaries: ChunkKeys, pieces: int) -> ChunkKeys:
-    """The keys of the state pieces at the end of each chunk of ``boundaries`` (``pieces`` per chunk,
-    chunk by chunk); each piece's parent is its chunk's key, its tokens the chunk's tokens."""
-    raw = b"".join(xxhash.xxh3_128_digest(key + STATE_TAG + j.to_bytes(4, "little"))
-                   for key in boundaries for j in range(pieces))
-    n = len(boundaries) * pieces
-    return ChunkKeys(np.frombuffer(raw, dtype="<u8").reshape(n, 2) if n else np.zeros((0, 2), "<u8"),
-                     np.repeat(boundaries.keys, pieces, axis=0), np.repeat(boundaries.tokens, pieces, axis=0),
-                     positions=np.repeat(boundaries.positions, pieces))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,6 +108,7 @@ def test_api_md_covers_the_public_names():
     assert " at 0x" not in text                                # no memory addresses: output is stable
 
 
+@pytest.mark.slow  # imports every module api.md documents, the integrations (torch) too: about 6 s
 def test_docstring_examples():
     """The ``>>>`` examples in docstrings (shown as pycon blocks in api.md) pass as doctests."""
     attempted = {}

@@ -19,6 +19,9 @@ import pytest
 from helpers import LazyModule
 from tieredkv.errors import InvalidInput, SpecMismatch
 
+# Every test here runs a transformers model (torch and transformers imports, about 9 s in all): `slow`.
+pytestmark = pytest.mark.slow
+
 torch = LazyModule("torch")
 hf = LazyModule("tieredkv.integrations.hf")
 hf_state = LazyModule("tieredkv.integrations.hf_state")

@@ -30,7 +30,7 @@ ELSEWHERE = {
                                                  "then minutes of model runs: tests/test_demo.py runs the "
                                                  "demo small",
     "bash .ci/setup && .venv/bin/python -m pytest -q": "this suite itself, as .ci/run runs it",
-    "python -m pytest -q -m quick": "this suite itself (the inner loop)",
+    "python -m pytest -q -m quick -n auto": "this suite itself (the inner loop)",
     "tieredkv stats --prometheus 9400": "a fixed port may be taken on a shared machine; "
                                         "tests/test_cli.py::test_stats_prometheus_serves_until_interrupted "
                                         "runs the same command on a free port",

@@ -141,8 +141,7 @@ class S3FIFO(EvictionPolicy):
                     small_mask[s] = False
                     n_small -= 1
                     if freq[s] >= self.move_threshold:
-                        queue[s], freq[s], order[s] = MAIN, 0, seq
-                        seq += 1
+                        seq = _kernels.s3fifo_requeue(queue, freq, order, s, True, seq)
                         main_mask[s] = True
                         n_main += 1
                     else:
@@ -154,10 +153,8 @@ class S3FIFO(EvictionPolicy):
                     s = main_walk.next()
                     if s < 0:
                         break
-                    f = int(freq[s])
-                    if f:
-                        freq[s], order[s] = f - 1, seq
-                        seq += 1
+                    if freq[s]:
+                        seq = _kernels.s3fifo_requeue(queue, freq, order, s, False, seq)
                     else:
                         victim = s
                         main_mask[s] = False

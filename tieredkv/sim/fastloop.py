@@ -238,6 +238,10 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
     resident, key64, last, ins, hits, parent, n_children, position, f0, f1, f2 = fields
     links, lists, where, aux = vic
     hit_slots, miss_at, ids, pids, new, parents, vbuf = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6]
+    # Per missing key, whether on_miss found it a ghost: one that is not stays none until its insert
+    # (only evicted blocks' keys become ghosts, and a missing block is not resident), so the insert
+    # hook probes the ghost table only for those that are.
+    seen = np.ones(len(vbuf), dtype=np.bool_)
     n_slots = len(resident)
     n_hits, n_prefix, evictions, top = acc[0], acc[1], acc[2], acc[3]
     for r in range(r0, r1):
@@ -258,10 +262,10 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
         m = min(nm, n_slots)
         _gather(blocks, prev, a, miss_at, ids[:m], pids)
         need = m - top
-        if kind == 5:                       # base.evict's on_miss
-            _kernels.s3fifo_miss(w, tk, tr, ids[:m], L, R, gcap, shift)
+        if kind == 5:                       # base.evict's on_miss (``seen``: which keys are ghosts)
+            _kernels.s3fifo_miss_seen(w, tk, tr, ids[:m], L, R, gcap, shift, seen)
         elif kind == 6:
-            gf[gi[0]] = _kernels.arc_miss(w, tk, tr, ids[:m], L, R, shift, gf[gi[0]], n_slots)
+            gf[gi[0]] = _kernels.arc_miss_seen(w, tk, tr, ids[:m], L, R, shift, gf[gi[0]], n_slots, seen)
         if need > 0 and g[1] - nh > 0:      # base.evict: some resident slot is a candidate
             _pin(cand, hit_slots[:nh], False)   # never the request's hits
             if not inc:
@@ -304,10 +308,10 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
             continue
         if kind == 5:                       # S3-FIFO's and ARC's queue lengths from the lists
             g[gi[0]] = _kernels.s3fifo_insert_counted(f0, f1, f2, key64, new[:k], w, tk, tr, L, R, shift,
-                                                      g[gi[1]] == 0, max(prm[0] - lists[2, 0], 0), g[gi[0]])
+                                                      g[gi[1]] == 0, max(prm[0] - lists[2, 0], 0), g[gi[0]], seen)
         elif kind == 6:
             gf[gi[0]] = _kernels.arc_insert_counted(f0, key64, new[:k], w, tk, tr, L, R, shift, gf[gi[0]], n_slots,
-                                                    lists[2, 1], lists[2, 2])
+                                                    lists[2, 1], lists[2, 2], seen)
         elif kind >= 3:
             _on_insert(kind, resident, key64, f0, f1, f2, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift)
         vs.on_insert(kind, links, lists, where, aux, f0, new[:k])

@@ -273,3 +273,23 @@ def test_sigkilled_compact_writer_leaves_only_sound_blocks(tmp_path, sync):
                 served += got
             assert t.stats().corrupt == 0 and t.slot_bytes == COMPACT
         assert served > 0, round_
+
+
+def test_a_truncated_compact_slab_keeps_the_blocks_before_the_cut(tmp_path):
+    """Repair at open counts in compact slots: the blocks whose slots are whole stay, the rest go."""
+    k = keys_of(10)
+    data = bf16_payloads(k)
+    with WarmTier(SPEC, tmp_path, BUDGET, slot_fraction=0.75) as t:
+        t.put_many(k, data)
+    slab = tmp_path / SPEC.namespace / "slab-0000.bin"
+    os.truncate(slab, 6 * COMPACT + 100)  # slots 0-5 whole, slot 6 cut
+    with pytest.warns(UserWarning, match="dropped 4 block"):
+        t = WarmTier(SPEC, tmp_path)
+    with t:
+        assert t.contains_many(k).tolist() == [True] * 6 + [False] * 4
+        out = np.zeros_like(data)
+        assert t.get_many(k, out) == 6
+        np.testing.assert_array_equal(out[:6], data[:6])
+        assert os.path.getsize(slab) == 21 * COMPACT  # restored to its full size
+        assert (t.put_many(k[6:], data[6:]) == PutResult.STORED).all()
+    assert admin.verify(str(tmp_path / SPEC.namespace))["ok"]

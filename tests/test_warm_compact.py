@@ -293,3 +293,41 @@ def test_a_truncated_compact_slab_keeps_the_blocks_before_the_cut(tmp_path):
         assert os.path.getsize(slab) == 21 * COMPACT  # restored to its full size
         assert (t.put_many(k[6:], data[6:]) == PutResult.STORED).all()
     assert admin.verify(str(tmp_path / SPEC.namespace))["ok"]
+
+
+def test_a_directory_made_before_compact_tiers_opens_and_reads_unchanged(tmp_path):
+    """tests/data/warm-v1.tar.gz was written by tieredkv before compact tiers existed (format version
+    1): two raw blocks, three zstd frames and an incompressible block stored raw, 4 KiB blocks in 8
+    slots. This version reads every block, and writing into it (compact option or not) keeps it a
+    version-1 tier of full slots that the older tieredkv still opens."""
+    import tarfile
+
+    from tieredkv import KVSpec, chunk_keys
+
+    with tarfile.open(os.path.join(os.path.dirname(__file__), "data", "warm-v1.tar.gz")) as tar:
+        tar.extractall(tmp_path, filter="data")
+    spec = KVSpec(model_id="test/v1-fixture", num_layers=1, num_kv_heads=1, head_dim=64, dtype="bfloat16",
+                  chunk_tokens=16)
+    tier_dir = tmp_path / spec.namespace
+    for d, _, names in os.walk(tier_dir):  # the modes a tier keeps (tar's "data" filter widens some)
+        os.chmod(d, 0o700)
+        for name in names:
+            os.chmod(os.path.join(d, name), 0o600)
+    k = chunk_keys(spec, np.arange(6 * 16))
+    data = np.empty((6, 4096), np.uint8)
+    for i in range(5):
+        f = np.random.default_rng(i).standard_normal(2048).astype(np.float32)
+        data[i] = (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    data[5] = np.random.default_rng(99).integers(0, 256, 4096, dtype=np.uint8)
+    meta_before = (tier_dir / "meta.json").read_bytes()
+    assert json.loads(meta_before)["format_version"] == 1 and admin.verify(str(tier_dir))["ok"]
+    with WarmTier(spec, tmp_path, slot_fraction=0.75, compress="zstd") as t:
+        assert t.slot_bytes == 4096 and t.n_slots == 8 and t.stats().used_blocks == 6
+        assert (lengths_of(t, k[2:5]) < 4096).all() and lengths_of(t, k[:2]).tolist() == [4096, 4096]
+        out = np.zeros_like(data)
+        assert t.get_many(k, out) == 6
+        np.testing.assert_array_equal(out, data)
+        more = chunk_keys(spec, np.arange(2 * 16) + 5000)
+        assert (t.put_many(more, data[:2]) == PutResult.STORED).all()
+    assert (tier_dir / "meta.json").read_bytes() == meta_before
+    assert admin.verify(str(tier_dir))["ok"]

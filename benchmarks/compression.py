@@ -241,7 +241,11 @@ def capacity(spec: KVSpec, blocks: np.ndarray, keys, budget: int, fractions: lis
         summary[v]["held_vs_raw"] = summary[v]["held"] / summary["none"]["held"]
         for s in ("hot", "cold"):
             summary[v][f"{s}_vs_raw"] = summary["none"][f"{s}_s"] / summary[v][f"{s}_s"]
-    return {"budget_blocks": budget, "disk_bytes": disk, "restored": common, "variants": summary}
+    comp = cd.Compressor("zstd", spec.dtype_bytes)
+    frames = np.array([16 + len(comp.compress(b) or b) for b in blocks]) / spec.block_bytes  # 16: frame header
+    return {"budget_blocks": budget, "disk_bytes": disk, "restored": common, "variants": summary,
+            "frame_fraction": {"min": float(frames.min()), "median": float(np.median(frames)),
+                               "max": float(frames.max())}}
 
 
 def print_capacity(cap: dict, spec: KVSpec, drop_caches: bool) -> None:
@@ -249,6 +253,9 @@ def print_capacity(cap: dict, spec: KVSpec, drop_caches: bool) -> None:
     print(f"\ncapacity: {cap['disk_bytes'] / 2**20:.1f} MiB of disk ({cap['budget_blocks']} full slots of "
           f"{spec.block_bytes / 2**20:.2f} MiB); restore of the {cap['restored']} newest blocks every tier holds, "
           f"verify=always (cold: {cold}); x = uncompressed time / this time")
+    f = cap["frame_fraction"]
+    print(f"zstd frames are {f['min']:.3f}-{f['max']:.3f} of a block (median {f['median']:.3f}): a compact "
+          f"tier's slot_fraction must be at least the max (rounded up to 4 KiB) for none to be refused")
     print("tier          slot KiB  held  x held  refused  slab MiB  warm s    x     (load)   cold s    x     (load)")
     for v, r in cap["variants"].items():
         print(f"{v:13} {r['slot_bytes'] / 1024:8.0f} {r['held']:5} {r['held_vs_raw']:6.2f} {r['refused']:8} "

@@ -21,6 +21,7 @@ from test_compression import SLOT, SPEC, bf16_payloads, keys_of, kill_writer_and
 
 from helpers import flip
 from tieredkv import TieredCache
+from tieredkv.config import WarmConfig
 from tieredkv.errors import FormatError, InvalidInput
 from tieredkv.tier import PutResult
 from tieredkv.warm import WarmTier, admin, packed
@@ -208,6 +209,13 @@ def test_slot_fraction_is_checked(tmp_path):
     # a fraction that rounds up to the whole block makes an ordinary tier
     with WarmTier(SPEC, tmp_path, BUDGET, slot_fraction=0.99) as t:
         assert t.slot_bytes == SLOT and t.meta["format_version"] == 1
+
+
+def test_warm_config_slot_fraction_is_checked(tmp_path):
+    for bad in (0, 2, True, "x"):
+        with pytest.raises(InvalidInput, match="slot_fraction"):
+            WarmConfig(tmp_path, "1M", slot_fraction=bad)
+    assert WarmConfig(tmp_path, "1M", slot_fraction=0.75).slot_fraction == 0.75
 
 
 def test_tiered_cache_warm_slot_fraction(tmp_path):

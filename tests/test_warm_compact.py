@@ -318,3 +318,25 @@ def test_a_directory_made_before_compact_tiers_opens_and_reads_unchanged(tmp_pat
         assert (t.put_many(more, data[:2]) == PutResult.STORED).all()
     assert (tier_dir / "meta.json").read_bytes() == meta_before
     assert admin.verify(str(tier_dir))["ok"]
+
+
+def test_verify_repair_restores_a_compact_meta_and_drops_a_damaged_frame(tmp_path):
+    """``tieredkv verify --repair``: a damaged meta.json comes back from the index's copy still
+    compact (version 2), and a damaged frame's record is removed; the rest reads back."""
+    k = keys_of(6)
+    data = bf16_payloads(k)
+    with WarmTier(SPEC, tmp_path, BUDGET, slot_fraction=0.75) as t:
+        t.put_many(k, data)
+        lengths = lengths_of(t, k)
+    tier_dir = tmp_path / SPEC.namespace
+    (tier_dir / "meta.json").write_text("{ damaged")
+    flip(tier_dir / "slab-0000.bin", 2 * COMPACT + lengths[2] // 3)
+    report = admin.verify(str(tier_dir), repair=True)
+    assert [b["slot"] for b in report["bad_blocks"]] == [2] and report["removed"] == 1
+    assert mt.read_meta(str(tier_dir))["compact"] is True
+    assert admin.verify(str(tier_dir))["ok"]
+    with WarmTier(SPEC, tmp_path) as t:
+        assert t.slot_bytes == COMPACT and t.contains_many(k).tolist() == [i != 2 for i in range(6)]
+        out = np.zeros_like(data)
+        assert t.get_many(k[3:], out[:3]) == 3
+        np.testing.assert_array_equal(out[:3], data[3:])

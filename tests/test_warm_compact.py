@@ -177,7 +177,9 @@ def test_tiers_of_full_slots_keep_format_version_1(tmp_path):
     assert meta["format_version"] == 1 and "compact" not in meta
     assert sorted(meta) == ["block_bytes", "capacity_bytes", "fingerprint", "format", "format_version",
                             "n_slots", "namespace", "slot_bytes", "slots_per_slab", "spec"]
-    with WarmTier(SPEC, tmp_path, slot_fraction=0.75) as t:
+    with pytest.warns(UserWarning, match="keeps its slots of 32768 bytes; slot_fraction=0.75"):
+        t = WarmTier(SPEC, tmp_path, slot_fraction=0.75)
+    with t:
         assert t.slot_bytes == SLOT and not t.stats().extra["compact"]
         out = np.zeros_like(data)
         assert t.get_many(k, out) == 4
@@ -308,6 +310,7 @@ def test_a_directory_made_before_compact_tiers_opens_and_reads_unchanged(tmp_pat
     data[5] = np.random.default_rng(99).integers(0, 256, 4096, dtype=np.uint8)
     meta_before = (tier_dir / "meta.json").read_bytes()
     assert json.loads(meta_before)["format_version"] == 1 and admin.verify(str(tier_dir))["ok"]
+    # 0.75 of a 4 KiB block rounds up to a full slot: nothing to warn about, nothing changes
     with WarmTier(spec, tmp_path, slot_fraction=0.75, compress="zstd") as t:
         assert t.slot_bytes == 4096 and t.n_slots == 8 and t.stats().used_blocks == 6
         assert (lengths_of(t, k[2:5]) < 4096).all() and lengths_of(t, k[:2]).tolist() == [4096, 4096]

@@ -71,6 +71,9 @@ class Recovery(Records):
             warnings.warn(f"warm tier {path} keeps its capacity of {meta['n_slots']} slots "
                           f"({meta['capacity_bytes']} bytes); capacity_bytes={capacity_bytes} is only "
                           f"used to create a tier", stacklevel=4)
+        if self._slot_fraction < 1 and files.slot_bytes_of(self.spec, self._slot_fraction) != meta["slot_bytes"]:
+            warnings.warn(f"warm tier {path} keeps its slots of {meta['slot_bytes']} bytes; slot_fraction="
+                          f"{self._slot_fraction} is only used to create a tier", stacklevel=4)
         if mt.is_compact(meta) and self._packer is None and not self.readonly:
             # Every block of a compact tier is a frame: it is written compressed whatever was asked.
             self._packer = packed.Packer(codec.DEFAULT, self.spec.block_bytes, self.spec.dtype_bytes)

@@ -343,3 +343,15 @@ def test_verify_repair_restores_a_compact_meta_and_drops_a_damaged_frame(tmp_pat
         out = np.zeros_like(data)
         assert t.get_many(k[3:], out[:3]) == 3
         np.testing.assert_array_equal(out[:3], data[3:])
+
+
+def test_a_refused_block_evicts_nothing_from_a_full_tier(tmp_path):
+    """A block that cannot fit is known before slots are claimed: a full tier keeps all its blocks."""
+    with WarmTier(SPEC, tmp_path, BUDGET, slot_fraction=0.75) as t:
+        k, data = fill(t, 21)
+        odd = keys_of(2, base=50_000)
+        payload = bf16_payloads(odd)
+        payload[1] = noise(odd[1:])[0]
+        assert t.put_many(odd, payload).tolist() == [PutResult.STORED, PutResult.NO_SPACE]
+        assert t.stats().evictions == 1  # for the block that fits, none for the one that does not
+        assert int(t.contains_many(k).sum()) == 20 and t.stats().extra["too_big"] == 1

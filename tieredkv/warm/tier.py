@@ -308,6 +308,11 @@ class WarmTier(Writes, CheckedReads, Tier):
             kv = np.ascontiguousarray(keys.keys, dtype="<u8").view("V16").ravel()
             _, first = np.unique(kv, return_index=True)
             first.sort()
+            framed: dict[int, np.ndarray] = {}
+            if self.slot_bytes < self.block_bytes:
+                # Compact: frame the new blocks before claiming, so that one that cannot fit is refused
+                # without a slot, or a victim evicted, for it.
+                first, framed = self._frame_new(raw, rows, first, codes)
             owner, token = self._index.identity  # this process in the tier's owner registry
             claim_time = ix.now_us()
 
@@ -347,7 +352,7 @@ class WarmTier(Writes, CheckedReads, Tier):
             parts = None
             try:
                 if self.slot_bytes < self.block_bytes:  # compact: only frames that fit a slot are stored
-                    idx, slot_arr, parts = self._fitting(raw, rows, idx, slot_arr, owner, token, codes)
+                    idx, slot_arr, parts = self._fitting(raw, rows, idx, slot_arr, owner, token, codes, framed)
                 if len(victims) and self.on_evict is not None:
                     # The victims' slots are claimed by this call and not rewritten yet: read them now.
                     if self.evict_payloads:
@@ -372,15 +377,35 @@ class WarmTier(Writes, CheckedReads, Tier):
                 self._counts["bytes_in"] += n_stored * self.block_bytes
             return codes
 
+    def _frame_new(self, raw: bytes, rows: np.ndarray, first: np.ndarray,
+                   codes: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """A compact tier's put, before the claim: frame the blocks not stored yet (read without a lock)
+        and refuse those whose frame does not fit a slot (``NO_SPACE``, counted ``too_big``).
+
+        Returns:
+            ``(first, framed)``: the batch positions still to claim, and the frame of each new one.
+        """
+        db = self._index.blocks
+        stored = self._index.read(lambda txn: [txn.get(key_at(raw, i), db=db) is not None for i in first.tolist()])
+        new = first[~np.asarray(stored, dtype=bool)]
+        framed = dict(zip(new.tolist(), packed.pack(self._packer, rows, new)))
+        big = np.asarray([i for i, p in framed.items() if p.nbytes > self.slot_bytes], dtype=np.int64)
+        if len(big):
+            codes[big] = PutResult.NO_SPACE
+            with self._mem:
+                self._counts["too_big"] += len(big)
+        return np.setdiff1d(first, big, assume_unique=True), framed
+
     def _fitting(self, raw: bytes, rows: np.ndarray, idx: np.ndarray, slots: np.ndarray, owner: int,
-                 token: int, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
-        """A compact tier's put: frame the claimed blocks, give back the claims of those whose frame
-        does not fit a slot (``NO_SPACE``, counted ``too_big``; nothing of them is written).
+                 token: int, codes: np.ndarray, framed: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, list]:
+        """A compact tier's put, after the claim: the frames of the claimed blocks (``framed``, or made
+        now for a block that was stored when ``_frame_new`` looked and removed since); give back the
+        claims of any that do not fit (``NO_SPACE``, ``too_big``; nothing of them is written).
 
         Returns:
             ``(idx, slots, parts)`` of the blocks that fit.
         """
-        parts = packed.pack(self._packer, rows, idx)
+        parts = [framed[i] if i in framed else self._packer.pack(rows[i]) for i in idx.tolist()]
         fit = np.asarray([p.nbytes <= self.slot_bytes for p in parts], dtype=bool)
         if not fit.all():
             self._release(raw, idx[~fit], slots[~fit], owner, token)

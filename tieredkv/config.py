@@ -169,8 +169,8 @@ class WarmConfig:
     compress: str | bool | None = "none"
     #: Below 1, a new tier is compact: slots of this share of a block, so ``bytes`` holds
     #: ``1 / slot_fraction`` times as many blocks, all stored compressed ("zstd" if ``compress`` is
-    #: "none"); a block that does not compress into a slot is not stored. 0.75 fits bf16 KV (1.33x the
-    #: blocks). An existing tier keeps its slots. See docs/warm-tier.md, "Compression".
+    #: "none"); a block that does not compress into a slot is not stored. 0.75 fits bf16 KV (about 1.3x
+    #: the blocks). An existing tier keeps its slots. See docs/warm-tier.md, "Compression".
     slot_fraction: float = 1.0
 
     def __post_init__(self) -> None:

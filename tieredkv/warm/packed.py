@@ -28,8 +28,9 @@ read), not capacity. A compact tier (``WarmTier(slot_fraction=...)``, meta forma
 smaller than a block, so its capacity is ``1 / slot_fraction`` times the blocks in the same disk space:
 every block in it is a frame no longer than the slot (a length above ``slot_bytes`` is a damaged
 record), and a block that does not compress into a slot is refused at ``put_many`` (``NO_SPACE``,
-counted as ``too_big``) before a slot is claimed for it: nothing is evicted or written for it. bf16 KV of a real model compresses to
-0.68-0.72 of its bytes with "zstd" (docs/benchmarks.md), so slots of 0.75 hold every such block.
+counted as ``too_big``) before a slot is claimed for it: nothing is evicted or written for it. bf16 KV
+of a real model compresses to 0.68-0.72 of its bytes with "zstd" (docs/benchmarks.md), so slots of
+0.75 hold every such block.
 """
 
 from __future__ import annotations

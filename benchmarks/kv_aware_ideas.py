@@ -41,14 +41,15 @@ density of (class, age) is the hits expected from that age on over the space-tim
 on, and a victim is the lowest density among 64 random resident blocks (the request's hits pinned).
 Nothing is tuned: these are LHD's published choices, with the prefix-chunk class.
 
-``--ceilings`` prints, per trace, what better *features* could give: the area under the ROC curve
-for "some new chunk of this request is used again" of the request's token counts (the prompt's
-``input_length``, ``input_length mod 512``, the ``output_length`` the trace records), and the gap
-closed by kv_aware's classes (hits bucket x store start x last chunk x store size, 72 classes) scored
-with their **in-sample** reuse rates (each class's true share of accesses followed by another,
-counted over the whole split: a perfectly calibrated table, which no online policy has), alone and
-with a bucket of the inter-reference gap (first access, under 8,000 ticks, more), ordered by
-``tick + H x C x log-odds`` with the best ``H`` of 0.1-4 on the same data.
+``--ceilings`` prints, per trace, the share of new chunks used again (a request's last one, the
+others: ``kv_aware``'s ``last_first`` rule rests on it) and what better *features* could give:
+the area under the ROC curve for "some new chunk of this request is used again" of the request's
+token counts (the prompt's ``input_length``, ``input_length mod 512``, the ``output_length`` the
+trace records), and the gap closed by kv_aware's classes (hits bucket x store start x last chunk x
+store size, 72 classes) scored with their **in-sample** reuse rates (each class's true share of
+accesses followed by another, counted over the whole split: a perfectly calibrated table, which no
+online policy has), alone and with a bucket of the inter-reference gap (first access, under 8,000
+ticks, more), ordered by ``tick + H x C x log-odds`` with the best ``H`` of 0.1-4 on the same data.
 """
 
 from __future__ import annotations
@@ -251,6 +252,12 @@ def ceilings(path: str, requests: str | None, capacities: tuple[str, ...]) -> No
         labels.append(bool((s.nxt[a + k:b] >= 0).any()))
     x, y = np.array(rows, dtype=float), np.array(labels)
     print(f"{os.path.basename(path)} {requests or 'whole'}:")
+    new = s.prv < 0
+    last = np.zeros(trace.n_accesses, dtype=bool)
+    last[trace.offsets[1:] - 1] = True
+    used = s.nxt >= 0
+    print(f"  new chunks used again: the last of their request {used[new & last].mean():.3f}, "
+          f"the others {used[new & ~last].mean():.3f}")
     for i, name in enumerate(("input_length", "input_length mod 512", "output_length")):
         v = auc(x[:, i], y)
         print(f"  AUC {name}: {max(v, 1 - v):.3f}")

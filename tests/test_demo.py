@@ -257,3 +257,20 @@ def test_busy_workers_first_hits_and_the_shared_vs_private_account():
     # Up to one busy worker per CPU nobody waits for a core: no difference predicted.
     two = {"private": dict(private, busy_workers_mean=1.0), "shared": dict(shared, busy_workers_mean=2.0)}
     assert "predict +0%" in "\n".join(demo.where_time_went({"settings": settings, "configs": two}))
+
+
+def test_ttft_from_arrival_counts_the_wait_behind_the_workers_earlier_requests():
+    """A request queued behind its worker's earlier ones waits for them: the TTFT a client sees counts
+    that; the table's TTFT (from the worker taking it) does not. Both are reported."""
+    settings = demo.Settings(workers=1, requests_per_worker=2, prefix_tokens=8, suffix_tokens=4, chunk_tokens=4)
+    done = [{"request": i, "worker": 0, "ttft_ms": 2.0, "arrival_ttft_ms": a, "total_ms": 3.0, "cached_tokens": 8,
+             "computed_tokens": 4, "prompt_tokens": 12, "new_tokens": 2, "restore_ms": 0.1, "store_ms": 0.1,
+             "phases": {"cpu": 1.0, "wait": 1.0}} for i, a in enumerate((2.0, 5.0, 8.0))]
+    stats = [{"prefix_hot_blocks": 2, "prefix_warm_blocks": 0, "cache": {}}]
+    c = demo.summarize("shared", settings, SPEC, done, stats, wall_s=1.0, pss=PSS, rss=1)
+    assert c["ttft_p50_ms"] == 2.0 and c["arrival_ttft_p50_ms"] == 5.0
+    assert [r["arrival_ttft_ms"] for r in c["per_request"]] == [2.0, 5.0, 8.0]
+    configs = {"private": {**c, "busy_workers_mean": 1.0, "ttft_cpu_p50_ms": 1.0, "arrival_ttft_p50_ms": 20.0},
+               "shared": {**c, "busy_workers_mean": 1.0, "ttft_cpu_p50_ms": 1.0}}
+    text = "\n".join(demo.where_time_went({"settings": {"cpu_count": 2}, "configs": configs}))
+    assert "from each request's arrival" in text and "TTFT p50 shared 5.0 ms, private 20.0 ms (-75%)" in text

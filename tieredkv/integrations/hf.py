@@ -61,9 +61,10 @@ class PrefillResult:
         phases: wall milliseconds per phase: ``lookup``, ``load``, ``adopt`` (the restored prefix
             becomes the cache layers'), ``forward``, ``extract`` (new chunks' K/V into the host
             buffer), ``store``; and for each the same name with ``_cpu``: this thread's CPU milliseconds
-            in it (wall minus CPU is time spent waiting: for a core, a lock or the disk), and with
-            ``_faults``: this thread's minor page faults in it (first touch of memory: a fresh buffer,
-            or shared memory this process had not mapped yet; 0 where the OS does not count them).
+            in it (wall minus CPU is time spent waiting: for a core, a lock or the disk), and (models
+            without linear-attention or mamba layers) with ``_faults``: this thread's minor page
+            faults in it (first touch of memory: a fresh buffer, or shared memory this process had not
+            mapped yet; 0 where the OS does not count them).
         pending_store: with ``prefill(..., store=False)``, the store left for ``CachedPrefill.store``.
     """
 

@@ -190,6 +190,16 @@ def test_demo_end_to_end_on_worker_processes(tmp_path):
     assert png.stat().st_size > 0
     assert "restart vs no_cache" in proc.stdout and "2 rounds" in proc.stdout
     assert "where the time to the first token went" in proc.stdout and "what the columns mean" in proc.stdout
+    # Where the time went, per request: page faults per phase, the timeline, busy workers, a fresh
+    # worker's first hit against its later ones (shared: every worker's first request hits).
+    for name, cfg in c.items():
+        for r in cfg["per_request"]:
+            assert r["at"][0] <= r["at"][1] <= r["at"][2] and r["busy_workers"] >= 1 - 1e-6, (name, r)
+            assert r["arrival_ttft_ms"] >= r["ttft_ms"] - 1e-6 and "load_faults" in r["phases"]
+        assert cfg["busy_workers_mean"] >= 1 - 1e-6 and cfg["phases_ms"]["decode_cpu"]["mean"] > 0
+    assert c["shared"]["first_in_worker"]["first"]["requests"] == 1
+    assert c["shared"]["first_in_worker"]["later"]["requests"] == 2
+    assert "busy workers on" in proc.stdout and "from each request's arrival" in proc.stdout
     # Each round started cold: the shared config's first request missed in both.
     assert [r["cached_tokens"] for r in c["shared"]["per_request"]][0] == 0
     # Greedy decoding: every configuration generates the same tokens for the same request.

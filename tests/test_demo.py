@@ -262,8 +262,8 @@ def test_busy_workers_first_hits_and_the_shared_vs_private_account():
     assert ("a worker's first hit 80.0 ms CPU (load 30.0, forward 48.0, 9,500 faults), its later hits 52.0 ms "
             "CPU") in text
     # Same CPU, 8 busy workers against 7: +14% predicted, +15% measured.
-    assert ("shared vs private: TTFT p50 +15% = CPU to 1st token +0% and busy workers 8.0 vs 7.0 (+14%: more "
-            "requests in flight at once) predict +14%") in text
+    assert ("shared vs private: TTFT p50 +15%; CPU to 1st token +0% and busy workers 8.0 vs 7.0 (+14%: more "
+            "requests in flight at once) predict +14% where nothing else runs") in text
     # Up to one busy worker per CPU nobody waits for a core: no difference predicted.
     two = {"private": dict(private, busy_workers_mean=1.0), "shared": dict(shared, busy_workers_mean=2.0)}
     assert "predict +0%" in "\n".join(demo.where_time_went({"settings": settings, "configs": two}))

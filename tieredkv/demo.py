@@ -935,10 +935,10 @@ def _shared_vs_private(doc: dict) -> list[str]:
     cpu = sh["ttft_cpu_p50_ms"] / pr["ttft_cpu_p50_ms"]
     # Up to one busy worker per CPU nobody waits for a core.
     busy = max(sh["busy_workers_mean"], cpus) / max(pr["busy_workers_mean"], cpus)
-    lines = [f"  shared vs private: TTFT p50 {100 * (sh['ttft_p50_ms'] / pr['ttft_p50_ms'] - 1):+.0f}% = CPU to 1st "
+    lines = [f"  shared vs private: TTFT p50 {100 * (sh['ttft_p50_ms'] / pr['ttft_p50_ms'] - 1):+.0f}%; CPU to 1st "
              f"token {100 * (cpu - 1):+.0f}% and busy workers {sh['busy_workers_mean']:.1f} vs "
              f"{pr['busy_workers_mean']:.1f} ({100 * (busy - 1):+.0f}%: more requests in flight at once) predict "
-             f"{100 * (cpu * busy - 1):+.0f}%"]
+             f"{100 * (cpu * busy - 1):+.0f}% where nothing else runs"]
     if sh.get("arrival_ttft_p50_ms") and pr.get("arrival_ttft_p50_ms"):
         lines.append(f"  from each request's arrival (its wait behind the worker's earlier requests included): TTFT "
                      f"p50 shared {sh['arrival_ttft_p50_ms']:.1f} ms, private {pr['arrival_ttft_p50_ms']:.1f} ms "

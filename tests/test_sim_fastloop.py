@@ -148,3 +148,20 @@ def test_kernel_cache_is_keyed_by_the_kernels_sources(tmp_path):
         names.append(kernel.__qualname__)
     assert names[0] != names[1] and names[0] == names[2]
     assert names[0].startswith("test_kernel_cache_is_keyed_by_the_kernels_sources.<locals>.kernel_")
+
+
+def test_the_command_line_says_when_the_loop_compiles_first(tmp_path, traces):
+    """A first replay after an install compiles the loop for about a minute without progress, so
+    ``tieredkv simulate`` says so beforehand: with an empty numba cache for the loop's policies, not
+    for policies that replay request by request, and not once the loop is compiled in this process."""
+    import subprocess
+    import sys
+
+    probe = "from tieredkv.sim import fastloop; print(fastloop.needs_compiling(%r))"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    said = {names: subprocess.run([sys.executable, "-c", probe % (list(names),)], env=env, capture_output=True,
+                                  text=True, check=True).stdout.strip()
+            for names in (("lru",), ("kv_aware",), ("kv_aware", "arc"))}
+    assert said == {("lru",): "True", ("kv_aware",): "False", ("kv_aware", "arc"): "True"}
+    simulate(traces["synthetic"], "lru", 64)  # compiles or loads the loop here
+    assert not fastloop.needs_compiling(["lru"])

@@ -13,6 +13,7 @@ import sys
 from tieredkv import policies
 from tieredkv.errors import InvalidInput, TieredKVError
 
+from . import fastloop
 from .plot import plot_mrc
 from .replay import run_simulation
 from .synthetic import synthetic_trace
@@ -152,6 +153,9 @@ def main(args: argparse.Namespace) -> int:
         if trace.n_accesses == 0:
             print(f"tieredkv simulate: {trace.name} holds no block accesses; nothing to replay", file=sys.stderr)
             return 2
+        if fastloop.needs_compiling(_csv(args.policy)):
+            print("tieredkv simulate: compiling the replay loop (numba; once after an install or upgrade, about "
+                  "a minute on 2 cores, cached afterwards)", file=sys.stderr, flush=True)
         result = run_simulation(trace, _csv(args.policy), _csv(args.capacity),
                                 hot=_csv(args.hot) if args.hot else None,
                                 warm=_csv(args.warm) if args.warm else None,

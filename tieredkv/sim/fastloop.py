@@ -33,7 +33,7 @@ from tieredkv.policies.sieve import Sieve
 
 from . import victims as vs
 
-__all__ = ["KINDS", "supports", "run"]
+__all__ = ["KINDS", "needs_compiling", "supports", "run"]
 
 #: Policy classes with a compiled replay, and the number the loop dispatches on.
 KINDS: dict[type, int] = {LRU: 0, FIFO: 1, LFU: 2, Clock: 3, Sieve: 4, S3FIFO: 5, ARC: 6}
@@ -368,6 +368,24 @@ def supports(policy) -> bool:
     """Whether ``policy`` replays in the compiled loop here (its class has kernels for every hook and
     the kernels are enabled)."""
     return _jit.ENABLED and type(policy) in KINDS
+
+
+def needs_compiling(names: list[str]) -> bool:
+    """Whether this process's first compiled replay of policies ``names`` has to compile the loop:
+    one of them replays in it (``KINDS``), numba is in use and
+    its on-disk cache holds no valid copy of ``_replay`` (a first run after an install or upgrade, or
+    after a kernel's source changed). That compilation takes about a minute on 2 cores, during which
+    a replay shows no progress; the command line says so beforehand. False when unknown."""
+    if not {getattr(kind, "name", None) for kind in KINDS} & set(names) or not _jit.enable():
+        return False
+    if _compiled is None:
+        _bind()
+    if _compiled.signatures:  # compiled (or loaded) in this process already
+        return False
+    try:  # numba's own cache file; an index stamped for another source is empty
+        return not _compiled._cache._cache_file._load_index()
+    except Exception:  # another numba's internals: say nothing rather than guess
+        return False
 
 
 def run(cache, trace, progress: Callable[[int], None] | None = None, *,

@@ -192,6 +192,20 @@ def model_to_blocks(spec: KVSpec, source: np.ndarray, at_token: int, blocks: np.
     np.copyto(dst.transpose(1, 2, 3, 0, 4, 5), _split_tokens(source, at_token, k, C))
 
 
+def model_to_rows(spec: KVSpec, source: np.ndarray, chunks: np.ndarray, rows: np.ndarray, at: np.ndarray) -> None:
+    """Chunk ``chunks[j]`` of ``source`` (model layout; tokens ``chunks[j] * C ..``) into ``rows[at[j]]``
+    (``(m, block_bytes)`` uint8 rows, a tier's slots say): one ``model_to_blocks`` per run where both
+    the chunks and the rows are consecutive (one for a fresh prompt). Rows of padded slots (a row
+    stride over ``block_bytes``) are not one array: block by block."""
+    if not len(chunks):
+        return
+    whole = rows.strides[0] == spec.block_bytes
+    edges = np.flatnonzero((np.diff(chunks) != 1) | (np.diff(at) != 1) | (not whole)) + 1
+    for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(chunks)]):
+        r = int(at[a])
+        model_to_blocks(spec, source, int(chunks[a]) * spec.chunk_tokens, rows[r:r + b - a])
+
+
 def _split_tokens(arr: np.ndarray, at_token: int, k: int, C: int) -> np.ndarray:
     """``arr[:, :, :, at_token:at_token + k*C, :]`` viewed as ``(L, 2, H, k, C, D)``: always a view
     (``reshape`` could silently copy, and a copy written to would lose the data)."""
@@ -217,3 +231,52 @@ def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
             return True
         span = stride * (size - 1) + span
     return False
+
+
+#: ``BlockParts``: a block's pieces are handed out in parts of about this many bytes. A reader that
+#: hashes each part right after reading it finds it in the CPU's L2 cache (1 MiB per core or more; a
+#: 1.75 MiB block read whole is partly evicted before it is hashed, and hashing it costs 3x more).
+PART_BYTES = 256 << 10
+
+
+class BlockParts:
+    """Where the bytes of a run of ``k`` blocks go in a host array in the model layout, as buffers a
+    reader can fill directly (``os.preadv``), so that a restore needs no copy of its own.
+
+    Block ``i`` is ``target[:, :, :, at + i*C : at + (i+1)*C, :]``: in block order (``spec.block_shape``)
+    that is one ``(C, head_dim)`` piece per (layer, K/V, head), contiguous when the array's last two
+    dimensions are. Build one with ``block_parts`` (None where the pieces are not contiguous).
+
+    Attributes:
+        sizes: the bytes of each part of a block, in order (the same for every block; they add up to
+            ``spec.block_bytes``).
+    """
+
+    def __init__(self, rows: list[memoryview], piece: int, per_part: int):
+        self._groups = [rows[a:a + per_part] for a in range(0, len(rows), per_part)]
+        self._piece = piece
+        self.sizes = [len(g) * piece for g in self._groups]
+
+    def __call__(self, i: int) -> list[list[memoryview]]:
+        """Block ``i``'s pieces (writable byte memoryviews into the array), in parts of ``sizes``."""
+        lo = i * self._piece
+        hi = lo + self._piece
+        return [[r[lo:hi] for r in g] for g in self._groups]
+
+
+def block_parts(spec: KVSpec, target: np.ndarray, at_token: int, k: int,
+                part_bytes: int | None = None) -> BlockParts | None:
+    """``BlockParts`` of blocks ``0..k-1`` placed from ``at_token`` on in ``target`` (writable, in the
+    model layout, ``check_array``-ed), or None when a piece is not contiguous in ``target`` (its last
+    two dimensions are not C-contiguous) or ``target`` is too short."""
+    C, D, it = spec.chunk_tokens, spec.head_dim, target.itemsize
+    end = at_token + k * C
+    if k <= 0 or target.strides[4] != it or target.strides[3] != D * it or target.shape[3] < end \
+            or not target.flags.writeable:
+        return None
+    part = target[:, :, :, at_token:end, :]
+    # One byte view per (layer, K/V, head) over the run's tokens (contiguous: checked above).
+    rows = [memoryview(part[la, kv, h].view(np.uint8).reshape(-1))
+            for la in range(spec.num_layers) for kv in range(2) for h in range(spec.num_kv_heads)]
+    piece = C * D * it
+    return BlockParts(rows, piece, max(1, (PART_BYTES if part_bytes is None else part_bytes) // piece))

@@ -231,11 +231,13 @@ class Level:
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 
-    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None], staging: np.ndarray) -> int:
+    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None], staging: np.ndarray,
+                     parts: Any = None) -> int:
         """``read`` for blocks needed only where ``sink`` puts them (``Tier.read_through``: the tier may
-        reuse one small buffer instead of ``staging``); counts as ``read``."""
+        reuse one small buffer instead of ``staging``, or read straight into ``parts``); counts as
+        ``read``."""
         corrupt_before = self.tier.corrupt_seen
-        got = self.call(lambda: self.tier.read_through(keys, sink, staging), default=0)
+        got = self.call(lambda: self.tier.read_through(keys, sink, staging, parts), default=0)
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 
@@ -245,9 +247,10 @@ class Level:
         self.count(bytes_read=got * self._block_bytes)
         return got
 
-    def put(self, keys: ChunkKeys, payloads: np.ndarray, *, why: str = "stored") -> np.ndarray | None:
+    def put(self, keys: ChunkKeys, payloads: Any, *, why: str = "stored") -> np.ndarray | None:
         """Write blocks now, in this thread; count what was stored (``why``: ``"stored"``,
-        ``"demoted"`` or ``"promoted"``). Returns the ``PutResult`` codes (``None``: the level failed)."""
+        ``"demoted"`` or ``"promoted"``). ``payloads``: rows, or a fill callable for a tier that takes
+        one (``HotTier.put_many``). Returns the ``PutResult`` codes (``None``: the level failed)."""
         codes = self.call(lambda: self.tier.put_many(keys, payloads), default=None)
         if codes is None:
             return None

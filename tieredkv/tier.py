@@ -191,7 +191,7 @@ class Tier(abc.ABC):
         """
 
     def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
-                     staging: np.ndarray | None = None) -> int:
+                     staging: np.ndarray | None = None, parts: Any = None) -> int:
         """``get_many(keys, staging, sink)`` for a caller that needs the blocks only where ``sink`` puts
         them (a restore into a model layout): ``sink(i, rows)`` gets each group as soon as it is read,
         possibly before it is verified, with rows valid only during the call; only the leading blocks
@@ -199,7 +199,10 @@ class Tier(abc.ABC):
 
         This default reads into ``staging`` (``(>= len(keys), block_bytes)`` uint8 rows; a new buffer
         when None). A tier that reads in groups overrides it to reuse one small buffer for every group
-        (the warm tier: each group is still in the CPU cache when the sink copies it on).
+        (the warm tier: each group is still in the CPU cache when the sink copies it on). ``parts``
+        (``layout.BlockParts``, or None) says where each block goes in the caller's memory: a tier may
+        read straight into it instead of calling ``sink`` for a block (the warm tier does; this default
+        ignores it and calls ``sink``).
 
         Returns:
             How many leading blocks were read and verified (the count ``get_many`` would return).

@@ -2,10 +2,14 @@
 
 ``TieredCache.load`` hands the work to a ``Loader`` (``get_blocks`` its promotions). It reads each run
 of blocks from the level that holds it: the top level's straight from the tier's memory into place (one
-copy), a lower level's group by group, each group copied into place right after the level read it. A
-lower run that the promotion rule will not promote is needed only in place: the level may read every
-group into one small buffer of its own (``Tier.read_through``; the warm tier's group is then still in
-the CPU cache when it is placed). A run to promote is read into a kept staging buffer, from which it is
+copy), a lower level's group by group, each group copied into place right after the level read it.
+A run of the level just below the top, loaded into host memory (numpy, a CPU tensor) whose pieces are
+contiguous, is read straight into place (``Tier.read_through`` with ``layout.BlockParts``: the warm
+tier reads and hashes each block there, one pass), and the blocks the rule promotes are copied from
+there into the slots the top level claims (``promote_placed``), whatever the rule. Otherwise a lower
+run that the rule will not promote is needed only in place: the level may read every group into one
+small buffer of its own (``Tier.read_through``; the warm tier's group is then still in the CPU cache
+when it is placed), and a run to promote is read into a kept staging buffer, from which it is
 promoted. Only once all is in place are the blocks read below the top level promoted into the levels above:
 promoting mid-load could evict this very hit's top-level blocks before they were read (a full hot tier),
 cutting the restore short. The promotion rule answers from each block's count of hits below the top level, this

@@ -16,7 +16,8 @@ The contract, call by call (batch calls are primary; a 4k-token prompt is one ca
 ``read_into(keys, sink)`` like ``get_many``, but hand each block to ``sink(i, block_bytes)``
 ``read_runs(keys, sink)`` like ``read_into``, a run of blocks at a time: ``sink(i, rows)``
 ``read_through(keys, sink)`` ``get_many`` with a sink, for a caller that keeps no rows: a group's rows
-                          are valid only during its sink call and may precede its verification
+                          are valid only during its sink call and may precede its verification;
+                          given ``parts``, a tier may read straight into the caller's memory instead
 ``put_many(keys, blks)``  store; one ``PutResult`` per key (``STORED`` / ``EXISTS`` / ``NO_SPACE``);
                           never waits on another writer; a full tier evicts by its policy
 ``remove(keys)``          drop the resident blocks among ``keys``; return how many were dropped

@@ -10,12 +10,15 @@ is rewritten only after the record that owned it was deleted in a committed writ
 transaction 2, begun after the copy ended, still sees the same (slot, gen), no writer touched the slot
 meanwhile.
 
-``read_through`` reads every group into the same small buffer of the calling thread (``Scratch``, in
+``read_through`` given ``parts`` (``layout.BlockParts``: where each block goes in the caller's memory)
+reads each block straight there, part by part, and hashes each part right after the kernel copied it
+in (``_read_parts``): main memory is written once, by the kernel, and nothing is copied twice. Without
+``parts`` it reads every group into the same small buffer of the calling thread (``Scratch``, in
 ``_read_hashing``), so a group is in the CPU cache from the moment the kernel copies it in until the
 sink has copied it out: main memory is written once, by the sink, where ``get_many`` writes the
-caller's rows and the sink then writes the destination (twice). A sink sees a group before the group is
-verified (as ``get_many``'s sink does); only the leading blocks the call returns are valid where it
-put them.
+caller's rows and the sink then writes the destination (twice). Either way bytes reach the destination
+(or a sink sees a group) before they are verified (as ``get_many``'s sink does); only the leading
+blocks the call returns are valid where they were put.
 """
 
 from __future__ import annotations

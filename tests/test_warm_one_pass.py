@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import pytest
+from test_warm_read_through import flip_bytes_on_disk
 
 from helpers import kv_for, payload_for, same_bytes
 from tieredkv import KVSpec, TieredCache, WarmTierUnavailable, chunk_keys
@@ -87,19 +88,6 @@ def restored(keys, target) -> np.ndarray:
     return rows
 
 
-def flip_on_disk(t: WarmTier, block: np.ndarray, offset: int) -> None:
-    """Invert one byte of the slot holding ``block`` (found by its bytes) in its real slab file."""
-    for slab in sorted(t.path.glob("slab-*")):
-        with open(slab, "r+b") as f:
-            data = f.read()
-            at = data.find(block.tobytes())
-            if at >= 0:
-                f.seek(at + offset)
-                f.write(bytes([data[at + offset] ^ 0xFF]))
-                return
-    raise AssertionError("block is in no slab")
-
-
 @pytest.mark.parametrize("part_bytes", [256, 1024, 1 << 20])
 def test_read_through_into_parts_places_every_block_and_calls_no_sink(warm, monkeypatch, part_bytes):
     t, keys = warm
@@ -118,7 +106,7 @@ def test_read_through_into_parts_places_every_block_and_calls_no_sink(warm, monk
 def test_a_flipped_byte_on_disk_ends_a_read_into_parts_and_is_dropped(warm, offset):
     t, keys = warm
     bad = 7
-    flip_on_disk(t, payload_for(SPEC, keys)[bad], offset)
+    flip_bytes_on_disk(t, payload_for(SPEC, keys)[bad], offset)
     target = np.zeros((SPEC.num_layers, 2, SPEC.num_kv_heads, N * SPEC.chunk_tokens, SPEC.head_dim), np.float16)
     assert t.read_through(keys, lambda i, rows: None, None, block_parts(SPEC, target, 0, N)) == bad
     np.testing.assert_array_equal(restored(keys, target)[:bad], payload_for(SPEC, keys)[:bad])
@@ -235,7 +223,7 @@ def test_a_damaged_block_is_neither_returned_nor_promoted(tmp_path, seg_name):
         hit = cache.lookup(tokens)
         block = np.zeros((1, SPEC.block_bytes), np.uint8)
         assert cache.warm.get_many(hit.keys[bad:bad + 1], block) == 1
-        flip_on_disk(cache.warm, block[0], 777)
+        flip_bytes_on_disk(cache.warm, block[0], 777)
         out = np.zeros_like(kv)
         assert cache.load(hit, out) == bad * C
         assert same_bytes(out[:, :, :, :bad * C], kv[:, :, :, :bad * C])

@@ -148,6 +148,24 @@ def test_children_of_an_evicted_block_go_next(orphans):
     assert policies.evict(policy, st, 1).tolist() == ([1] if orphans else [3])
 
 
+@pytest.mark.parametrize("last_first", [True, False])
+def test_last_first_demotes_a_stores_fresh_last_chunk(last_first):
+    """With ``last_first`` a store's last chunk (a prompt's partial last chunk) goes before older
+    blocks; one stored again from its ghost is not demoted. Without it, plain recency."""
+    policy = policies.make("kv_aware", last_first=last_first, ghost_ratio=2.0)
+    st = policies.SlotState.private(policy, 10)
+    _chain(policy, st, [0, 1], [10, 11], -1, 0)           # least recent; slot 1 a last chunk
+    _chain(policy, st, [2, 3, 4], [20, 21, 22], -1, 0)    # slot 4 a last chunk
+    first = [policies.evict(policy, st, 1).tolist()[0] for _ in range(2)]
+    assert first == ([1, 4] if last_first else [0, 1])
+    free, back = first
+    back_key = 22 if last_first else 10                  # a key now in the ghosts
+    _chain(policy, st, [free], [30], -1, 0)              # a fresh last chunk: demoted by the rule
+    _chain(policy, st, [back], [back_key], -1, 0)        # recalled from its ghost: not demoted
+    then = [policies.evict(policy, st, 1).tolist()[0] for _ in range(2)]
+    assert then == ([1, 0] if last_first else [2, 3])
+
+
 @pytest.mark.parametrize("ghosts", [2.0, 0.0])
 def test_a_block_stored_again_from_its_ghost_gets_its_class_back(ghosts):
     """Evicted after one hit, then stored again by a one-block store: with ghosts it comes back in

@@ -237,7 +237,9 @@ class Level:
         reuse one small buffer instead of ``staging``, or read straight into ``parts``); counts as
         ``read``."""
         corrupt_before = self.tier.corrupt_seen
-        got = self.call(lambda: self.tier.read_through(keys, sink, staging, parts), default=0)
+        # ``parts`` only when given: a tier written before it existed still takes three arguments.
+        got = self.call(lambda: self.tier.read_through(keys, sink, staging, *(() if parts is None else (parts,))),
+                        default=0)
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 

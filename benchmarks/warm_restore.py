@@ -27,7 +27,6 @@ Not a test: nothing here asserts a timing.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import shutil
@@ -47,8 +46,6 @@ PARTS = {
     "read+hash+place": "the same, then the copy into the model layout (what a one-pass restore does)",
     "direct+hash": "preadv of each block straight into the model layout (one 16 KiB piece per layer, K/V "
                    "and head), then xxh3_64 streamed over those pieces",
-    "parts+hash": "the same in parts of 256 KiB (16 pieces), each part hashed right after its preadv (what a "
-                  "restore into host memory does, layout.BlockParts)",
 }
 
 
@@ -57,7 +54,7 @@ def parts(spec, fd: int, out, n_blocks: int, repeats: int, page) -> dict:
     import numpy as np
     import xxhash
 
-    from tieredkv.layout import block_parts, blocks_to_model, page_aligned_empty
+    from tieredkv.layout import blocks_to_model, page_aligned_empty
 
     bb, C = spec.block_bytes, spec.chunk_tokens
     buf = page_aligned_empty(bb).reshape(1, bb)
@@ -92,21 +89,8 @@ def parts(spec, fd: int, out, n_blocks: int, repeats: int, page) -> dict:
                 h.update(p)
             h.intdigest()
 
-    parts_of = block_parts(spec, out, 0, n_blocks)
-    assert parts_of is not None
-    drain = collections.deque(maxlen=0).extend
-
-    def parts_hash():
-        for i in range(n_blocks):
-            h, at = xxhash.xxh3_64(), i * bb
-            for part, size in zip(parts_of(i), parts_of.sizes):
-                os.preadv(fd, part, at)
-                at += size
-                drain(map(h.update, part))
-            h.intdigest()
-
     subjects = {"page": page, "read": read, "read+hash": read_hash, "read+hash+place": read_hash_place,
-                "direct+hash": direct_hash, "parts+hash": parts_hash}
+                "direct+hash": direct_hash}
     for fn in subjects.values():
         fn()
     cpu: dict[str, list[float]] = {k: [] for k in subjects}

@@ -1,25 +1,22 @@
-"""One-pass warm restores into the caller's memory (``layout.BlockParts``, ``WarmTier.read_through(...,
-parts)``, ``Loader.promote_placed``).
+"""Warm restores into host memory whatever the promotion rule: the warm tier reads each group into one
+small buffer of its thread, hashes it and places it (``WarmTier.read_through``), and the blocks the
+rule promotes are copied from the destination into the hot tier's slots after the load
+(``Loader.promote_placed``), not read into a staging buffer first.
 
-A warm block is read straight into the destination array and hashed part by part as it is read; a
-block to promote into the hot tier is copied from the destination, after the load. Under test: the
-bytes land where ``blocks_to_model`` would put them, the checksum is the one on disk (the same xxh3 of
-the whole block), a damaged, truncated or unreadable block is never returned nor promoted, and
-destinations whose pieces are not contiguous fall back to the sink.
+Under test: the destination and the hot tier get the stored bytes (a contiguous, a strided and a CPU
+tensor destination); a block damaged on disk (a real slab file) is neither returned nor promoted;
+``on_nth_hit`` still counts the hits and promotes on the N-th.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 from test_warm_read_through import flip_bytes_on_disk
 
-from helpers import kv_for, payload_for, same_bytes
-from tieredkv import KVSpec, TieredCache, WarmTierUnavailable, chunk_keys
-from tieredkv import layout as kv_layout
-from tieredkv.layout import block_parts, blocks_to_model, model_to_blocks
+from helpers import kv_for, same_bytes
+from tieredkv import KVSpec, TieredCache
+from tieredkv.layout import model_to_blocks
 from tieredkv.warm import WarmTier
 
 SPEC = KVSpec(model_id="test/one-pass", num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
@@ -29,142 +26,6 @@ N = 12
 
 def prompt(n_tokens: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, n_tokens)
-
-
-def model_array(n_tokens: int, seed: int = 1) -> np.ndarray:
-    s = SPEC
-    return np.random.default_rng(seed).standard_normal(
-        (s.num_layers, 2, s.num_kv_heads, n_tokens, s.head_dim)).astype(np.float16)
-
-
-@pytest.mark.parametrize("part_bytes", [1, 1024, 4096, 1 << 20])
-@pytest.mark.parametrize("at_token", [0, 8, 5])
-def test_block_parts_are_the_blocks_bytes_in_block_order(part_bytes, at_token):
-    C, k = SPEC.chunk_tokens, 3
-    target = model_array(at_token + k * C + 2)
-    parts = block_parts(SPEC, target, at_token, k, part_bytes)
-    assert parts is not None and sum(parts.sizes) == SPEC.block_bytes
-    want = np.empty((k, SPEC.block_bytes), np.uint8)
-    model_to_blocks(SPEC, target, at_token, want)
-    for i in range(k):
-        got = parts(i)
-        assert [sum(len(p) for p in part) for part in got] == parts.sizes
-        assert b"".join(bytes(p) for part in got for p in part) == want[i].tobytes()
-    # Writable views of the array itself: writing a block through them is blocks_to_model.
-    fresh = np.random.default_rng(9).integers(0, 255, SPEC.block_bytes, dtype=np.uint8)
-    at = 0
-    for part in parts(1):
-        for p in part:
-            p[:] = fresh[at:at + len(p)].tobytes()
-            at += len(p)
-    expect = target.copy()
-    blocks_to_model(SPEC, fresh.reshape(1, -1), expect, at_token + C)
-    assert same_bytes(target, expect)
-
-
-def test_block_parts_refuses_what_it_cannot_fill_in_place():
-    C = SPEC.chunk_tokens
-    s = SPEC
-    swapped = np.swapaxes(np.zeros((s.num_layers, 2, s.num_kv_heads, s.head_dim, 4 * C), np.float16), 3, 4)
-    assert swapped.shape[3] == 4 * C and block_parts(SPEC, swapped, 0, 4) is None  # pieces not contiguous
-    ro = model_array(4 * C)
-    ro.flags.writeable = False
-    assert block_parts(SPEC, ro, 0, 4) is None
-    assert block_parts(SPEC, model_array(4 * C), C, 4) is None  # too short for 4 blocks from C on
-    assert block_parts(SPEC, model_array(4 * C), 0, 0) is None
-
-
-@pytest.fixture
-def warm(tmp_path):
-    keys = chunk_keys(SPEC, prompt(N * SPEC.chunk_tokens))
-    with WarmTier(SPEC, tmp_path, capacity_bytes=16 * 4096, verify="always") as t:
-        assert (t.put_many(keys, payload_for(SPEC, keys)) == 0).all()
-        yield t, keys
-
-
-def restored(keys, target) -> np.ndarray:
-    rows = np.empty((len(keys), SPEC.block_bytes), np.uint8)
-    model_to_blocks(SPEC, target, 0, rows)
-    return rows
-
-
-@pytest.mark.parametrize("part_bytes", [256, 1024, 1 << 20])
-def test_read_through_into_parts_places_every_block_and_calls_no_sink(warm, monkeypatch, part_bytes):
-    t, keys = warm
-    monkeypatch.setattr(kv_layout, "PART_BYTES", part_bytes)
-    target = np.zeros((SPEC.num_layers, 2, SPEC.num_kv_heads, N * SPEC.chunk_tokens, SPEC.head_dim), np.float16)
-    called = []
-    before = t.stats()
-    assert t.read_through(keys, lambda i, rows: called.append(i), None, block_parts(SPEC, target, 0, N)) == N
-    assert not called
-    np.testing.assert_array_equal(restored(keys, target), payload_for(SPEC, keys))
-    after = t.stats()
-    assert (after.hits - before.hits, after.bytes_out - before.bytes_out) == (N, N * SPEC.block_bytes)
-
-
-@pytest.mark.parametrize("offset", [0, 300, SPEC.block_bytes - 1])  # first part, a middle one, the last byte
-def test_a_flipped_byte_on_disk_ends_a_read_into_parts_and_is_dropped(warm, offset):
-    t, keys = warm
-    bad = 7
-    flip_bytes_on_disk(t, payload_for(SPEC, keys)[bad], offset)
-    target = np.zeros((SPEC.num_layers, 2, SPEC.num_kv_heads, N * SPEC.chunk_tokens, SPEC.head_dim), np.float16)
-    assert t.read_through(keys, lambda i, rows: None, None, block_parts(SPEC, target, 0, N)) == bad
-    np.testing.assert_array_equal(restored(keys, target)[:bad], payload_for(SPEC, keys)[:bad])
-    assert t.stats().corrupt == 1
-    assert t.contains_many(keys).tolist() == [i != bad for i in range(N)]  # removed: never served again
-    assert t.read_through(keys, lambda i, rows: None, None, block_parts(SPEC, target, 0, N)) == bad
-
-
-def test_verify_never_reads_into_parts_unchecked(tmp_path):
-    keys = chunk_keys(SPEC, prompt(N * SPEC.chunk_tokens, seed=4))
-    target = np.zeros((SPEC.num_layers, 2, SPEC.num_kv_heads, N * SPEC.chunk_tokens, SPEC.head_dim), np.float16)
-    with WarmTier(SPEC, tmp_path, capacity_bytes=16 * 4096, verify="never") as t:
-        assert (t.put_many(keys, payload_for(SPEC, keys)) == 0).all()
-        assert t.read_through(keys, lambda i, rows: None, None, block_parts(SPEC, target, 0, N)) == N
-    np.testing.assert_array_equal(restored(keys, target), payload_for(SPEC, keys))
-
-
-@pytest.mark.parametrize("verify", ["always", "never"])  # never: found short by the read itself, not a checksum
-def test_a_truncated_slab_ends_a_read_into_parts_before_the_missing_bytes(tmp_path, verify):
-    keys = chunk_keys(SPEC, prompt(N * SPEC.chunk_tokens, seed=5))
-    with WarmTier(SPEC, tmp_path, capacity_bytes=16 * 4096, verify=verify) as t:
-        assert (t.put_many(keys, payload_for(SPEC, keys)) == 0).all()
-        truncate_and_read(t, keys)
-
-
-def truncate_and_read(t: WarmTier, keys) -> None:
-    slab = sorted(t.path.glob("slab-*"))[0]
-    recs = t._index.read(lambda txn: t._lookup(txn, t._raw(keys), keys, N, True))[0]
-    slots = recs["slot"].astype(int).tolist()
-    cut = sorted(slots)[5]  # cut inside the 6th slot (in slot order): that block and all after it are short
-    os.truncate(slab, cut * t._slabs.slot_bytes + 1000)
-    short = {i for i, s in enumerate(slots) if s >= cut}
-    first_short = min(short)
-    target = np.zeros((SPEC.num_layers, 2, SPEC.num_kv_heads, N * SPEC.chunk_tokens, SPEC.head_dim), np.float16)
-    assert t.read_through(keys, lambda i, rows: None, None, block_parts(SPEC, target, 0, N)) == first_short
-    np.testing.assert_array_equal(restored(keys, target)[:first_short], payload_for(SPEC, keys)[:first_short])
-
-
-def test_a_failed_read_into_parts_is_the_tiers_error_and_drops_nothing(warm, monkeypatch):
-    from tieredkv.warm import reads as warm_reads
-
-    t, keys = warm
-    real = os.preadv
-    calls = []
-
-    def eio(fd, bufs, offset):
-        calls.append(offset)
-        if len(calls) == 3:
-            raise OSError(5, "Input/output error")
-        return real(fd, bufs, offset)
-
-    target = np.zeros((SPEC.num_layers, 2, SPEC.num_kv_heads, N * SPEC.chunk_tokens, SPEC.head_dim), np.float16)
-    monkeypatch.setattr(warm_reads.os, "preadv", eio)
-    with pytest.raises(WarmTierUnavailable, match="Input/output error"):
-        t.read_through(keys, lambda i, rows: None, None, block_parts(SPEC, target, 0, N))
-    monkeypatch.undo()
-    assert t.read_through(keys, lambda i, rows: None, None, block_parts(SPEC, target, 0, N)) == N
-    np.testing.assert_array_equal(restored(keys, target), payload_for(SPEC, keys))
 
 
 def warm_only_cache(tmp_path, seg_name, promotion: str) -> tuple[TieredCache, np.ndarray, np.ndarray]:
@@ -180,13 +41,13 @@ def warm_only_cache(tmp_path, seg_name, promotion: str) -> tuple[TieredCache, np
 
 
 def count_reads(monkeypatch) -> dict:
-    """Count ``WarmTier.read_through`` calls that were given parts, and ``get_many`` calls (staging)."""
-    seen = {"parts": 0, "get_many": 0}
+    """Count ``WarmTier.read_through`` calls (one buffer) and ``get_many`` calls (into staging rows)."""
+    seen = {"through": 0, "get_many": 0}
     through, get_many = WarmTier.read_through, WarmTier.get_many
 
-    def read_through(self, keys, sink, staging=None, parts=None):
-        seen["parts"] += parts is not None
-        return through(self, keys, sink, staging, parts)
+    def read_through(self, *a, **k):
+        seen["through"] += 1
+        return through(self, *a, **k)
 
     def counted_get_many(self, *a, **k):
         seen["get_many"] += 1
@@ -205,7 +66,7 @@ def test_default_promotion_restores_in_one_pass_and_promotes_from_the_destinatio
         out = np.zeros_like(kv)
         hit = cache.lookup(tokens)
         assert cache.load(hit, out) == N * C
-        assert seen == {"parts": 1, "get_many": 0}  # straight into ``out``; no staging read
+        assert seen == {"through": 1, "get_many": 0}  # no staging read
         assert same_bytes(out[:, :, :, :N * C], kv[:, :, :, :N * C])
         assert cache.lookup(tokens).hot_blocks == N  # promoted
         rows = np.zeros((N, SPEC.block_bytes), np.uint8)
@@ -241,20 +102,26 @@ def test_on_nth_hit_promotes_on_the_nth_one_pass_restore(tmp_path, seg_name, mon
         assert cache.lookup(tokens).hot_blocks == 0
         assert cache.load(cache.lookup(tokens), out) == N * C
         assert cache.lookup(tokens).hot_blocks == N
-        assert seen == {"parts": 2, "get_many": 0}
+        assert seen == {"through": 2, "get_many": 0}
         assert same_bytes(out[:, :, :, :N * C], kv[:, :, :, :N * C])
 
 
-def test_a_destination_with_scattered_pieces_goes_through_the_sink(tmp_path, seg_name, monkeypatch):
+def test_a_strided_destination_is_placed_and_promoted_from_just_the_same(tmp_path, seg_name, monkeypatch):
     C, s = SPEC.chunk_tokens, SPEC
     cache, tokens, kv = warm_only_cache(tmp_path, seg_name, "always")
     with cache:
         seen = count_reads(monkeypatch)
+        # (tokens, head_dim) planes not contiguous: the promotion gathers from a strided source.
         out = np.swapaxes(np.zeros((s.num_layers, 2, s.num_kv_heads, s.head_dim, kv.shape[3]), np.float16), 3, 4)
-        assert cache.load(cache.lookup(tokens), out) == N * C
-        assert seen["parts"] == 0 and seen["get_many"] == 1  # staged, then promoted from the staging rows
+        hit = cache.lookup(tokens)
+        assert cache.load(hit, out) == N * C
+        assert seen == {"through": 1, "get_many": 0}
         assert same_bytes(np.ascontiguousarray(out[:, :, :, :N * C]), kv[:, :, :, :N * C])
-        assert cache.lookup(tokens).hot_blocks == N
+        rows = np.zeros((N, SPEC.block_bytes), np.uint8)
+        assert cache.hot.get_many(hit.keys, rows) == N
+        want = np.empty_like(rows)
+        model_to_blocks(SPEC, kv, 0, want)
+        np.testing.assert_array_equal(rows, want)
 
 
 def test_a_cpu_tensor_destination_is_filled_in_place(tmp_path, seg_name, monkeypatch):
@@ -265,5 +132,5 @@ def test_a_cpu_tensor_destination_is_filled_in_place(tmp_path, seg_name, monkeyp
         seen = count_reads(monkeypatch)
         out = torch.zeros(kv.shape, dtype=torch.float16)
         assert cache.load(cache.lookup(tokens), out) == N * C
-        assert seen["parts"] == 1
+        assert seen == {"through": 1, "get_many": 0}
         assert same_bytes(out.numpy()[:, :, :, :N * C], kv[:, :, :, :N * C])

@@ -231,15 +231,11 @@ class Level:
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 
-    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None], staging: np.ndarray,
-                     parts: Any = None) -> int:
+    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None], staging: np.ndarray) -> int:
         """``read`` for blocks needed only where ``sink`` puts them (``Tier.read_through``: the tier may
-        reuse one small buffer instead of ``staging``, or read straight into ``parts``); counts as
-        ``read``."""
+        reuse one small buffer instead of ``staging``); counts as ``read``."""
         corrupt_before = self.tier.corrupt_seen
-        # ``parts`` only when given: a tier written before it existed still takes three arguments.
-        got = self.call(lambda: self.tier.read_through(keys, sink, staging, *(() if parts is None else (parts,))),
-                        default=0)
+        got = self.call(lambda: self.tier.read_through(keys, sink, staging), default=0)
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 

@@ -3,17 +3,16 @@
 ``TieredCache.load`` hands the work to a ``Loader`` (``get_blocks`` its promotions). It reads each run
 of blocks from the level that holds it: the top level's straight from the tier's memory into place (one
 copy), a lower level's group by group, each group copied into place right after the level read it.
-A run of the level just below the top, loaded into host memory (numpy, a CPU tensor) whose pieces are
-contiguous, is read straight into place (``Tier.read_through`` with ``layout.BlockParts``: the warm
-tier reads and hashes each block there, one pass), and the blocks the rule promotes are copied from
-there into the slots the top level claims (``promote_placed``), whatever the rule. Otherwise a lower
-run that the rule will not promote is needed only in place: the level may read every group into one
-small buffer of its own (``Tier.read_through``; the warm tier's group is then still in the CPU cache
-when it is placed), and a run to promote is read into a kept staging buffer, from which it is
-promoted. Only once all is in place are the blocks read below the top level promoted into the levels above:
-promoting mid-load could evict this very hit's top-level blocks before they were read (a full hot tier),
-cutting the restore short. The promotion rule answers from each block's count of hits below the top level, this
-process's memory of the last ``HIT_MEMORY`` keys.
+A run of the level just below the top, loaded into host memory (numpy, a CPU tensor), is needed only
+in place whatever the promotion rule: the level may read every group into one small buffer of its own
+(``Tier.read_through``; the warm tier's group is then still in the CPU cache when it is hashed and
+placed), and the blocks the rule promotes are copied from the destination into the slots the top
+level claims (``promote_placed``). Otherwise (a CUDA destination, a level further down) a run that
+the rule will not promote is read the same way, and a run to promote is read into a kept staging
+buffer, from which it is promoted. Only once all is in place are the blocks read below the top level
+promoted into the levels above: promoting mid-load could evict this very hit's top-level blocks before
+they were read (a full hot tier), cutting the restore short. The promotion rule answers from each
+block's count of hits below the top level, this process's memory of the last ``HIT_MEMORY`` keys.
 
 A loader never refers to the cache: it is handed the levels, and the cache counts what it returns.
 """
@@ -32,7 +31,7 @@ import numpy as np
 from tieredkv import forksafe, tensors
 from tieredkv.hit import PrefixHit
 from tieredkv.keys import ChunkKeys
-from tieredkv.layout import block_parts, model_to_rows, page_aligned_empty
+from tieredkv.layout import model_to_rows, page_aligned_empty
 from tieredkv.levels import Level
 from tieredkv.policies.promotion import PromotionRule
 from tieredkv.spec import KVSpec
@@ -85,11 +84,10 @@ class Loader:
             if level is None:
                 break  # a level closed since the lookup
             sink = functools.partial(_place_at, place, i * C, C, level is levels[0])
-            parts = block_parts(self.spec, host, i * C, j - i) if host is not None and level is levels[1] else None
             if level is levels[0]:  # one copy per run of adjacent slots, straight from the tier's memory
                 got = level.read_shared(run, sink)
-            elif parts is not None:  # one pass: read straight into place; promoted from there
-                got = level.read_through(run, sink, staging[staged:staged + j - i], parts)
+            elif host is not None and level is levels[1]:  # one pass into place; promoted from there
+                got = level.read_through(run, sink, staging[staged:staged + j - i])
                 staged += j - i
                 if got:
                     promote.append((level, run[:got], (host, i)))
@@ -143,11 +141,11 @@ class Loader:
 
     def promote_placed(self, levels: list[Level], source: Level, keys: ChunkKeys, host: np.ndarray,
                        first: int) -> None:
-        """``promote`` for blocks of ``source`` (the level just below the top one) that a load read
-        straight into ``host`` (a host array in the model layout) from chunk ``first`` on: counts a hit
-        for each (as ``promote``) and copies those the rule promotes out of ``host`` straight into the
-        slots the top level claims (a fill, as ``store`` does): the restore itself stayed one pass, and
-        no staging copy is made for the promotion."""
+        """``promote`` for blocks of ``source`` (the level just below the top one) that a load placed in
+        ``host`` (a host array in the model layout) from chunk ``first`` on, verified: counts a hit for
+        each (as ``promote``) and copies those the rule promotes out of ``host`` straight into the slots
+        the top level claims (a fill, as ``store`` does). The restore itself stays one pass (no staging
+        buffer written and read back), and the promotion is the one copy it must make."""
         chosen = self._promotion_chosen(keys)
         if not len(chosen):
             return

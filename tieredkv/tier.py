@@ -16,8 +16,7 @@ The contract, call by call (batch calls are primary; a 4k-token prompt is one ca
 ``read_into(keys, sink)`` like ``get_many``, but hand each block to ``sink(i, block_bytes)``
 ``read_runs(keys, sink)`` like ``read_into``, a run of blocks at a time: ``sink(i, rows)``
 ``read_through(keys, sink)`` ``get_many`` with a sink, for a caller that keeps no rows: a group's rows
-                          are valid only during its sink call and may precede its verification;
-                          given ``parts``, a tier may read straight into the caller's memory instead
+                          are valid only during its sink call and may precede its verification
 ``put_many(keys, blks)``  store; one ``PutResult`` per key (``STORED`` / ``EXISTS`` / ``NO_SPACE``);
                           never waits on another writer; a full tier evicts by its policy
 ``remove(keys)``          drop the resident blocks among ``keys``; return how many were dropped
@@ -192,7 +191,7 @@ class Tier(abc.ABC):
         """
 
     def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
-                     staging: np.ndarray | None = None, parts: Any = None) -> int:
+                     staging: np.ndarray | None = None) -> int:
         """``get_many(keys, staging, sink)`` for a caller that needs the blocks only where ``sink`` puts
         them (a restore into a model layout): ``sink(i, rows)`` gets each group as soon as it is read,
         possibly before it is verified, with rows valid only during the call; only the leading blocks
@@ -200,10 +199,7 @@ class Tier(abc.ABC):
 
         This default reads into ``staging`` (``(>= len(keys), block_bytes)`` uint8 rows; a new buffer
         when None). A tier that reads in groups overrides it to reuse one small buffer for every group
-        (the warm tier: each group is still in the CPU cache when the sink copies it on). ``parts``
-        (``layout.BlockParts``, or None) says where each block goes in the caller's memory: a tier may
-        read straight into it instead of calling ``sink`` for a block (the warm tier does; this default
-        ignores it and calls ``sink``).
+        (the warm tier: each group is still in the CPU cache when the sink copies it on).
 
         Returns:
             How many leading blocks were read and verified (the count ``get_many`` would return).

@@ -10,28 +10,22 @@ is rewritten only after the record that owned it was deleted in a committed writ
 transaction 2, begun after the copy ended, still sees the same (slot, gen), no writer touched the slot
 meanwhile.
 
-``read_through`` given ``parts`` (``layout.BlockParts``: where each block goes in the caller's memory)
-reads each block straight there, part by part, and hashes each part right after the kernel copied it
-in (``_read_parts``): main memory is written once, by the kernel, and nothing is copied twice. Without
-``parts`` it reads every group into the same small buffer of the calling thread (``Scratch``, in
+``read_through`` reads every group into the same small buffer of the calling thread (``Scratch``, in
 ``_read_hashing``), so a group is in the CPU cache from the moment the kernel copies it in until the
 sink has copied it out: main memory is written once, by the sink, where ``get_many`` writes the
-caller's rows and the sink then writes the destination (twice). Either way bytes reach the destination
-(or a sink sees a group) before they are verified (as ``get_many``'s sink does); only the leading
-blocks the call returns are valid where they were put.
+caller's rows and the sink then writes the destination (twice). A sink sees a group before the group is
+verified (as ``get_many``'s sink does); only the leading blocks the call returns are valid where it
+put them.
 """
 
 from __future__ import annotations
 
-import collections
-import os
 import threading
-from collections.abc import Callable, Iterable
 
 import numpy as np
 import xxhash
 
-from tieredkv.errors import TieredKVError, WarmTierUnavailable
+from tieredkv.errors import TieredKVError
 from tieredkv.keys import ChunkKeys, key_at
 from tieredkv.layout import page_aligned_empty
 from tieredkv.warm import index as ix
@@ -149,13 +143,11 @@ class CheckedReads(Records):
             pass  # dropped by a later read
 
     def _copy_checked(self, raw: bytes, keys: ChunkKeys, recs: np.ndarray, rows: np.ndarray | None,
-                      sink=None, parts=None) -> int:
+                      sink=None) -> int:
         """Copy ``recs``' slots into ``rows``, re-check and verify; return the good leading run.
 
-        ``rows`` None (``read_through``): each block is read straight into the caller's memory
-        (``parts``, a ``layout.BlockParts``, when given and no block is stored compressed; ``sink`` is
-        then not called), or else each group into this thread's scratch buffer and handed to ``sink``
-        (required then), the only place its bytes go.
+        ``rows`` None (``read_through``): each group is read into this thread's scratch buffer and
+        handed to ``sink`` (required then), the only place its bytes go.
         """
         run = len(recs)
         slots = recs["slot"].astype(np.int64)
@@ -165,10 +157,7 @@ class CheckedReads(Records):
                 check &= self._rng.random(run) < self.sample_rate
         failed = lacking = np.zeros(run, dtype=bool)
         if (recs["length"] == self.block_bytes).all():
-            if rows is None and parts is not None:
-                complete, sums = self._read_parts(slots, check, parts)
-            else:
-                complete, sums = self._read_hashing(slots, rows, check, sink)
+            complete, sums = self._read_hashing(slots, rows, check, sink)
         else:  # some blocks are stored compressed: always checked, then decompressed
             if rows is None:  # into rows of their own (decompressing dominates such a read)
                 rows = np.empty((run, self.block_bytes), dtype=np.uint8)
@@ -221,52 +210,6 @@ class CheckedReads(Records):
                     sums[b + j] = xxhash.xxh3_64_intdigest(group[j])
             if sink is not None:
                 sink(b, group)
-        return complete, np.array(sums, dtype=np.uint64)
-
-    def _read_parts(self, slots: np.ndarray, check: np.ndarray, parts) -> tuple[np.ndarray, np.ndarray]:
-        """Read each of ``slots`` straight into where the caller wants it (``parts(j)``: block ``j``'s
-        buffers, in parts of ``parts.sizes`` bytes) and checksum the ``check`` blocks as they are read:
-        one ``preadv`` per part, each part hashed right after (still in the CPU cache), so a verified
-        read writes main memory once and copies nothing of its own. The checksum streams over the
-        parts in block order: the same xxh3_64 as of the whole block. A block is read even after one
-        before it failed (so that later damaged blocks are found and dropped as ``_read_hashing`` does).
-
-        Returns:
-            ``(complete, sums)``, as ``_read_hashing``.
-
-        Raises:
-            WarmTierUnavailable: a read failed (EIO and friends).
-        """
-        n = len(slots)
-        if n > 1:
-            self._slabs.prefetch(slots)  # cold data: the disk reads ahead of the blocks
-        complete = np.zeros(n, dtype=bool)
-        sums = [0] * n
-        sizes = parts.sizes
-        # ``drain(map(h.update, part))`` hashes a part with no Python loop over its pieces.
-        drain: Callable[[Iterable[None]], None] = collections.deque[None](maxlen=0).extend
-        slot_bytes, per_slab, fds = self._slabs.slot_bytes, self._slabs.slots_per_slab, self._slabs.fds
-        for j, (slot, checked) in enumerate(zip(slots.tolist(), check.tolist())):
-            fd, at = fds[slot // per_slab], (slot % per_slab) * slot_bytes
-            if fd < 0:
-                continue
-            h = xxhash.xxh3_64() if checked else None
-            whole = True
-            for part, size in zip(parts(j), sizes):
-                try:
-                    got = os.preadv(fd, part, at)
-                except OSError as exc:  # a tier problem, not the caller's
-                    raise WarmTierUnavailable(f"reading slab {slot // per_slab}: "
-                                              f"{os.strerror(exc.errno) if exc.errno else exc}") from exc
-                if got < size:  # short only at the end of a truncated slab: the block is incomplete
-                    whole = False
-                    break
-                at += size
-                if h is not None:
-                    drain(map(h.update, part))
-            complete[j] = whole
-            if whole and h is not None:
-                sums[j] = h.intdigest()
         return complete, np.array(sums, dtype=np.uint64)
 
     def _drop_corrupt(self, raw: bytes, recs: np.ndarray, which: np.ndarray) -> None:

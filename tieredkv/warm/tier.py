@@ -226,23 +226,21 @@ class WarmTier(Writes, CheckedReads, Tier):
         return self._get(keys, out, sink)
 
     def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
-                     staging: np.ndarray | None = None, parts: Any = None) -> int:
-        """``get_many`` for a caller that needs the blocks only where ``sink`` puts them. With
-        ``parts`` (``layout.BlockParts``) each block is read straight into the caller's memory and
-        hashed part by part as it is read, and ``sink`` is not called (blocks stored compressed go
-        through ``sink`` all the same); without, every group is read into the same small buffer of
-        this thread (``staging`` is not used), hashed and handed to ``sink`` while it is still in the
-        CPU cache. Either way a verified read writes main memory once (``warm/reads.py``). Blocks may
-        be placed (and ``sink``'s rows handed over) before they are verified: only the leading blocks
-        this call returns are valid where they were put; the block that ends the run is treated as in
-        ``get_many`` (removed and counted when corrupt).
+                     staging: np.ndarray | None = None) -> int:
+        """``get_many`` for a caller that needs the blocks only where ``sink`` puts them: every group
+        is read into the same small buffer of this thread (``staging`` is not used), hashed and handed
+        to ``sink`` while it is still in the CPU cache, so a verified read writes main memory once
+        (``warm/reads.py``). ``sink``'s rows are valid only during the call and may be handed over
+        before they are verified: only the leading blocks this call returns are valid where the sink
+        put them; the block that ends the run is treated as in ``get_many`` (removed and counted when
+        corrupt).
 
         Returns:
             The length of the leading run, as ``get_many``.
         """
-        return self._get(keys, None, sink, parts)
+        return self._get(keys, None, sink)
 
-    def _get(self, keys: ChunkKeys, out: np.ndarray | None, sink, parts: Any = None) -> int:
+    def _get(self, keys: ChunkKeys, out: np.ndarray | None, sink) -> int:
         """``get_many`` (``out`` None: ``read_through``)."""
         # No lock: the copy is made safe by the re-check after it (module docstring), not by
         # excluding writers, so a read never waits for a write (see __init__).
@@ -264,7 +262,7 @@ class WarmTier(Writes, CheckedReads, Tier):
             found[int(np.argmax(bad)):] = False
         run = int(found.sum())
         if run:
-            run = self._copy_checked(raw, keys, recs[:run], rows, sink, parts)
+            run = self._copy_checked(raw, keys, recs[:run], rows, sink)
         with self._mem:
             self._counts["hits"] += run
             self._counts["misses"] += n - run

@@ -17,10 +17,16 @@ machine's load hits all of them (the load average is printed beside every figure
 3. remote restore: ``RemoteTier.get_many`` from a valkey-server on 127.0.0.1 (loopback: no network
    limit), per codec;
 4. break-even: the device or link speed below which compression pays, ``B* = D (1 - 1/r)`` for the
-   decode speed ``D`` and ratio ``r`` of table 1.
+   decode speed ``D`` and ratio ``r`` of table 1;
+5. capacity: one disk budget (``--budget`` blocks of full slots) given to a warm tier of full slots
+   (uncompressed, and zstd) and to compact tiers (``--slot-fractions``: slots of that share of a block,
+   every block a zstd frame); all blocks are stored in order (LRU evicts the oldest), then the blocks
+   held are counted, and the newest blocks that every tier holds are restored from each (page cache
+   warm and cold): the same bytes end to end, so the times compare directly.
 
     python benchmarks/compression.py                       # smollm2, 2048 tokens, 64-token blocks
     python benchmarks/compression.py --data normal --json /tmp/compression.json
+    python benchmarks/compression.py --tokens 4096 --only capacity   # 64 blocks, budget 32
 
 Not a test: nothing here asserts a timing.
 """
@@ -186,6 +192,77 @@ def warm_restores(spec: KVSpec, blocks: np.ndarray, keys, repeats: int, drop_cac
     return summary
 
 
+# ---- 5: capacity -----------------------------------------------------------------------------------------
+def capacity(spec: KVSpec, blocks: np.ndarray, keys, budget: int, fractions: list[float], repeats: int,
+             drop_caches: bool, work: str) -> dict:
+    """Blocks held in ``budget`` full slots' worth of disk, and restores of the blocks all tiers hold."""
+    from tieredkv.warm import WarmTier
+
+    n = len(blocks)
+    variants = {"none": {}, "zstd": {"compress": "zstd"},
+                **{f"compact {f:g}": {"slot_fraction": f} for f in fractions}}
+    disk = budget * spec.block_bytes
+    tiers = {v: WarmTier(spec, os.path.join(work, f"cap-{i}"), disk, verify="always", **kw)
+             for i, (v, kw) in enumerate(variants.items())}
+    summary: dict = {}
+    try:
+        for v, t in tiers.items():
+            refused = 0
+            t0 = time.perf_counter()
+            for b in range(0, n, 4):  # in order, as prompts arrive: LRU evicts the oldest
+                refused += int((t.put_many(keys[b:b + 4], blocks[b:b + 4]) == PutResult.NO_SPACE).sum())
+            held = t.contains_many(keys)
+            slabs = glob.glob(os.path.join(str(t.path), "slab-*.bin"))
+            summary[v] = {"held": int(held.sum()), "refused": refused, "slot_bytes": t.slot_bytes,
+                          "slab_bytes": sum(os.path.getsize(p) for p in slabs),
+                          "put_s": time.perf_counter() - t0, "load_put": load()}
+        common = min(s["held"] for s in summary.values())
+        tail = keys[n - common:]
+        want = blocks[n - common:]
+        out = np.empty_like(want)
+        res: dict = {v: {"hot": [], "cold": [], "load_hot": [], "load_cold": []} for v in tiers}
+        for _ in range(repeats):
+            for v, t in tiers.items():
+                for state in ("cold", "hot"):
+                    if state == "cold":
+                        _drop(str(t.path), drop_caches)
+                    out[:] = 0
+                    t0 = time.perf_counter()
+                    got = t.get_many(tail, out)
+                    res[v][state].append(time.perf_counter() - t0)
+                    res[v][f"load_{state}"].append(load())
+                    assert got == common and np.array_equal(out, want), (v, got)
+    finally:
+        for t in tiers.values():
+            t.close()
+    for v in tiers:
+        summary[v].update({f"{s}_s": statistics.median(res[v][s]) for s in ("hot", "cold")})
+        summary[v].update({f"load_{s}": statistics.median(res[v][f"load_{s}"]) for s in ("hot", "cold")})
+        summary[v]["held_vs_raw"] = summary[v]["held"] / summary["none"]["held"]
+        for s in ("hot", "cold"):
+            summary[v][f"{s}_vs_raw"] = summary["none"][f"{s}_s"] / summary[v][f"{s}_s"]
+    comp = cd.Compressor("zstd", spec.dtype_bytes)
+    frames = np.array([16 + len(comp.compress(b) or b) for b in blocks]) / spec.block_bytes  # 16: frame header
+    return {"budget_blocks": budget, "disk_bytes": disk, "restored": common, "variants": summary,
+            "frame_fraction": {"min": float(frames.min()), "median": float(np.median(frames)),
+                               "max": float(frames.max())}}
+
+
+def print_capacity(cap: dict, spec: KVSpec, drop_caches: bool) -> None:
+    cold = "whole page cache dropped" if drop_caches else "slab pages dropped (POSIX_FADV_DONTNEED)"
+    print(f"\ncapacity: {cap['disk_bytes'] / 2**20:.1f} MiB of disk ({cap['budget_blocks']} full slots of "
+          f"{spec.block_bytes / 2**20:.2f} MiB); restore of the {cap['restored']} newest blocks every tier holds, "
+          f"verify=always (cold: {cold}); x = uncompressed time / this time")
+    f = cap["frame_fraction"]
+    print(f"zstd frames are {f['min']:.3f}-{f['max']:.3f} of a block (median {f['median']:.3f}): a compact "
+          f"tier's slot_fraction must be at least the max (rounded up to 4 KiB) for none to be refused")
+    print("tier          slot KiB  held  x held  refused  slab MiB  warm s    x     (load)   cold s    x     (load)")
+    for v, r in cap["variants"].items():
+        print(f"{v:13} {r['slot_bytes'] / 1024:8.0f} {r['held']:5} {r['held_vs_raw']:6.2f} {r['refused']:8} "
+              f"{r['slab_bytes'] / 2**20:9.1f}  {r['hot_s']:7.4f} {r['hot_vs_raw']:5.2f} ({r['load_hot']:4})  "
+              f"{r['cold_s']:7.4f} {r['cold_vs_raw']:5.2f} ({r['load_cold']})")
+
+
 # ---- 3: remote -----------------------------------------------------------------------------------------
 def remote_restores(spec: KVSpec, blocks: np.ndarray, keys, repeats: int) -> dict:
     from tieredkv.remote import RemoteTier
@@ -247,6 +324,9 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true",
                     help="cold reads drop the whole page cache (root; slows the machine for everyone)")
     ap.add_argument("--no-remote", action="store_true")
+    ap.add_argument("--only", choices=("capacity",), help="run only this part (after the data is made)")
+    ap.add_argument("--budget", type=int, help="capacity: disk budget in full slots (default: half the blocks)")
+    ap.add_argument("--slot-fractions", default="0.75,0.72", help="capacity: compact tiers' slot fractions")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -260,6 +340,9 @@ def main() -> None:
     result: dict = {"data": args.data, "tokens": args.tokens, "chunk": args.chunk, "block_bytes": spec.block_bytes,
                     "blocks": len(blocks), "entropy_bound": plane_entropy_bound(blocks), "threads": cd.THREADS}
 
+    if args.only == "capacity":
+        run_capacity(args, spec, blocks, keys, result)
+        return
     result["codecs"] = codec_table(spec, blocks, args.repeats)
     print("\ncodec  ratio  compress GB/s  decompress GB/s  (load)")
     for r in result["codecs"]:
@@ -292,8 +375,23 @@ def main() -> None:
         print("codec  wire ratio  put s    get s    x     (load)")
         for c, r in remote.items():
             print(f"{c:5} {r['ratio']:10.3f} {r['put_s']:6.3f} {r['get_s']:8.4f} {r['get_vs_raw']:5.2f} ({r['load']})")
+    run_capacity(args, spec, blocks, keys, result)
     result["load_end"] = load()
     if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+def run_capacity(args, spec: KVSpec, blocks: np.ndarray, keys, result: dict) -> None:
+    work = tempfile.mkdtemp(prefix="tieredkv-bench-capacity-")
+    try:
+        result["capacity"] = capacity(spec, blocks, keys, args.budget or len(blocks) // 2,
+                                      [float(f) for f in args.slot_fractions.split(",") if f],
+                                      args.repeats, args.drop_caches, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_capacity(result["capacity"], spec, args.drop_caches)
+    if args.only and args.json:
+        result["load_end"] = load()
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 

@@ -11,7 +11,11 @@ load average beside them; then the median of each ratio over the rounds, baselin
     python benchmarks/demo_ab.py --workers 2 --rounds 3 --keep /tmp/ab   # this tree only; keep the JSONs
 
 Each run's line also gives the workers' PSS per configuration (MiB) and the share of the CPUs other
-programs used while it served (``others``: above ~25% the wall-clock ratios are mostly noise).
+programs used while it served (``others``: above ~25% the wall-clock ratios are mostly noise), then the
+demo's per-phase breakdown of each configuration (CPU per phase, waiting, decoding, the workers busy
+beside a request, page faults, a worker's first hit against its later ones) and its account of shared
+against private: ``shared/private busy`` is the ratio of workers busy at once (above one per CPU), which
+with ``shared/private CPU`` predicts the TTFT ratio on a machine the demo has to itself.
 
 Without ``--baseline`` only this tree runs. Not a test: nothing here asserts a timing.
 """
@@ -53,7 +57,22 @@ def ratios(doc: dict) -> dict:
            "shared/no_cache PSS": c["shared"]["pss_bytes"] / c["no_cache"]["pss_bytes"]}
     if c["private"].get("ttft_cpu_p50_ms"):
         out["shared/private CPU"] = c["shared"]["ttft_cpu_p50_ms"] / c["private"]["ttft_cpu_p50_ms"]
+    if c["private"].get("busy_workers_mean"):
+        # Waiting for a core scales with the workers busy at once (above one per CPU): shared keeps more
+        # requests in flight, so its TTFT is about CPU ratio x this ratio of private's.
+        cpus = doc["settings"].get("cpu_count") or os.cpu_count() or 1
+        out["shared/private busy"] = (max(c["shared"]["busy_workers_mean"], cpus)
+                                      / max(c["private"]["busy_workers_mean"], cpus))
     return out
+
+
+def breakdown(doc: dict) -> list[str]:
+    """The demo's own account of where the time to the first token went (this tree's wording, for
+    either tree's JSON: fields an older demo did not write are left out)."""
+    sys.path.insert(0, str(ROOT))
+    from tieredkv.demo import where_time_went
+
+    return [line for line in where_time_went(doc) if not line.startswith("where the time")]
 
 
 def main() -> int:
@@ -84,6 +103,8 @@ def main() -> int:
                 others = max(c[k].get("others_busy", float("nan")) for k in names)
                 print(f"round {r + 1} {name:<8} load {load:5.1f} others {100 * others:3.0f}%  TTFT p50 {ttft}  "
                       f"PSS {pss}  " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+                for line in breakdown(doc):
+                    print("    " + line.strip(), flush=True)
     print(f"median over {args.rounds} rounds ({args.workers} workers x {args.requests_per_worker} requests, "
           f"{args.prefix_tokens}-token prefix; load average now {os.getloadavg()[0]:.1f}):")
     for name, rows in got.items():

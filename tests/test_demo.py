@@ -190,6 +190,16 @@ def test_demo_end_to_end_on_worker_processes(tmp_path):
     assert png.stat().st_size > 0
     assert "restart vs no_cache" in proc.stdout and "2 rounds" in proc.stdout
     assert "where the time to the first token went" in proc.stdout and "what the columns mean" in proc.stdout
+    # Where the time went, per request: page faults per phase, the timeline, busy workers, a fresh
+    # worker's first hit against its later ones (shared: every worker's first request hits).
+    for name, cfg in c.items():
+        for r in cfg["per_request"]:
+            assert r["at"][0] <= r["at"][1] <= r["at"][2] and r["busy_workers"] >= 1 - 1e-6, (name, r)
+            assert r["arrival_ttft_ms"] >= r["ttft_ms"] - 1e-6 and "load_faults" in r["phases"]
+        assert cfg["busy_workers_mean"] >= 1 - 1e-6 and cfg["phases_ms"]["decode_cpu"]["mean"] > 0
+    assert c["shared"]["first_in_worker"]["first"]["requests"] == 1
+    assert c["shared"]["first_in_worker"]["later"]["requests"] == 2
+    assert "busy workers on" in proc.stdout and "from each request's arrival" in proc.stdout
     # Each round started cold: the shared config's first request missed in both.
     assert [r["cached_tokens"] for r in c["shared"]["per_request"]][0] == 0
     # Greedy decoding: every configuration generates the same tokens for the same request.
@@ -218,3 +228,59 @@ def test_text_prompts_share_the_system_prompt_and_differ_in_the_question():
         assert r[:100].tolist() == (system * 3)[:100]               # the system prompt, repeated to 100
         assert 100 < len(r) <= 112
     assert len({tuple(r[100:]) for r in requests}) == 4              # every question its own
+
+
+def test_busy_workers_first_hits_and_the_shared_vs_private_account():
+    """Per request, the mean number of workers serving while it waited for its first token; a worker's
+    first hit against its later ones; the summary's account of shared vs private TTFT as CPU x busy."""
+    def req(i, worker, at, cpu, cached=8, first=False, faults=0):
+        return {"request": i, "worker": worker, "at": at, "cached_tokens": cached, "first_in_worker": first,
+                "phases": {"cpu": cpu, "faults": faults, "load_cpu": cpu / 2, "load_faults": faults,
+                           "forward_cpu": cpu / 2, "forward_faults": 0}}
+    done = [req(0, 0, [0.0, 1.0, 2.0], 10.0, first=True, faults=900),   # alone but for request 1's second half
+            req(1, 1, [0.5, 1.5, 3.0], 4.0, faults=10),                   # beside request 0 throughout
+            req(2, 0, [2.0, 2.0, 2.5], 4.0, faults=30)]                   # zero-length wait: itself only
+    assert demo.busy_workers(done) == [1.5, 2.0, 1.0]
+    assert [d["busy_workers"] for d in done] == [1.5, 2.0, 1.0]
+    assert demo.busy_workers([{"request": 0}]) == []                      # older workers: no timeline
+    split = demo.first_vs_later(done)
+    assert split["first"]["requests"] == 1 and split["first"]["faults"] == 900
+    assert split["later"]["requests"] == 2 and split["later"]["cpu"] == 4.0 and split["later"]["faults"] == 20
+    # A miss is no first *hit*.
+    assert "first" not in demo.first_vs_later([req(0, 0, [0, 1, 2], 10.0, cached=0, first=True)])
+
+    settings = {**demo.Settings().__dict__, "cpu_count": 2, "kv_bytes_per_token": 1024}
+    phases = {"cpu": {"mean": 50.0}, "wait": {"mean": 150.0}, "forward_cpu": {"mean": 45.0},
+              "faults": {"mean": 1200.0}, "decode_cpu": {"mean": 160.0}}
+    shared = {"phases_ms": phases, "busy_workers_mean": 8.0, "ttft_p50_ms": 230.0, "ttft_cpu_p50_ms": 50.0,
+              "first_in_worker": {"first": {"cpu": 80.0, "load_cpu": 30.0, "forward_cpu": 48.0, "faults": 9500.0},
+                                  "later": {"cpu": 52.0, "faults": 30.0}}}
+    private = {"phases_ms": phases, "busy_workers_mean": 7.0, "ttft_p50_ms": 200.0, "ttft_cpu_p50_ms": 50.0}
+    text = "\n".join(demo.where_time_went({"settings": settings, "configs": {"private": private, "shared": shared}}))
+    assert "160.0 ms CPU decoding" in text
+    assert "beside 8.0 busy workers on 2 CPUs; 1,200 page faults (first touches) per request" in text
+    assert ("a worker's first hit 80.0 ms CPU (load 30.0, forward 48.0, 9,500 faults), its later hits 52.0 ms "
+            "CPU") in text
+    # Same CPU, 8 busy workers against 7: +14% predicted, +15% measured.
+    assert ("shared vs private: TTFT p50 +15%; CPU to 1st token +0% and busy workers 8.0 vs 7.0 (+14%: more "
+            "requests in flight at once) predict +14% where nothing else runs") in text
+    # Up to one busy worker per CPU nobody waits for a core: no difference predicted.
+    two = {"private": dict(private, busy_workers_mean=1.0), "shared": dict(shared, busy_workers_mean=2.0)}
+    assert "predict +0%" in "\n".join(demo.where_time_went({"settings": settings, "configs": two}))
+
+
+def test_ttft_from_arrival_counts_the_wait_behind_the_workers_earlier_requests():
+    """A request queued behind its worker's earlier ones waits for them: the TTFT a client sees counts
+    that; the table's TTFT (from the worker taking it) does not. Both are reported."""
+    settings = demo.Settings(workers=1, requests_per_worker=2, prefix_tokens=8, suffix_tokens=4, chunk_tokens=4)
+    done = [{"request": i, "worker": 0, "ttft_ms": 2.0, "arrival_ttft_ms": a, "total_ms": 3.0, "cached_tokens": 8,
+             "computed_tokens": 4, "prompt_tokens": 12, "new_tokens": 2, "restore_ms": 0.1, "store_ms": 0.1,
+             "phases": {"cpu": 1.0, "wait": 1.0}} for i, a in enumerate((2.0, 5.0, 8.0))]
+    stats = [{"prefix_hot_blocks": 2, "prefix_warm_blocks": 0, "cache": {}}]
+    c = demo.summarize("shared", settings, SPEC, done, stats, wall_s=1.0, pss=PSS, rss=1)
+    assert c["ttft_p50_ms"] == 2.0 and c["arrival_ttft_p50_ms"] == 5.0
+    assert [r["arrival_ttft_ms"] for r in c["per_request"]] == [2.0, 5.0, 8.0]
+    configs = {"private": {**c, "busy_workers_mean": 1.0, "ttft_cpu_p50_ms": 1.0, "arrival_ttft_p50_ms": 20.0},
+               "shared": {**c, "busy_workers_mean": 1.0, "ttft_cpu_p50_ms": 1.0}}
+    text = "\n".join(demo.where_time_went({"settings": {"cpu_count": 2}, "configs": configs}))
+    assert "from each request's arrival" in text and "TTFT p50 shared 5.0 ms, private 20.0 ms (-75%)" in text

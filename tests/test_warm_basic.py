@@ -104,9 +104,9 @@ def test_newer_format_version_is_refused(tmp_path):
     WarmTier(SPEC, tmp_path, capacity_bytes=4 * SLOT).close()
     p = tmp_path / SPEC.namespace / "meta.json"
     meta = json.loads(p.read_text())
-    meta["format_version"] = 2
+    meta["format_version"] = 3  # 2 is a compact tier (tests/test_warm_compact.py)
     p.write_text(json.dumps(meta))
-    with pytest.raises(FormatError, match=r"format version 2, newer than this tieredkv reads \(1\)"):
+    with pytest.raises(FormatError, match=r"format version 3, newer than this tieredkv reads \(1, 2\)"):
         WarmTier(SPEC, tmp_path)
 
 

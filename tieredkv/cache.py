@@ -72,7 +72,8 @@ class TieredCache:
             warm: ``"write_behind"``, ``"write_through"``, ``"on_evict"``, ``"on_nth_hit:N"``),
             ``warm_sync``, ``warm_verify`` (only ``"always"`` protects against media corruption,
             docs/warm-tier.md), ``warm_queue_bytes``, ``warm_flush_s``, ``warm_compress`` (``"zstd"``,
-            ``"lz4"``; off by default), ``remote`` (a URL such as
+            ``"lz4"``; off by default), ``warm_slot_fraction`` (below 1: a compact warm tier, more
+            blocks in ``warm_bytes``), ``remote`` (a URL such as
             ``"valkey://host:6379"`` or a ``Tier``; the cache closes it), ``remote_write``,
             ``remote_queue_blocks`` or ``remote_queue_bytes``, ``remote_flush_s``, ``eviction``,
             ``lock_timeout_s``. Their meaning is documented field by field in ``tieredkv/config.py``.

@@ -48,7 +48,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "warm_dir": ("warm", "dir"), "warm_bytes": ("warm", "bytes"), "demotion": ("warm", "write"),
     "warm_sync": ("warm", "sync"), "warm_verify": ("warm", "verify"),
     "warm_queue_bytes": ("warm", "queue_bytes"), "warm_flush_s": ("warm", "flush_s"),
-    "warm_compress": ("warm", "compress"),
+    "warm_compress": ("warm", "compress"), "warm_slot_fraction": ("warm", "slot_fraction"),
     "remote": ("remote", "store"), "remote_write": ("remote", "write"),
     "remote_queue_blocks": ("remote", "queue_blocks"), "remote_queue_bytes": ("remote", "queue_bytes"),
     "remote_flush_s": ("remote", "flush_s"),
@@ -162,10 +162,16 @@ class WarmConfig:
     #: With write-behind: how long ``close()`` waits for queued writes.
     flush_s: float = 10.0
     #: Write blocks compressed: "none", "zstd" (about 1.45x on bf16 KV) or "lz4" (about 1.2x, decodes
-    #: faster); True means "zstd". Saves disk reads and writes, not capacity; off by default because a
-    #: restore from the page cache or a fast NVMe is slower through the codec (docs/warm-tier.md).
-    #: Needs blosc2 (``pip install 'tieredkv[compress]'``); reads decode compressed blocks regardless.
+    #: faster); True means "zstd". Saves disk reads and writes; capacity only with ``slot_fraction``.
+    #: Off by default because a restore from the page cache or a fast NVMe is slower through the codec
+    #: (docs/warm-tier.md). Needs blosc2 (``pip install 'tieredkv[compress]'``); reads decode
+    #: compressed blocks regardless.
     compress: str | bool | None = "none"
+    #: Below 1, a new tier is compact: slots of this share of a block, so ``bytes`` holds
+    #: ``1 / slot_fraction`` times as many blocks, all stored compressed ("zstd" if ``compress`` is
+    #: "none"); a block that does not compress into a slot is not stored. 0.75 fits bf16 KV (about 1.3x
+    #: the blocks). An existing tier keeps its slots. See docs/warm-tier.md, "Compression".
+    slot_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.dir, bytes) or not isinstance(self.dir, (str, os.PathLike)) or not os.fspath(self.dir):
@@ -182,6 +188,11 @@ class WarmConfig:
         _set(self, "queue_bytes", _size("warm", "queue_bytes", self.queue_bytes, minimum=0))
         _set(self, "flush_s", _seconds("warm", "flush_s", self.flush_s, zero_ok=True))
         _set(self, "compress", _compression("warm", "compress", self.compress))
+        if isinstance(self.slot_fraction, bool) or not isinstance(self.slot_fraction, numbers.Real) \
+                or not 0 < self.slot_fraction <= 1:
+            raise InvalidInput(f"{_name('warm', 'slot_fraction')} must be in (0, 1], got {self.slot_fraction!r}")
+        if self.slot_fraction < 1:
+            _compression("warm", "slot_fraction", "zstd")  # a compact tier needs blosc2: say so now
 
 
 def _compression(section: str, field: str, value: Any) -> str:

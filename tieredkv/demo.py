@@ -232,14 +232,19 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
         import torch
 
         torch.set_num_threads(1)  # workers share the host's cores; one thread each
-        from tieredkv.integrations.hf import CachedPrefill
+        from tieredkv.integrations.hf import CachedPrefill, thread_faults
 
         model = _build_model(settings)
         spec = run_spec(settings, model)
         cache = _open_cache(config, settings, spec)
         runner = CachedPrefill(model, cache, spec=spec)
         runner.decode(CachedPrefill(model, None, spec=spec).prefill([1, 2, 3]), 2)  # warm the kernels
+        # The KV buffer every request is prefilled into, allocated and touched before serving (in every
+        # configuration), as a server sizes its KV memory at start-up: a fresh worker's first hit would
+        # otherwise spend most of its CPU faulting that buffer's pages in.
+        runner.reserve(settings.prefix_tokens + settings.suffix_tokens + settings.new_tokens)
         results.put(("ready", worker_id, os.getpid()))
+        served = 0
         while True:
             task = tasks.get()
             if task[0] == "stop":
@@ -262,24 +267,34 @@ def worker_main(worker_id: int, config: str, settings: Settings, tasks: Any, res
             start = time.perf_counter()
             cpu_start = time.thread_time()
             process_start = time.process_time()  # every thread of this worker (the write-behind writer too)
+            faults_start = thread_faults()
             # As a streaming server does: the first token goes out before the new chunks are stored
             # (decode stores them first).
             res = runner.prefill(tokens, store=False)
             before_first = time.perf_counter()
             first = int(res.logits[0, -1].argmax())
-            ttft = time.perf_counter() - start
-            first_ms = (time.perf_counter() - before_first) * 1e3
-            cpu_ms = (time.thread_time() - cpu_start) * 1e3
+            first_at = time.perf_counter()
+            ttft = first_at - start
+            first_ms = (first_at - before_first) * 1e3
+            cpu_end = time.thread_time()
+            cpu_ms = (cpu_end - cpu_start) * 1e3
+            faults = thread_faults() - faults_start
             other_ms = (time.process_time() - process_start) * 1e3 - cpu_ms
             new = runner.decode(res, settings.new_tokens, eos_token_id=[])
-            done = time.perf_counter() - start
+            done_at = time.perf_counter()
+            after_cpu = (time.thread_time() - cpu_end) * 1e3
             phases = dict(res.phases, first_token=first_ms, first_token_cpu=first_ms, cpu=cpu_ms,
-                          wait=max(ttft * 1e3 - cpu_ms, 0.0), other_threads_cpu=max(other_ms, 0.0))
+                          wait=max(ttft * 1e3 - cpu_ms, 0.0), other_threads_cpu=max(other_ms, 0.0), faults=faults,
+                          decode_cpu=max(after_cpu - res.phases.get("store_cpu", 0.0), 0.0))
             results.put(("done", worker_id, {
-                "request": request_id, "ttft_ms": ttft * 1e3, "total_ms": done * 1e3,
+                "request": request_id, "ttft_ms": ttft * 1e3, "total_ms": (done_at - start) * 1e3,
                 "cached_tokens": res.cached_tokens, "computed_tokens": res.computed_tokens,
                 "prompt_tokens": len(tokens), "new_tokens": len(new), "first_token": first, "new_ids": new,
-                "restore_ms": res.restore_ms, "store_ms": phases["store"], "phases": phases, "worker": worker_id}))
+                "restore_ms": res.restore_ms, "store_ms": phases["store"], "phases": phases, "worker": worker_id,
+                # perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process: the parent lines
+                # the requests of all workers up on it (``busy_workers``).
+                "first_in_worker": served == 0, "at": [start, first_at, done_at]}))
+            served += 1
             # A result's cache lives in the runner's one buffer: dropping it lets the next request
             # reuse that buffer (memory already touched) instead of making a new one.
             del res
@@ -361,6 +376,7 @@ def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], s
         held = max(hot_blocks, default=0)  # one copy in shared memory, seen by every worker
     else:
         held = sum(hot_blocks)             # one copy per worker
+    busy = busy_workers(done)
     cache_bytes = 0
     if config == "private":
         cache_bytes = sum(s["cache"].get("bytes", 0) for s in stats)
@@ -371,6 +387,9 @@ def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], s
         "ttft_p50_ms": _percentile(ttft, 50),
         "ttft_p99_ms": _percentile(ttft, 99),
         "ttft_mean_ms": float(np.mean(ttft)) if ttft else 0.0,
+        # From the request's arrival (queued to its worker) to its first token: the wait behind the
+        # worker's earlier requests included, as a client sees it.
+        "arrival_ttft_p50_ms": _percentile([d["arrival_ttft_ms"] for d in done if "arrival_ttft_ms" in d], 50),
         # The request's own CPU time up to its first token: what other load on the machine barely changes.
         "ttft_cpu_p50_ms": _percentile([d["phases"]["cpu"] for d in done if "phases" in d], 50),
         "tokens_per_s": sum(d["new_tokens"] for d in done) / wall_s if wall_s else 0.0,
@@ -392,7 +411,10 @@ def summarize(config: str, settings: Settings, spec: KVSpec, done: list[dict], s
         "requests": total,
         "wall_s": wall_s,
         "phases_ms": phase_breakdown(done),
-        "per_request": [{k: d[k] for k in ("request", "worker", "ttft_ms", "cached_tokens", "phases") if k in d}
+        "busy_workers_mean": float(np.mean(busy)) if busy else 0.0,
+        "first_in_worker": first_vs_later(done),
+        "per_request": [{k: d[k] for k in ("request", "worker", "ttft_ms", "arrival_ttft_ms", "cached_tokens",
+                                           "phases", "first_in_worker", "at", "busy_workers") if k in d}
                         for d in sorted(done, key=lambda d: d["request"])],
     }
 
@@ -407,13 +429,57 @@ AFTER_FIRST = ("extract", "store")
 def phase_breakdown(done: list[dict]) -> dict:
     """Per phase: mean and p50 over the requests, in ms; ``wait`` is wall minus this thread's CPU time
     over the request (time spent waiting for a core, a lock or the disk); ``other_threads_cpu`` the CPU
-    the worker's other threads (the write-behind writer) used meanwhile, competing for the cores."""
+    the worker's other threads (the write-behind writer) used meanwhile, competing for the cores;
+    ``<phase>_faults`` and ``faults`` (up to the first token) count minor page faults (first touches of
+    memory), ``decode_cpu`` the CPU of the tokens after the first (the store not included)."""
     out: dict[str, dict] = {}
     names = (*PHASES, *AFTER_FIRST)
-    for name in (*names, *(f"{p}_cpu" for p in names), "cpu", "wait", "other_threads_cpu"):
+    for name in (*names, *(f"{p}_cpu" for p in names), *(f"{p}_faults" for p in names), "cpu", "wait",
+                 "other_threads_cpu", "faults", "decode_cpu"):
         values = [d["phases"].get(name, 0.0) for d in done if "phases" in d]
         if values:
             out[name] = {"mean": float(np.mean(values)), "p50": _percentile(values, 50)}
+    return out
+
+
+def busy_workers(done: list[dict]) -> list[float]:
+    """Per request (in ``done``'s order), how many workers were serving a request, on average, while it
+    waited for its first token (itself included); sets ``busy_workers`` on each. Needs each request's
+    ``at`` = [start, first token, done] on one clock; empty where a request lacks it.
+
+    With more busy workers than CPUs, a request gets ``CPUs / busy`` of a core: its wall time is about
+    its CPU time x ``busy / CPUs``, whatever the cache does. Configurations that keep more workers busy at
+    once (more requests in flight) therefore wait longer per request for the same CPU per request.
+    """
+    if not done or any("at" not in d for d in done):
+        return []
+    spans = [(d["at"][0], d["at"][2]) for d in done]
+    out = []
+    for d in done:
+        start, first = d["at"][0], d["at"][1]
+        length = first - start
+        if length <= 0:
+            busy = 1.0
+        else:
+            busy = sum(max(0.0, min(first, b) - max(start, a)) for a, b in spans) / length
+        d["busy_workers"] = busy
+        out.append(busy)
+    return out
+
+
+def first_vs_later(done: list[dict]) -> dict:
+    """Mean CPU ms, page faults and ``load`` CPU ms up to the first token of each worker's first request
+    against its later ones, counting hits only (requests that restored a prefix): a fresh worker's first
+    hit touches memory the later ones reuse (its KV buffer, the shared memory it reads the prefix from,
+    the model's scratch). Empty where the requests do not say which came first."""
+    hits = [d for d in done if d.get("cached_tokens") and "phases" in d and "first_in_worker" in d]
+    out: dict[str, dict] = {}
+    for name, group in (("first", [d for d in hits if d["first_in_worker"]]),
+                        ("later", [d for d in hits if not d["first_in_worker"]])):
+        if group:
+            out[name] = {"requests": len(group),
+                         **{f: float(np.mean([d["phases"].get(f, 0.0) for d in group]))
+                            for f in ("cpu", "faults", "load_cpu", "load_faults", "forward_cpu", "forward_faults")}}
     return out
 
 
@@ -551,16 +617,22 @@ def run_config(ctx: Any, config: str, settings: Settings, spec: KVSpec, requests
         cpu_before = cpu_sample(list(pool.pids.values()))
         start = time.perf_counter()
         # The service's first request runs alone; then every worker serves its own requests in order.
+        sent = {0: time.perf_counter()}  # when each request arrived (was queued to its worker)
         pool.tasks[0].put(("req", 0, requests[0]))
         done = [pool.receive("done", _REQUEST_TIMEOUT_S)[1]]
         progress.advance()
         for rid in range(1, len(requests)):
+            sent[rid] = time.perf_counter()
             pool.tasks[rid // per_worker].put(("req", rid, requests[rid]))
         for _ in range(len(requests) - 1):
             done.append(pool.receive("done", _REQUEST_TIMEOUT_S)[1])
             progress.advance()
         wall = time.perf_counter() - start
         cpu_after = cpu_sample(list(pool.pids.values()))
+        for d in done:  # one clock (CLOCK_MONOTONIC) in every process: seconds since serving started
+            if "at" in d:
+                d["arrival_ttft_ms"] = (d["at"][1] - sent[d["request"]]) * 1e3
+                d["at"] = [t - start for t in d["at"]]
         # Memory while every worker is alive and idle, before anything else touches the caches: as the
         # workers left it, then after each returned its freed heap to the OS (what the table shows).
         untrimmed = sum(pss_bytes(pid)["Pss"] for pid in pool.pids.values())
@@ -811,9 +883,13 @@ def rounds_lines(doc: dict) -> list[str]:
 
 
 def where_time_went(doc: dict) -> list[str]:
-    """Per configuration, a request's mean time up to its first token: CPU per phase, then waiting."""
+    """Per configuration, a request's mean time up to its first token: CPU per phase, then waiting; what
+    it did after the first token; how many workers were busy beside it; its first touches of memory; a
+    fresh worker's first hit against the later ones. Then, for shared against private, how much of the
+    difference in TTFT the CPU per request and the number of busy workers account for."""
     lines = ["where the time to the first token went (mean per request: this worker's CPU per phase, then "
              "waiting for a core or a lock):"]
+    cpus = doc["settings"].get("cpu_count") or os.cpu_count() or 1
     for name, c in doc["configs"].items():
         ph = c.get("phases_ms", {})
         if "cpu" not in ph:
@@ -822,11 +898,52 @@ def where_time_went(doc: dict) -> list[str]:
         shown = ", ".join(f"{p} {ms:.1f}" for ms, p in parts if ms >= 0.05)
         after = sum(ph[f"{p}_cpu"]["mean"] for p in AFTER_FIRST if f"{p}_cpu" in ph)
         other = ph.get("other_threads_cpu", {}).get("mean", 0.0)
+        decode = ph.get("decode_cpu", {}).get("mean", 0.0)
         lines.append(f"  {name:<9} {ph['cpu']['mean']:.1f} ms CPU ({shown}) + {ph['wait']['mean']:.1f} ms waiting"
                      + (f" (its other threads, the write-behind writer's, used {other:.1f} ms CPU meanwhile)"
                         if other >= 0.05 and name in ("shared", "restart") else "")
-                     + (f"; then {after:.1f} ms CPU storing the new chunks" if after >= 0.05 else ""))
+                     + (f"; then {after:.1f} ms CPU storing the new chunks" if after >= 0.05 else "")
+                     + (f", {decode:.1f} ms CPU decoding" if decode >= 0.05 else ""))
+        more = []
+        if c.get("busy_workers_mean"):
+            more.append(f"beside {c['busy_workers_mean']:.1f} busy workers on {cpus} CPUs")
+        if "faults" in ph:
+            more.append(f"{ph['faults']['mean']:,.0f} page faults (first touches) per request")
+        first, later = c.get("first_in_worker", {}).get("first"), c.get("first_in_worker", {}).get("later")
+        if first and later:
+            more.append(f"a worker's first hit {first['cpu']:.1f} ms CPU (load {first['load_cpu']:.1f}, forward "
+                        f"{first['forward_cpu']:.1f}, {first['faults']:,.0f} faults), its later hits "
+                        f"{later['cpu']:.1f} ms CPU ({later['faults']:,.0f} faults)")
+        if more:
+            lines.append(" " * 12 + "; ".join(more))
+    lines += _shared_vs_private(doc)
     return lines if len(lines) > 1 else []
+
+
+def _shared_vs_private(doc: dict) -> list[str]:
+    """What the TTFT p50 of shared against private comes from: with every request waiting for a core,
+    wall ~ CPU x busy workers / CPUs, so the ratio of CPU to the first token times the ratio of busy
+    workers predicts the ratio of TTFT; the rest is noise (other programs, scheduling)."""
+    c = doc["configs"]
+    if "shared" not in c or "private" not in c:
+        return []
+    sh, pr = c["shared"], c["private"]
+    if not (sh.get("busy_workers_mean") and pr.get("busy_workers_mean") and pr.get("ttft_cpu_p50_ms")
+            and pr.get("ttft_p50_ms")):
+        return []
+    cpus = doc["settings"].get("cpu_count") or os.cpu_count() or 1
+    cpu = sh["ttft_cpu_p50_ms"] / pr["ttft_cpu_p50_ms"]
+    # Up to one busy worker per CPU nobody waits for a core.
+    busy = max(sh["busy_workers_mean"], cpus) / max(pr["busy_workers_mean"], cpus)
+    lines = [f"  shared vs private: TTFT p50 {100 * (sh['ttft_p50_ms'] / pr['ttft_p50_ms'] - 1):+.0f}%; CPU to 1st "
+             f"token {100 * (cpu - 1):+.0f}% and busy workers {sh['busy_workers_mean']:.1f} vs "
+             f"{pr['busy_workers_mean']:.1f} ({100 * (busy - 1):+.0f}%: more requests in flight at once) predict "
+             f"{100 * (cpu * busy - 1):+.0f}% where nothing else runs"]
+    if sh.get("arrival_ttft_p50_ms") and pr.get("arrival_ttft_p50_ms"):
+        lines.append(f"  from each request's arrival (its wait behind the worker's earlier requests included): TTFT "
+                     f"p50 shared {sh['arrival_ttft_p50_ms']:.1f} ms, private {pr['arrival_ttft_p50_ms']:.1f} ms "
+                     f"({100 * (sh['arrival_ttft_p50_ms'] / pr['arrival_ttft_p50_ms'] - 1):+.0f}%)")
+    return lines
 
 
 def load_lines(doc: dict) -> list[str]:
@@ -876,6 +993,11 @@ what the columns mean:
                    for the service, restart never.
   restart          the shared workers are stopped and the hot tier removed, as a reboot would; new workers
                    find the prefix only on disk (the warm tier).
+  busy workers     under the table: how many workers were serving a request, on average, while a request
+                   waited for its first token. With more than one per CPU a request gets a share of a core:
+                   its wall time is about its CPU time x busy workers / CPUs, so a configuration that keeps
+                   more workers serving at once waits longer for the same CPU per request (at 8 x 4,
+                   private's first worker is done while the seven that missed still serve their hits).
   machine          the share of the CPUs other programs used while each configuration served: above 25%
                    the wall-clock columns measure the other programs as much as the cache (the summary
                    says so); compare the CPU columns then, or rerun on a quiet machine."""

@@ -464,7 +464,8 @@ def entries(config: Any) -> list[_Entry]:
             from tieredkv.warm import WarmTier
 
             return WarmTier(spec, warm.dir, warm.bytes, sync=warm.sync, verify=warm.verify, policy=cfg.eviction,
-                            lock_timeout_s=cfg.lock_timeout_s, on_evict=on_evict, compress=warm.compress)
+                            lock_timeout_s=cfg.lock_timeout_s, on_evict=on_evict, compress=warm.compress,
+                            slot_fraction=float(warm.slot_fraction))
 
         out.append(_Entry("warm", 1, warm.write, WARM_COUNTERS, open_warm,
                           lambda spec: max(int(warm.queue_bytes) // spec.block_bytes, 1), flush_s=warm.flush_s))

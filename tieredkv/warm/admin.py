@@ -185,7 +185,7 @@ def _scrub(path: str, meta: dict, index: ix.Index, report: dict) -> None:
                 slot, gen = int(rec["slot"]), int(rec["gen"])
                 slab = slot // per
                 length = int(rec["length"])  # less than block_bytes: a compressed frame (warm/packed.py)
-                if slot >= n_slots or not packed.valid_length(np.int64(length), block_bytes) \
+                if slot >= n_slots or not packed.valid_length(np.int64(length), block_bytes, slot_bytes) \
                         or txn.get(ix.slot_key(slot), db=index.slots) != key:
                     suspects.append((key, slot, gen, "bad record"))
                     continue

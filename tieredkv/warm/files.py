@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import shutil
 import stat
@@ -205,9 +206,19 @@ def corrupt_total(index: ix.Index) -> int:
     return int(index.read(lambda txn: ix.get_u64(txn, index.info, ix.INFO_CORRUPT)))
 
 
+def slot_bytes_of(spec: KVSpec, slot_fraction: float) -> int:
+    """The slot size of a new tier: ``slot_fraction`` of a block rounded up to 4 KiB, at most a full slot."""
+    return min(slot_bytes_for(math.ceil(spec.block_bytes * slot_fraction)), slot_bytes_for(spec.block_bytes))
+
+
 def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
-           map_size: int | None = None, map_max: int | None = None) -> dict[str, Any]:
+           map_size: int | None = None, map_max: int | None = None, slot_fraction: float = 1.0) -> dict[str, Any]:
     """Create a tier in the (existing, locked) directory ``path``: slabs, index, then ``meta.json``.
+
+    ``slot_fraction`` below 1 makes a compact tier: slots of that share of a block (rounded up to
+    4 KiB), so the same ``capacity_bytes`` holds ``1 / slot_fraction`` times as many of them and every
+    block is stored as a compressed frame (``tieredkv.warm.packed``). A fraction whose rounding reaches
+    a full slot makes an ordinary tier.
 
     Safe to rerun after a crash part-way: existing slabs and index contents are kept.
 
@@ -222,7 +233,7 @@ def create(path: str, spec: KVSpec, capacity_bytes: int | None, slab_bytes: int,
     """
     if capacity_bytes is None:
         raise InvalidInput(f"no warm tier at {path} yet: pass capacity_bytes to create one")
-    slot_bytes = slot_bytes_for(spec.block_bytes)
+    slot_bytes = slot_bytes_of(spec, slot_fraction)
     n_slots = int(capacity_bytes) // slot_bytes
     if n_slots < 1:
         raise InvalidInput(f"capacity_bytes={capacity_bytes} holds no slot of {slot_bytes} bytes")

@@ -17,15 +17,25 @@ from tieredkv.spec import KVSpec
 FORMAT_NAME = "tieredkv-warm"
 #: Bump when the on-disk layout changes; an older tieredkv refuses a newer directory.
 FORMAT_VERSION = 1
+#: The version of a compact tier (slots smaller than a block, every block stored compressed:
+#: ``tieredkv.warm.packed``). Only compact tiers are written with it, so a tier of full slots stays
+#: version 1 and opens in every tieredkv that reads version 1, while one that predates compact tiers
+#: refuses a compact one as "newer" instead of misreading its slots.
+COMPACT_VERSION = 2
+#: Versions this tieredkv reads.
+READABLE_VERSIONS = (FORMAT_VERSION, COMPACT_VERSION)
 META_NAME = "meta.json"
 INDEX_NAME = "index.lmdb"
 LOCK_NAME = "lock"
 
 
 def make_meta(spec: KVSpec, *, n_slots: int, slots_per_slab: int, slot_bytes: int) -> dict[str, Any]:
-    return {
+    """The meta document of a new tier; a compact one (``slot_bytes`` below the block's bytes) is
+    ``COMPACT_VERSION`` and says so in ``"compact": true``."""
+    compact = slot_bytes < spec.block_bytes
+    meta: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": COMPACT_VERSION if compact else FORMAT_VERSION,
         "namespace": spec.namespace,
         "fingerprint": spec.fingerprint,
         "spec": spec.to_dict(),
@@ -35,6 +45,14 @@ def make_meta(spec: KVSpec, *, n_slots: int, slots_per_slab: int, slot_bytes: in
         "n_slots": n_slots,
         "capacity_bytes": n_slots * slot_bytes,
     }
+    if compact:
+        meta["compact"] = True
+    return meta
+
+
+def is_compact(meta: dict[str, Any]) -> bool:
+    """Whether the tier's slots are smaller than a block (every block in it is a compressed frame)."""
+    return meta.get("compact") is True
 
 
 def encode_meta(meta: dict[str, Any]) -> bytes:
@@ -76,9 +94,9 @@ def parse_meta(raw: bytes, where: str) -> dict[str, Any]:
     version = meta.get("format_version")
     if not isinstance(version, int):
         raise FormatError(f"{where} has no integer format_version")
-    if version > FORMAT_VERSION:
+    if version > COMPACT_VERSION:
         raise FormatError(f"{where} has format version {version}, newer than this tieredkv reads "
-                          f"({FORMAT_VERSION}); upgrade tieredkv or use another directory")
+                          f"({', '.join(map(str, READABLE_VERSIONS))}); upgrade tieredkv or use another directory")
     if version < FORMAT_VERSION:
         raise FormatError(f"{where} has old format version {version} (this tieredkv reads "
                           f"{FORMAT_VERSION}); delete the directory to start a new warm tier")
@@ -86,7 +104,13 @@ def parse_meta(raw: bytes, where: str) -> dict[str, Any]:
                         ("slots_per_slab", int), ("n_slots", int), ("block_bytes", int)):
         if not isinstance(meta.get(field), kind):
             raise FormatError(f"{where} lacks a valid {field!r}")
-    if meta["slot_bytes"] % 4096 or meta["slot_bytes"] < meta["block_bytes"] or meta["n_slots"] <= 0 \
+    # A compact tier (version 2, "compact": true) has slots smaller than a block; any other must not.
+    compact = version == COMPACT_VERSION and meta.get("compact") is True
+    if (version == COMPACT_VERSION) != (meta.get("compact") is True):
+        raise FormatError(f"{where} has format version {version} and compact={meta.get('compact')!r}: "
+                          f"a compact tier is version {COMPACT_VERSION}, any other {FORMAT_VERSION}")
+    wrong_size = meta["slot_bytes"] >= meta["block_bytes"] if compact else meta["slot_bytes"] < meta["block_bytes"]
+    if meta["slot_bytes"] % 4096 or meta["slot_bytes"] <= 0 or wrong_size or meta["n_slots"] <= 0 \
             or meta["slots_per_slab"] <= 0:
         raise FormatError(f"{where} has an impossible slot geometry")
     return meta

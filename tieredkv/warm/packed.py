@@ -21,8 +21,16 @@ Checksums cover the stored bytes (the frame, header included), not the raw block
 caught before the decompressor sees it (blosc2 decompresses a flipped byte into wrong bytes without a
 word, and trusts the sizes in its header), the codec byte and raw length are covered too, and hashing
 the smaller frame costs less. So a framed block is checked on every read whatever ``verify`` says; its
-decompressed size is checked as well. Slots are not shrunk: compression saves disk reads and writes
-(the bytes past a frame are never read), not warm capacity.
+decompressed size is checked as well.
+
+In a tier of full slots compression saves disk reads and writes (the bytes past a frame are never
+read), not capacity. A compact tier (``WarmTier(slot_fraction=...)``, meta format version 2) has slots
+smaller than a block, so its capacity is ``1 / slot_fraction`` times the blocks in the same disk space:
+every block in it is a frame no longer than the slot (a length above ``slot_bytes`` is a damaged
+record), and a block that does not compress into a slot is refused at ``put_many`` (``NO_SPACE``,
+counted as ``too_big``) before a slot is claimed for it: nothing is evicted or written for it. bf16 KV
+of a real model compresses to 0.68-0.72 of its bytes with "zstd" (docs/benchmarks.md), so slots of
+0.75 hold every such block.
 """
 
 from __future__ import annotations
@@ -41,18 +49,26 @@ FRAME = struct.Struct("<4sB3xQ")
 MAGIC = b"TKVZ"
 
 
-def valid_length(lengths: np.ndarray, block_bytes: int) -> np.ndarray:
-    """Bool per record length: a raw block (``block_bytes``) or a frame with a body (shorter)."""
-    return (lengths == block_bytes) | ((lengths > FRAME.size) & (lengths < block_bytes))
+def valid_length(lengths: np.ndarray, block_bytes: int, slot_bytes: int | None = None) -> np.ndarray:
+    """Bool per record length: a raw block (``block_bytes``) or a frame with a body (shorter), and
+    never longer than a slot (``slot_bytes``; a compact tier's slots are smaller than a block)."""
+    frame = (lengths > FRAME.size) & (lengths < block_bytes)
+    if slot_bytes is not None and slot_bytes < block_bytes:
+        return frame & (lengths <= slot_bytes)
+    return (lengths == block_bytes) | frame
 
 
-def servable(lengths: np.ndarray, block_bytes: int) -> np.ndarray:
+def servable(lengths: np.ndarray, block_bytes: int, slot_bytes: int | None = None) -> np.ndarray:
     """Bool per record length: a block this process can read. Frames only where blosc2 runs here (the
     only codec the warm tier writes): a lookup does not promise blocks its load would miss."""
     raw = lengths == block_bytes
-    if raw.all() or not cd.blosc2_available():
+    if slot_bytes is not None and slot_bytes < block_bytes:
+        raw = np.zeros(np.shape(lengths), dtype=bool)  # a compact tier holds frames only
+    elif raw.all():
         return raw
-    return raw | ((lengths > FRAME.size) & (lengths < block_bytes))
+    if not cd.blosc2_available():
+        return raw
+    return raw | valid_length(lengths, block_bytes, slot_bytes)
 
 
 class Packer:
@@ -93,18 +109,29 @@ def unpack(stored: np.ndarray, out: np.ndarray, typesize: int) -> bool:
     return cd.decompress_into(codec, stored[FRAME.size:], out, typesize)
 
 
+def pack(packer: Packer | None, rows: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
+    """The slot contents of ``rows[idx[j]]``: frames where ``packer`` compresses them, else the rows."""
+    if packer is None:
+        return [rows[i] for i in idx.tolist()]
+    return [packer.pack(rows[i]) for i in idx.tolist()]
+
+
 def write(slabs: Slabs, packer: Packer | None, slots: np.ndarray, rows: np.ndarray,
-          idx: np.ndarray) -> tuple[list[int], np.ndarray | None, set[int]]:
+          idx: np.ndarray, parts: list[np.ndarray] | None = None) -> tuple[list[int], np.ndarray | None, set[int]]:
     """Write ``rows[idx[j]]`` into ``slots[j]``, framed where ``packer`` compresses them.
+
+    Args:
+        parts: the slot contents, if ``pack`` made them already (each at most a slot long).
 
     Returns:
         ``(checksums, lengths, slabs touched)``: the xxh3_64 of each block's stored bytes and the
         lengths stored (None: every block raw, ``block_bytes``).
     """
-    parts = [rows[i] for i in idx.tolist()] if packer is None else [packer.pack(rows[i]) for i in idx.tolist()]
+    if parts is None:
+        parts = pack(packer, rows, idx)
     sums = [xxhash.xxh3_64_intdigest(p.data) for p in parts]
     lengths = np.asarray([p.nbytes for p in parts], dtype=np.int64)
-    if (lengths == slabs.block_bytes).all():
+    if (lengths == rows.shape[1]).all():
         return sums, None, slabs.write(slots, rows, idx)  # runs of slots in one call each
     return sums, lengths, slabs.write_parts(slots, parts)
 

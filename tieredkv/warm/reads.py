@@ -85,7 +85,8 @@ class CheckedReads(Records):
         found = np.zeros(n, dtype=bool)
         if m:
             # A damaged slot field must be a miss, never an index past the slabs.
-            found[:m] = (packed.servable(recs["length"], self.block_bytes) & (recs["slot"] < self.n_slots)
+            found[:m] = (packed.servable(recs["length"], self.block_bytes, self.slot_bytes)
+                         & (recs["slot"] < self.n_slots)
                          & (recs["parent"] == keys.parents[:m]).all(axis=1)
                          & (recs["tokens"] == keys.tokens[:m]).all(axis=1))
         if prefix and not found.all():
@@ -102,7 +103,8 @@ class CheckedReads(Records):
         m = min(n, len(recs))
         if not m:
             return np.zeros(0, dtype=bool)
-        bad = ((recs["slot"][:m] >= self.n_slots) & packed.valid_length(recs["length"][:m], self.block_bytes)
+        bad = ((recs["slot"][:m] >= self.n_slots)
+               & packed.valid_length(recs["length"][:m], self.block_bytes, self.slot_bytes)
                & (recs["parent"][:m] == keys.parents[:m]).all(axis=1)
                & (recs["tokens"][:m] == keys.tokens[:m]).all(axis=1))
         if self.verify == "always":

@@ -37,13 +37,14 @@ class Records:
     policy: Any  # the eviction policy (policies.EvictionPolicy)
     flush_every: int  # write batched hits after this many
     n_slots: int
-    slot_bytes: int
+    slot_bytes: int  # below block_bytes in a compact tier (every block a compressed frame)
     block_bytes: int
     meta: dict  # meta.json
     _rec: np.dtype  # the record layout (ix.record_dtype)
     _index: ix.Index
     _slabs: Slabs
     _packer: Any  # warm.packed.Packer framing blocks on write, or None (blocks written raw)
+    _slot_fraction: float  # slot size / block size for a tier created by this handle (< 1: compact)
     _view: PolicyView  # this process's policy state and its unwritten hits
     _counts: dict[str, int]  # this process's counters since open
     _rng: np.random.Generator  # sampling for verify="sampled"

@@ -16,9 +16,9 @@ import warnings
 
 import lmdb
 
-from tieredkv import forksafe
+from tieredkv import codec, forksafe
 from tieredkv.errors import CorruptState, FormatError, InvalidInput, WarmTierUnavailable
-from tieredkv.warm import files
+from tieredkv.warm import files, packed
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
 from tieredkv.warm.records import Records
@@ -41,7 +41,7 @@ class Recovery(Records):
         """Counters, pending hit bookkeeping and the policy view: all private to one process."""
         self._pid = os.getpid()
         self._counts = dict(hits=0, misses=0, bytes_in=0, bytes_out=0, puts=0, evictions=0, corrupt=0,
-                            recoveries=0)
+                            recoveries=0, too_big=0)
         # The policy state of this process and the hits it has not written yet (warm/view.py).
         self._view = PolicyView(self.policy, getattr(self, "n_slots", 0), getattr(self, "_rec", None),
                                 self.flush_every)
@@ -64,12 +64,19 @@ class Recovery(Records):
                                   f"`tieredkv verify --repair {path}` to restore it") from None
             if self.readonly:
                 raise WarmTierUnavailable(f"no warm tier at {path} (opened read-only, nothing to create)") from None
-            meta = files.create(path, self.spec, capacity_bytes, slab_bytes, self._map_size, self._map_max)
+            meta = files.create(path, self.spec, capacity_bytes, slab_bytes, self._map_size, self._map_max,
+                                self._slot_fraction)
         mt.check_spec(meta, self.spec, path)
         if capacity_bytes is not None and capacity_bytes // meta["slot_bytes"] != meta["n_slots"]:
             warnings.warn(f"warm tier {path} keeps its capacity of {meta['n_slots']} slots "
                           f"({meta['capacity_bytes']} bytes); capacity_bytes={capacity_bytes} is only "
                           f"used to create a tier", stacklevel=4)
+        if self._slot_fraction < 1 and files.slot_bytes_of(self.spec, self._slot_fraction) != meta["slot_bytes"]:
+            warnings.warn(f"warm tier {path} keeps its slots of {meta['slot_bytes']} bytes; slot_fraction="
+                          f"{self._slot_fraction} is only used to create a tier", stacklevel=4)
+        if mt.is_compact(meta) and self._packer is None and not self.readonly:
+            # Every block of a compact tier is a frame: it is written compressed whatever was asked.
+            self._packer = packed.Packer(codec.DEFAULT, self.spec.block_bytes, self.spec.dtype_bytes)
         self.meta = meta
         self.n_slots = int(meta["n_slots"])
         self.slot_bytes = int(meta["slot_bytes"])

@@ -43,7 +43,9 @@ class Slabs:
         directory: the tier directory.
         n_slots: total slots; ``slots_per_slab`` per file, the last file may hold fewer.
         slot_bytes: bytes per slot (a multiple of 4096).
-        block_bytes: payload bytes per block (<= slot_bytes).
+        block_bytes: payload bytes per block; a compact tier's blocks are larger than its slots (they
+            are stored as compressed frames, ``read_parts``/``write_parts``): ``block_bytes`` is then
+            the slot's size, the most a slot holds.
         readonly: open the files read-only.
     """
 
@@ -53,13 +55,13 @@ class Slabs:
         self.n_slots = n_slots
         self.slots_per_slab = slots_per_slab
         self.slot_bytes = slot_bytes
-        self.block_bytes = block_bytes
+        self.block_bytes = min(block_bytes, slot_bytes)
         self.readonly = readonly
         self.n_slabs = (n_slots + slots_per_slab - 1) // slots_per_slab
-        self._pad = bytearray(slot_bytes - block_bytes)  # scratch for padding between coalesced slots
+        self._pad = bytearray(slot_bytes - self.block_bytes)  # scratch for padding between coalesced slots
         # Reads (which run beside a write, on other threads) land their padding here, never in the
         # buffer a write is sending to disk.
-        self._read_pad = bytearray(slot_bytes - block_bytes)
+        self._read_pad = bytearray(slot_bytes - self.block_bytes)
         self.fds: list[int] = []
 
     # ---- files -----------------------------------------------------------------------------------

@@ -100,9 +100,16 @@ class WarmTier(Writes, CheckedReads, Tier):
             evicts to make room, before their slots are rewritten: the hook that passes blocks leaving
             the warm tier on to a lower tier (a remote store). Costs one slab read per evicted block.
         compress: write blocks compressed (``tieredkv.codec.CHOICES``: "none", "zstd", "lz4"; True:
-            "zstd"): fewer bytes to and from the disk, the same capacity (tieredkv.warm.packed). Pays
-            when the disk is slower than the codec (docs/warm-tier.md). Reads decode every block
-            whatever this says; a block in a codec not installed here is a miss.
+            "zstd"): fewer bytes to and from the disk; more capacity only with ``slot_fraction``
+            (tieredkv.warm.packed). Pays when the disk is slower than the codec (docs/warm-tier.md).
+            Reads decode every block whatever this says; a block in a codec not installed here is a
+            miss.
+        slot_fraction: when creating a tier, below 1 makes it compact: slots of this share of a
+            block (rounded up to 4 KiB), so ``capacity_bytes`` holds ``1 / slot_fraction`` times as
+            many blocks, each stored compressed (with ``compress``, or "zstd" when that is "none").
+            A block that does not compress into a slot is refused (``NO_SPACE``, counted in
+            ``stats().extra["too_big"]``). 0.75 holds bf16 KV (0.68-0.72 of its bytes with "zstd");
+            random or fp32 data would be refused. An existing tier keeps the slots it was made with.
 
     Raises:
         SpecMismatch: the directory holds a tier of another spec.
@@ -131,7 +138,8 @@ class WarmTier(Writes, CheckedReads, Tier):
                  sample_rate: float = 1 / 16, flush_every: int = 1024,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, map_size_bytes: int | None = None,
                  map_max_bytes: int | None = None, readonly: bool = False, lock_timeout_s: float = 10.0,
-                 on_evict: Callable[[Evicted], None] | None = None, compress: str | bool | None = None):
+                 on_evict: Callable[[Evicted], None] | None = None, compress: str | bool | None = None,
+                 slot_fraction: float = 1.0):
         if not isinstance(spec, KVSpec):
             raise InvalidInput(f"spec must be a KVSpec, got {type(spec).__name__}")
         if sync not in SYNC_MODES:
@@ -155,6 +163,10 @@ class WarmTier(Writes, CheckedReads, Tier):
             raise InvalidInput("compress='zlib' is too slow for the warm tier (tens of MB/s); use 'zstd' or 'lz4'")
         #: frames blocks on write (None: blocks are written raw)
         self._packer = packed.Packer(name, spec.block_bytes, spec.dtype_bytes) if name != "none" else None
+        if isinstance(slot_fraction, bool) or not isinstance(slot_fraction, (int, float)) \
+                or not 0.0 < slot_fraction <= 1.0:
+            raise InvalidInput(f"slot_fraction must be in (0, 1], got {slot_fraction!r}")
+        self._slot_fraction = float(slot_fraction)
         self.sample_rate = float(sample_rate)
         self.flush_every = max(1, int(flush_every))
         try:
@@ -296,6 +308,11 @@ class WarmTier(Writes, CheckedReads, Tier):
             kv = np.ascontiguousarray(keys.keys, dtype="<u8").view("V16").ravel()
             _, first = np.unique(kv, return_index=True)
             first.sort()
+            framed: dict[int, np.ndarray] = {}
+            if self.slot_bytes < self.block_bytes:
+                # Compact: frame the new blocks before claiming, so that one that cannot fit is refused
+                # without a slot, or a victim evicted, for it.
+                first, framed = self._frame_new(raw, rows, first, codes)
             owner, token = self._index.identity  # this process in the tier's owner registry
             claim_time = ix.now_us()
 
@@ -332,7 +349,10 @@ class WarmTier(Writes, CheckedReads, Tier):
                 return codes
             idx = np.asarray(todo[:len(slots)], dtype=np.int64)
             slot_arr = np.asarray(slots, dtype=np.int64)
+            parts = None
             try:
+                if self.slot_bytes < self.block_bytes:  # compact: only frames that fit a slot are stored
+                    idx, slot_arr, parts = self._fitting(raw, rows, idx, slot_arr, owner, token, codes, framed)
                 if len(victims) and self.on_evict is not None:
                     # The victims' slots are claimed by this call and not rewritten yet: read them now.
                     if self.evict_payloads:
@@ -340,7 +360,7 @@ class WarmTier(Writes, CheckedReads, Tier):
                         self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
                     else:
                         self.on_evict(self._evicted(victims, None, np.ones(len(victims), dtype=bool)))
-                sums, lengths, touched = packed.write(self._slabs, self._packer, slot_arr, rows, idx)
+                sums, lengths, touched = packed.write(self._slabs, self._packer, slot_arr, rows, idx, parts)
                 if self.sync != "none":
                     self._slabs.sync(touched)  # data reaches the disk before the index points at it
                 stored = self._commit(raw, keys, idx, slot_arr, sums, owner, token, lengths)
@@ -356,6 +376,43 @@ class WarmTier(Writes, CheckedReads, Tier):
                 self._counts["puts"] += n_stored
                 self._counts["bytes_in"] += n_stored * self.block_bytes
             return codes
+
+    def _frame_new(self, raw: bytes, rows: np.ndarray, first: np.ndarray,
+                   codes: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """A compact tier's put, before the claim: frame the blocks not stored yet (read without a lock)
+        and refuse those whose frame does not fit a slot (``NO_SPACE``, counted ``too_big``).
+
+        Returns:
+            ``(first, framed)``: the batch positions still to claim, and the frame of each new one.
+        """
+        db = self._index.blocks
+        stored = self._index.read(lambda txn: [txn.get(key_at(raw, i), db=db) is not None for i in first.tolist()])
+        new = first[~np.asarray(stored, dtype=bool)]
+        framed = dict(zip(new.tolist(), packed.pack(self._packer, rows, new)))
+        big = np.asarray([i for i, p in framed.items() if p.nbytes > self.slot_bytes], dtype=np.int64)
+        if len(big):
+            codes[big] = PutResult.NO_SPACE
+            with self._mem:
+                self._counts["too_big"] += len(big)
+        return np.setdiff1d(first, big, assume_unique=True), framed
+
+    def _fitting(self, raw: bytes, rows: np.ndarray, idx: np.ndarray, slots: np.ndarray, owner: int,
+                 token: int, codes: np.ndarray, framed: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, list]:
+        """A compact tier's put, after the claim: the frames of the claimed blocks (``framed``, or made
+        now for a block that was stored when ``_frame_new`` looked and removed since); give back the
+        claims of any that do not fit (``NO_SPACE``, ``too_big``; nothing of them is written).
+
+        Returns:
+            ``(idx, slots, parts)`` of the blocks that fit.
+        """
+        parts = [framed[i] if i in framed else self._packer.pack(rows[i]) for i in idx.tolist()]
+        fit = np.asarray([p.nbytes <= self.slot_bytes for p in parts], dtype=bool)
+        if not fit.all():
+            self._release(raw, idx[~fit], slots[~fit], owner, token)
+            codes[idx[~fit]] = PutResult.NO_SPACE
+            with self._mem:
+                self._counts["too_big"] += int((~fit).sum())
+        return idx[fit], slots[fit], [p for p, f in zip(parts, fit) if f]
 
     # ================================================================================== policy view
     def _note_hits(self, raw: bytes, gens: np.ndarray, slots: np.ndarray) -> None:
@@ -522,12 +579,14 @@ class WarmTier(Writes, CheckedReads, Tier):
         used, inflight, corrupt_total = self._index.read(read)
         with self._mem:
             counts, pending_n = dict(self._counts), self._view.pending_n
+        too_big = counts.pop("too_big")
         return TierStats(name="warm", capacity_blocks=self.n_slots, used_blocks=int(used), **counts,
                          extra={"path": str(self.path), "sync": self.sync, "verify": self.verify,
                                 "policy": self.policy.name, "readonly": self.readonly,
                                 "inflight": int(inflight), "corrupt_total": int(corrupt_total),
                                 "pending_hits": pending_n, "slot_bytes": self.slot_bytes,
                                 "compress": self._packer.name if self._packer is not None else "none",
+                                "compact": self.slot_bytes < self.block_bytes, "too_big": too_big,
                                 "map_size": self._index.map_size()})
 
     def close(self) -> None:

@@ -264,10 +264,17 @@ def sieve_choose(visited, order, resident, candidates, n, hand_at):
 # ---- S3-FIFO (``s3fifo.S3FIFO``; queues SMALL = 0, MAIN = 1; ghost lists GHOST = 0, PENDING = 1) ---
 def s3fifo_miss(w, tk, tr, keys, L, R, cap, shift):
     """``S3FIFO.on_miss``: keys in G move to the pending list."""
+    s3fifo_miss_seen(w, tk, tr, keys, L, R, cap, shift, np.empty(len(keys), dtype=np.bool_))
+
+
+def s3fifo_miss_seen(w, tk, tr, keys, L, R, cap, shift, seen):
+    """``s3fifo_miss``, also writing whether each key is a ghost (``seen``, for ``s3fifo_insert_counted``)."""
     found = np.empty(len(keys), dtype=np.int64)
     nf = 0
     for i in range(len(keys)):          # membership first, as the vectorised lookup does
-        if ghost_find(w, tk, tr, keys[i], L, R, shift)[0] == 0:
+        lst = ghost_find(w, tk, tr, keys[i], L, R, shift)[0]
+        seen[i] = lst >= 0
+        if lst == 0:
             found[nf] = keys[i]
             nf += 1
     for i in range(nf):
@@ -286,16 +293,18 @@ def s3fifo_insert(queue, freq, order, resident, key64, slots, w, tk, tr, L, R, s
             if resident[s] == 1 and not in_batch[s] and queue[s] == 0:
                 small += 1
     return s3fifo_insert_counted(queue, freq, order, key64, slots, w, tk, tr, L, R, shift, warm,
-                                 max(small_cap - small, 0), seq)
+                                 max(small_cap - small, 0), seq, np.ones(len(slots), dtype=np.bool_))
 
 
-def s3fifo_insert_counted(queue, freq, order, key64, slots, w, tk, tr, L, R, shift, warm, room, seq):
+def s3fifo_insert_counted(queue, freq, order, key64, slots, w, tk, tr, L, R, shift, warm, room, seq, seen):
     """``s3fifo_insert`` once the room left in S is known (``small_cap`` less the resident small
-    blocks outside the batch; read only when ``warm``): the compiled replay keeps that count."""
+    blocks outside the batch; read only when ``warm``): the compiled replay keeps that count.
+    ``seen[i]`` False: ``slots[i]``'s key is known to be no ghost (``s3fifo_miss_seen`` found none
+    and only the keys of resident blocks became ghosts since), so it is not probed again."""
     n = len(slots)
     q = np.zeros(n, dtype=np.int64)
     for i in range(n):
-        if ghost_find(w, tk, tr, key64[slots[i]], L, R, shift)[0] >= 0:
+        if seen[i] and ghost_find(w, tk, tr, key64[slots[i]], L, R, shift)[0] >= 0:
             q[i] = 1
     for i in range(n):
         if q[i] == 1:
@@ -412,11 +421,17 @@ def arc_adapt(w, lst, p, n_slots):
 
 def arc_miss(w, tk, tr, keys, L, R, shift, p, n_slots):
     """``ARC.on_miss``: adapt ``p`` for each missing key found unmarked in a ghost list; returns ``p``."""
+    return arc_miss_seen(w, tk, tr, keys, L, R, shift, p, n_slots, np.empty(len(keys), dtype=np.bool_))
+
+
+def arc_miss_seen(w, tk, tr, keys, L, R, shift, p, n_slots, seen):
+    """``arc_miss``, also writing whether each key is a ghost (``seen``, for ``arc_insert_counted``)."""
     lists = np.empty(len(keys), dtype=np.int64)
     todo = np.zeros(len(keys), dtype=np.bool_)
     for i in range(len(keys)):          # membership first, as the vectorised lookup does
         lst, flags = ghost_find(w, tk, tr, keys[i], L, R, shift)
         lists[i] = lst
+        seen[i] = lst >= 0
         todo[i] = lst >= 0 and flags & GHOST_MARK == 0
     for i in range(len(keys)):
         if todo[i]:
@@ -436,17 +451,18 @@ def arc_insert(lists, resident, key64, slots, w, tk, tr, L, R, shift, p, n_slots
     for i in range(len(slots)):         # the batch (resident already) is not counted
         n_res -= 1
         t1 -= lists[slots[i]] == 1
-    return arc_insert_counted(lists, key64, slots, w, tk, tr, L, R, shift, p, n_slots, t1, n_res - t1)
+    return arc_insert_counted(lists, key64, slots, w, tk, tr, L, R, shift, p, n_slots, t1, n_res - t1,
+                              np.ones(len(slots), dtype=np.bool_))
 
 
-def arc_insert_counted(lists, key64, slots, w, tk, tr, L, R, shift, p, n_slots, t1, t2):
+def arc_insert_counted(lists, key64, slots, w, tk, tr, L, R, shift, p, n_slots, t1, t2, seen):
     """``arc_insert`` once T1's and T2's resident lengths outside the batch are known (the compiled
-    replay keeps them)."""
+    replay keeps them); ``seen`` as in ``s3fifo_insert_counted`` (from ``arc_miss_seen``)."""
     c = n_slots
     for i in range(len(slots)):
         s = slots[i]
         key = key64[s]
-        lst, flags = ghost_find(w, tk, tr, key, L, R, shift)
+        lst, flags = ghost_find(w, tk, tr, key, L, R, shift) if seen[i] else (-1, 0)
         if lst >= 0:
             if not flags & GHOST_MARK:
                 p = arc_adapt(w, lst, p, n_slots)
@@ -537,9 +553,9 @@ def arc_choose(lists, resident, last_access, candidates, n, p, incoming, has_inc
 #: Compiled in this order on ``bind`` (a function calls the compiled versions of those before it).
 _ORDER = ("_sift_down", "_heap_add", "k_smallest", "oldest", "smallest_lex", "walk_next", "ghost_len", "ghost_find",
           "ghost_mark", "ghost_push", "clock_insert", "saturating_hit", "sieve_insert", "sieve_hit",
-          "sieve_choose", "s3fifo_miss", "s3fifo_insert_counted", "s3fifo_insert", "s3fifo_remove", "s3fifo_requeue",
-          "s3fifo_choose", "arc_adapt", "arc_miss", "arc_insert_counted", "arc_insert", "arc_hit", "arc_remove",
-          "arc_from_t1", "arc_choose")
+          "sieve_choose", "s3fifo_miss_seen", "s3fifo_miss", "s3fifo_insert_counted", "s3fifo_insert",
+          "s3fifo_remove", "s3fifo_requeue", "s3fifo_choose", "arc_adapt", "arc_miss_seen", "arc_miss",
+          "arc_insert_counted", "arc_insert", "arc_hit", "arc_remove", "arc_from_t1", "arc_choose")
 
 
 def bind(compile_, tfind, ghost_push, ghost_remove, ghost_pop) -> None:

@@ -241,3 +241,44 @@ def test_arc_walk_matches_its_kernel(seed, n_slots):
     got = victims.arc_choose(links, lists, where, arc_list, cand.copy(), n, p, incoming, w, tk, tr, L, R, shift,
                              np.empty(n, np.int64))
     assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "arc"])
+@pytest.mark.parametrize("seed", range(12))
+def test_insert_skips_the_probe_only_for_keys_the_miss_found_no_ghost(name, seed):
+    """``*_miss_seen`` marks which missing keys are ghosts; the insert hook given those marks writes
+    the same words as the one that probes every key (and as the miss hook without marks)."""
+    from tieredkv.policies import _kernels
+
+    rng = np.random.default_rng(3000 + seed)
+    n_slots = 16
+    st = policies.SlotState.private(policies.make(name), n_slots)
+    pool = rng.permutation(np.arange(1, 200))
+    for lst in range(st.layout.ghost_lists):   # some keys are ghosts, in each list
+        st.ghost_push(pool[lst * 20:lst * 20 + int(rng.integers(1, 20))], lst)
+    keys = np.ascontiguousarray(rng.choice(pool[:60], int(rng.integers(1, 10)), replace=False), dtype=np.int64)
+    slots = np.arange(len(keys), dtype=np.int64)
+    states = []
+    for marked in (True, False):
+        s2 = policies.SlotState.private(policies.make(name), n_slots)
+        s2._gw[:], s2._table.keys[:], s2._table.refs[:] = st._gw, st._table.keys, st._table.refs
+        w, tk, tr, L, R, cap, shift = s2.ghost_args()
+        s2.key64[slots] = keys
+        seen = np.ones(len(keys), dtype=np.bool_)
+        field = np.zeros(n_slots, dtype=np.int64)
+        if name == "s3fifo":
+            if marked:
+                _kernels.s3fifo_miss_seen(w, tk, tr, keys, L, R, cap, shift, seen)
+            else:
+                _kernels.s3fifo_miss(w, tk, tr, keys, L, R, cap, shift)
+            out = _kernels.s3fifo_insert_counted(field, s2.s3_freq, s2.s3_order, s2.key64, slots, w, tk, tr, L, R,
+                                                 shift, True, 3, 7, seen)
+        else:
+            p = _kernels.arc_miss_seen(w, tk, tr, keys, L, R, shift, 2.0, n_slots, seen) if marked else \
+                _kernels.arc_miss(w, tk, tr, keys, L, R, shift, 2.0, n_slots)
+            out = _kernels.arc_insert_counted(field, s2.key64, slots, w, tk, tr, L, R, shift, p, n_slots, 3, 2, seen)
+        if marked:   # the marks say exactly which keys were ghosts before the miss
+            assert seen.tolist() == [st.ghost_find(int(k))[0] >= 0 for k in keys]
+        states.append((out, field.copy(), s2._gw.copy(), s2._table.keys.copy(), s2._table.refs.copy()))
+    a, b = states
+    assert a[0] == b[0] and all(np.array_equal(x, y) for x, y in zip(a[1:], b[1:]))

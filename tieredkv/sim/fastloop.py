@@ -41,13 +41,6 @@ _COMMON = 8            # the common slot fields come first in every layout (stat
 _compiled: Any = None  # the compiled ``_replay`` once ``_bind`` ran
 
 
-def _on_miss(kind, f0, gf, gi, ids, w, tk, tr, L, R, gcap, shift, n_slots):
-    if kind == 5:
-        _kernels.s3fifo_miss(w, tk, tr, ids, L, R, gcap, shift)
-    elif kind == 6:
-        gf[gi[0]] = _kernels.arc_miss(w, tk, tr, ids, L, R, shift, gf[gi[0]], n_slots)
-
-
 def _on_hit(kind, f0, f1, prm, slots):
     if kind == 3:
         _kernels.saturating_hit(f0, slots, prm[0])
@@ -59,9 +52,8 @@ def _on_hit(kind, f0, f1, prm, slots):
         _kernels.arc_hit(f0, slots)
 
 
-def _choose(kind, fields, g, gf, gi, prm, n, cand, ids, w, tk, tr, L, R, shift):
-    resident, last, ins, hits = fields[0], fields[2], fields[3], fields[4]
-    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
+def _choose(kind, resident, last, ins, hits, f0, f1, f2, g, gf, gi, prm, n, cand, ids, w, tk, tr, L, R, shift):
+    """The victims the policy's kernels choose (a pass over all the slots, as the hot tier does)."""
     if kind == 0:
         return _kernels.oldest(last, n, cand)
     if kind == 1:
@@ -85,14 +77,11 @@ def _choose(kind, fields, g, gf, gi, prm, n, cand, ids, w, tk, tr, L, R, shift):
     return _kernels.arc_choose(f0, resident, last, cand, n, gf[gi[0]], ids, True, w, tk, tr, L, R, shift)
 
 
-def _choose_inc(kind, fields, g, gf, gi, prm, n, cand, count, ids, w, tk, tr, L, R, shift, vic, victims):
-    """``_choose`` from the lists kept incrementally (``victims``): the same victims in the same
-    order, the same state words written. ``count``: the candidates (resident, not pinned);
-    ``victims``: a buffer of at least ``n`` words, which the returned victims are a part of."""
-    links, lists, where, aux = vic
-    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
-    if kind <= 1:
-        return victims[:vs.oldest_of(links, lists, where, 0, cand, n, victims, 0)]
+def _choose_inc(kind, n_slots, f0, f1, f2, g, gi, prm, n, cand, count, links, lists, where, aux, victims):
+    """``_choose`` from the lists kept incrementally (``victims``) for LFU, CLOCK, SIEVE and S3-FIFO
+    (the loop takes LRU's, FIFO's and ARC's itself): the same victims in the same order, the same
+    state words written. ``count``: the candidates (resident, not pinned); ``victims``: a buffer of at
+    least ``n`` words, which the returned victims are a part of."""
     if kind == 2:
         return vs.lfu_choose(links, lists, where, aux, cand, n, victims)
     if kind == 3:
@@ -103,26 +92,15 @@ def _choose_inc(kind, fields, g, gf, gi, prm, n, cand, count, ids, w, tk, tr, L,
         victims, hand = vs.sieve_choose(links, lists, where, aux, f0, f1, cand, n, g[gi[1]], victims)
         g[gi[1]] = hand
         return victims
-    if kind == 5:
-        victims, seq = vs.s3fifo_choose(links, lists, where, f0, f1, f2, cand, n, len(fields[0]), prm[0], prm[1],
-                                        g[gi[0]], victims)
-        g[gi[0]] = seq
-        if len(victims):
-            g[gi[1]] = 1
-        return victims
-    return vs.arc_choose(links, lists, where, f0, cand, n, gf[gi[0]], ids, w, tk, tr, L, R, shift, victims)
+    victims, seq = vs.s3fifo_choose(links, lists, where, f0, f1, f2, cand, n, n_slots, prm[0], prm[1], g[gi[0]],
+                                    victims)
+    g[gi[0]] = seq
+    if len(victims):
+        g[gi[1]] = 1
+    return victims
 
 
-def _on_remove(kind, f0, key64, slots, w, tk, tr, L, R, gcap, shift):
-    if kind == 5:
-        _kernels.s3fifo_remove(f0, key64, slots, w, tk, tr, L, R, gcap, shift)
-    elif kind == 6:
-        _kernels.arc_remove(f0, key64, slots, w, tk, tr, L, R, gcap, shift)
-
-
-def _on_insert(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift):
-    resident, key64 = fields[0], fields[1]
-    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
+def _on_insert(kind, resident, key64, f0, f1, f2, g, gf, gi, prm, slots, w, tk, tr, L, R, shift):
     if kind == 3:
         g[gi[0]] = _kernels.clock_insert(f0, f1, slots, prm[1], g[gi[0]])
     elif kind == 4:
@@ -132,23 +110,6 @@ def _on_insert(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift):
                                           prm[0], g[gi[0]])
     elif kind == 6:
         gf[gi[0]] = _kernels.arc_insert(f0, resident, key64, slots, w, tk, tr, L, R, shift, gf[gi[0]], len(resident))
-
-
-def _on_insert_inc(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift, vic):
-    """``_on_insert``, with S3-FIFO's and ARC's queue lengths read from the lists rather than counted
-    over all the slots, then the slots put on their lists."""
-    links, lists, where, aux = vic
-    key64 = fields[1]
-    f0, f1, f2 = fields[_COMMON], fields[_COMMON + 1], fields[_COMMON + 2]
-    if kind == 5:
-        g[gi[0]] = _kernels.s3fifo_insert_counted(f0, f1, f2, key64, slots, w, tk, tr, L, R, shift, g[gi[1]] == 0,
-                                                  max(prm[0] - lists[2, 0], 0), g[gi[0]])
-    elif kind == 6:
-        gf[gi[0]] = _kernels.arc_insert_counted(f0, key64, slots, w, tk, tr, L, R, shift, gf[gi[0]], len(fields[0]),
-                                                lists[2, 1], lists[2, 2])
-    else:
-        _on_insert(kind, fields, g, gf, gi, prm, slots, w, tk, tr, L, R, shift)
-    vs.on_insert(kind, links, lists, where, aux, f0, slots)
 
 
 def _link(kids, parent, slots):
@@ -199,80 +160,99 @@ def _remove_common(resident, parent, n_children, slots, kids):
         n_children[s] = 0
 
 
-def _evict(kind, fields, g, gf, gi, prm, need, pinned, ids, w, tk, tr, L, R, gcap, shift, slot_of, block_at, free,
-           top, cand, kids, inc, vic, vbuf):
-    """``base.evict`` of ``need`` victims, never the ``pinned`` slots (the request's hits), then the
-    victims' slots back on the free stack; returns (new top, victims). ``inc``: choose from the
-    incremental lists ``vic`` (``_choose_inc``, into the buffer ``vbuf``), else with the policies'
-    kernels."""
-    nh = len(pinned)
-    for j in range(nh):
-        cand[pinned[j]] = False
-    nv = 0
-    if g[1] - nh > 0:                       # some resident slot is a candidate
-        if inc:
-            victims = _choose_inc(kind, fields, g, gf, gi, prm, need, cand, g[1] - nh, ids, w, tk, tr, L, R, shift,
-                                  vic, vbuf)
+def _lookup(slot_of, blocks, a, b, hit_slots, miss_at):
+    """The resident blocks of ``blocks[a:b]`` (their slots, in prompt order) and the positions of the
+    others; returns how many of each."""
+    nh = 0
+    nm = 0
+    for i in range(a, b):
+        s = slot_of[blocks[i]]
+        if s >= 0:
+            hit_slots[nh] = s
+            nh += 1
         else:
-            victims = _choose(kind, fields, g, gf, gi, prm, need, cand, ids, w, tk, tr, L, R, shift)
-        nv = len(victims)
-        if nv:                              # base.remove: the policy's hook, then the common fields
-            _on_remove(kind, fields[_COMMON], fields[1], victims, w, tk, tr, L, R, gcap, shift)
-            _remove_common(fields[0], fields[5], fields[6], victims, kids)
-            g[1] -= nv
-            for j in range(nv):
-                v = victims[j]
-                cand[v] = False
-                slot_of[block_at[v]] = -1
-                block_at[v] = -1
-                free[top] = v
-                top += 1
-    for j in range(nh):
-        cand[pinned[j]] = True
-    return top, nv
+            miss_at[nm] = i - a
+            nm += 1
+    return nh, nm
+
+
+def _hit_common(last, hits, slots, t):
+    """``base.hit``'s common fields: a tick each, in prompt order; returns the last tick."""
+    for j in range(len(slots)):
+        t += 1
+        last[slots[j]] = t
+        hits[slots[j]] += 1
+    return t
+
+
+def _pin(cand, slots, flag):
+    for j in range(len(slots)):
+        cand[slots[j]] = flag
+
+
+def _release(victims, cand, slot_of, block_at, free, top):
+    """The victims' slots out of the maps and back on the free stack; returns its new top."""
+    for j in range(len(victims)):
+        v = victims[j]
+        cand[v] = False
+        slot_of[block_at[v]] = -1
+        block_at[v] = -1
+        free[top] = v
+        top += 1
+    return top
+
+
+def _take(free, top, ids, new, slot_of, block_at):
+    """Slots for ``ids`` from the free stack's top (the top first) into ``new``, mapped both ways."""
+    for j in range(len(ids)):
+        s = free[top - 1 - j]
+        new[j] = s
+        slot_of[ids[j]] = s
+        block_at[s] = ids[j]
+
+
+def _gather(blocks, prev, a, miss_at, ids, pids):
+    """The missing blocks' ids and their parents' ids (-1: none), for the ``len(ids)`` first misses."""
+    for j in range(len(ids)):
+        ids[j] = blocks[a + miss_at[j]]
+        pids[j] = prev[a + miss_at[j]]
+
+
+def _resolve(slot_of, pids, parents):
+    """The slots of the parents ``pids`` (-1: none or not resident) into ``parents``, once the batch's own
+    slots are mapped."""
+    for j in range(len(pids)):
+        parents[j] = slot_of[pids[j]] if pids[j] >= 0 else -1
 
 
 def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, tr, L, R, gcap, shift,
-            slot_of, block_at, free, cand, kids, acc, inc, vic):
+            slot_of, block_at, free, cand, kids, acc, inc, vic, buf):
     """Requests ``r0`` to ``r1``, as ``replay.simulate`` serves them; ``acc`` holds (hits, prefix hits,
-    evictions, free-stack top) across calls; ``inc``: keep and use the incremental victim lists ``vic``."""
-    resident, key64, last, ins, hits = fields[0], fields[1], fields[2], fields[3], fields[4]
-    parent, n_children, position = fields[5], fields[6], fields[7]
-    f0 = fields[_COMMON]
+    evictions, free-stack top) across calls; ``inc``: keep and use the incremental victim lists ``vic``;
+    ``buf``: scratch, 7 rows of at least the longest request's length.
+
+    The policy's kernels are called here directly, per kind: a compiled call that LLVM does not
+    inline costs an atomic reference count per array argument each way, so a dispatching wrapper
+    with twenty arrays would cost more than the kernel it calls."""
+    # Unpacked once: a tuple of arrays handed to a compiled call costs a reference count per array.
+    resident, key64, last, ins, hits, parent, n_children, position, f0, f1, f2 = fields
+    links, lists, where, aux = vic
+    hit_slots, miss_at, ids, pids, new, parents, vbuf = buf[0], buf[1], buf[2], buf[3], buf[4], buf[5], buf[6]
+    # Per missing key, whether on_miss found it a ghost: one that is not stays none until its insert
+    # (only evicted blocks' keys become ghosts, and a missing block is not resident), so the insert
+    # hook probes the ghost table only for those that are.
+    seen = np.ones(len(vbuf), dtype=np.bool_)
     n_slots = len(resident)
-    longest = 1
-    for r in range(r0, r1):
-        longest = max(longest, offsets[r + 1] - offsets[r])
-    hit_slots = np.empty(longest, dtype=np.int64)
-    miss_at = np.empty(longest, dtype=np.int64)
-    ids = np.empty(longest, dtype=np.int64)
-    vbuf = np.empty(max(n_slots, 1), dtype=np.int64)
-    pids = np.empty(longest, dtype=np.int64)
-    new = np.empty(longest, dtype=np.int64)
-    parents = np.empty(longest, dtype=np.int64)
     n_hits, n_prefix, evictions, top = acc[0], acc[1], acc[2], acc[3]
     for r in range(r0, r1):
-        a, b = offsets[r], offsets[r + 1]
-        nh = 0
-        nm = 0
-        for i in range(a, b):               # 1. look up every block
-            s = slot_of[blocks[i]]
-            if s >= 0:
-                hit_slots[nh] = s
-                nh += 1
-            else:
-                miss_at[nm] = i - a
-                nm += 1
+        a = offsets[r]
+        nh, nm = _lookup(slot_of, blocks, a, offsets[r + 1], hit_slots, miss_at)   # 1. look up every block
         if nh:                              # base.hit: a tick each, in prompt order
-            t = g[0]
-            for j in range(nh):
-                t += 1
-                last[hit_slots[j]] = t
-                hits[hit_slots[j]] += 1
-            g[0] = t
-            _on_hit(kind, f0, fields[_COMMON + 1], prm, hit_slots[:nh])
-            if inc:
-                vs.on_hit(kind, vic[0], vic[1], vic[2], vic[3], hits, hit_slots[:nh])
+            g[0] = _hit_common(last, hits, hit_slots[:nh], g[0])
+            if kind >= 3:
+                _on_hit(kind, f0, f1, prm, hit_slots[:nh])
+            if inc and (kind == 0 or kind == 2 or kind == 6):
+                vs.on_hit(kind, links, lists, where, aux, hits, hit_slots[:nh])
             n_hits += nh
         if nm == 0:
             n_prefix += nh
@@ -280,38 +260,61 @@ def _replay(kind, blocks, prev, offsets, r0, r1, fields, g, gf, gi, prm, w, tk, 
         n_prefix += miss_at[0]
         # 2. _Cache.store of the misses (their leading ``n_slots`` at most)
         m = min(nm, n_slots)
-        for j in range(m):
-            ids[j] = blocks[a + miss_at[j]]
-            pids[j] = prev[a + miss_at[j]]
+        _gather(blocks, prev, a, miss_at, ids[:m], pids)
         need = m - top
-        _on_miss(kind, f0, gf, gi, ids[:m], w, tk, tr, L, R, gcap, shift, n_slots)   # base.evict's on_miss
-        if need > 0:
-            top, nv = _evict(kind, fields, g, gf, gi, prm, need, hit_slots[:nh], ids[:m], w, tk, tr, L, R, gcap,
-                             shift, slot_of, block_at, free, top, cand, kids, inc, vic, vbuf)
+        if kind == 5:                       # base.evict's on_miss (``seen``: which keys are ghosts)
+            _kernels.s3fifo_miss_seen(w, tk, tr, ids[:m], L, R, gcap, shift, seen)
+        elif kind == 6:
+            gf[gi[0]] = _kernels.arc_miss_seen(w, tk, tr, ids[:m], L, R, shift, gf[gi[0]], n_slots, seen)
+        if need > 0 and g[1] - nh > 0:      # base.evict: some resident slot is a candidate
+            _pin(cand, hit_slots[:nh], False)   # never the request's hits
+            if not inc:
+                victims = _choose(kind, resident, last, ins, hits, f0, f1, f2, g, gf, gi, prm, need, cand, ids[:m],
+                                  w, tk, tr, L, R, shift)
+            elif kind <= 1:
+                victims = vbuf[:vs.oldest_of(links, lists, where, 0, cand, need, vbuf, 0)]
+            elif kind == 6:
+                victims = vs.arc_choose(links, lists, where, f0, cand, need, gf[gi[0]], ids[:m], w, tk, tr, L, R,
+                                        shift, vbuf)
+            else:
+                victims = _choose_inc(kind, n_slots, f0, f1, f2, g, gi, prm, need, cand, g[1] - nh, links, lists,
+                                      where, aux, vbuf)
+            nv = len(victims)
+            if nv:                          # base.remove: the policy's hook, then the common fields
+                if kind == 5:
+                    _kernels.s3fifo_remove(f0, key64, victims, w, tk, tr, L, R, gcap, shift)
+                elif kind == 6:
+                    _kernels.arc_remove(f0, key64, victims, w, tk, tr, L, R, gcap, shift)
+                _remove_common(resident, parent, n_children, victims, kids)
+                g[1] -= nv
+                top = _release(victims, cand, slot_of, block_at, free, top)
+            _pin(cand, hit_slots[:nh], True)
             evictions += nv
         k = min(m, top)
         if k == 0:
             continue
-        for j in range(k):                  # the free stack's top first
-            s = free[top - 1 - j]
-            new[j] = s
-            slot_of[ids[j]] = s
-            block_at[s] = ids[j]
+        _take(free, top, ids[:k], new, slot_of, block_at)
         top -= k
-        for j in range(k):                  # parents resolve after the batch's own slots are set
-            parents[j] = slot_of[pids[j]] if pids[j] >= 0 else -1
+        _resolve(slot_of, pids[:k], parents)   # after the batch's own slots are set
         first = g[0] + 1
         g[0] += k
         _jit.insert_common(resident, key64, last, ins, hits, n_children, position, parent, new[:k], ids[:k],
                            parents[:k], miss_at[:k], first)
         _link(kids, parent, new[:k])
         g[1] += k
-        for j in range(k):
-            cand[new[j]] = True
-        if inc:
-            _on_insert_inc(kind, fields, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift, vic)
-        else:
-            _on_insert(kind, fields, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift)
+        _pin(cand, new[:k], True)
+        if not inc:
+            _on_insert(kind, resident, key64, f0, f1, f2, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift)
+            continue
+        if kind == 5:                       # S3-FIFO's and ARC's queue lengths from the lists
+            g[gi[0]] = _kernels.s3fifo_insert_counted(f0, f1, f2, key64, new[:k], w, tk, tr, L, R, shift,
+                                                      g[gi[1]] == 0, max(prm[0] - lists[2, 0], 0), g[gi[0]], seen)
+        elif kind == 6:
+            gf[gi[0]] = _kernels.arc_insert_counted(f0, key64, new[:k], w, tk, tr, L, R, shift, gf[gi[0]], n_slots,
+                                                    lists[2, 1], lists[2, 2], seen)
+        elif kind >= 3:
+            _on_insert(kind, resident, key64, f0, f1, f2, g, gf, gi, prm, new[:k], w, tk, tr, L, R, shift)
+        vs.on_insert(kind, links, lists, where, aux, f0, new[:k])
     acc[0], acc[1], acc[2], acc[3] = n_hits, n_prefix, evictions, top
 
 
@@ -327,15 +330,17 @@ def _has_repeats(blocks, offsets, n_ids):
 
 
 def _bind() -> None:
-    global _compiled, _on_miss, _on_hit, _choose, _on_remove, _on_insert, _link, _remove_common, _evict, _has_repeats
-    global _choose_inc, _on_insert_inc
+    global _compiled, _on_hit, _choose, _on_insert, _link, _remove_common, _has_repeats
+    global _choose_inc, _gather, _resolve, _lookup, _hit_common, _pin, _release, _take
     # Cached, and compiled afresh when any kernel's source changes (this file's and the lists' too).
     compile_ = _jit.compiler(__file__, vs.__file__)
     vs.bind(compile_)
-    _on_miss, _on_hit, _choose = compile_(_on_miss), compile_(_on_hit), compile_(_choose)
-    _on_remove, _on_insert, _has_repeats = compile_(_on_remove), compile_(_on_insert), compile_(_has_repeats)
-    _choose_inc, _on_insert_inc = compile_(_choose_inc), compile_(_on_insert_inc)
-    _link, _remove_common, _evict = compile_(_link), compile_(_remove_common), compile_(_evict)
+    _on_hit, _choose, _on_insert = compile_(_on_hit), compile_(_choose), compile_(_on_insert)
+    _has_repeats, _choose_inc = compile_(_has_repeats), compile_(_choose_inc)
+    _gather, _resolve = compile_(_gather), compile_(_resolve)
+    _link, _remove_common = compile_(_link), compile_(_remove_common)
+    _lookup, _hit_common, _pin = compile_(_lookup), compile_(_hit_common), compile_(_pin)
+    _release, _take = compile_(_release), compile_(_take)
     _compiled = compile_(_replay)
 
 
@@ -415,12 +420,14 @@ def run(cache, trace, progress: Callable[[int], None] | None = None, *,
     kind = KINDS[type(policy)]
     vic = vs.new(cache.capacity, vs.lists_for(kind, trace.n_requests) if incremental else 1)
     g = st.globals_view()
+    longest = int(np.max(np.diff(offsets))) if trace.n_requests else 1
+    buf = np.empty((7, max(longest, cache.capacity, 1)), dtype=np.int64)   # the loop's scratch
     step = max(trace.n_requests // 100, 1) if progress is not None else trace.n_requests
     for r0 in range(0, trace.n_requests, max(step, 1)):
         r1 = min(r0 + step, trace.n_requests)
         _compiled(kind, blocks, prev, offsets, r0, r1, tuple(fields), g, st.globals_view(np.float64),
                   gi, np.array(prm, dtype=np.int64), w, tk, tr, L, R, gcap, shift, cache.slot_of, cache.block_at,
-                  free, cand, kids, acc, incremental, vic)
+                  free, cand, kids, acc, incremental, vic, buf)
         if progress is not None:
             progress(r1 - r0)
     cache.evictions = int(acc[2])

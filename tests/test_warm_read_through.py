@@ -84,7 +84,12 @@ def flip_block_on_disk(cache: TieredCache, keys, i: int, offset: int) -> None:
     """Invert one byte of block ``i``'s payload in its slab file (found by its bytes: unique here)."""
     block = np.zeros((1, cache.spec.block_bytes), np.uint8)
     assert cache.warm.get_many(keys[i:i + 1], block) == 1
-    for slab in sorted(cache.warm.path.glob("slab-*")):
+    flip_bytes_on_disk(cache.warm, block[0], offset)
+
+
+def flip_bytes_on_disk(t: WarmTier, block: np.ndarray, offset: int) -> None:
+    """Invert byte ``offset`` of the slot holding ``block`` (found by its bytes) in its real slab file."""
+    for slab in sorted(t.path.glob("slab-*")):
         with open(slab, "r+b") as f:
             data = f.read()
             at = data.find(block.tobytes())
@@ -92,7 +97,7 @@ def flip_block_on_disk(cache: TieredCache, keys, i: int, offset: int) -> None:
                 f.seek(at + offset)
                 f.write(bytes([data[at + offset] ^ 0xFF]))
                 return
-    raise AssertionError(f"block {i} is in no slab")
+    raise AssertionError("block is in no slab")
 
 
 @pytest.mark.parametrize("group_blocks", [1, 4, 1000])

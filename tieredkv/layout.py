@@ -192,6 +192,20 @@ def model_to_blocks(spec: KVSpec, source: np.ndarray, at_token: int, blocks: np.
     np.copyto(dst.transpose(1, 2, 3, 0, 4, 5), _split_tokens(source, at_token, k, C))
 
 
+def model_to_rows(spec: KVSpec, source: np.ndarray, chunks: np.ndarray, rows: np.ndarray, at: np.ndarray) -> None:
+    """Chunk ``chunks[j]`` of ``source`` (model layout; tokens ``chunks[j] * C ..``) into ``rows[at[j]]``
+    (``(m, block_bytes)`` uint8 rows, a tier's slots say): one ``model_to_blocks`` per run where both
+    the chunks and the rows are consecutive (one for a fresh prompt). Rows of padded slots (a row
+    stride over ``block_bytes``) are not one array: block by block."""
+    if not len(chunks):
+        return
+    whole = rows.strides[0] == spec.block_bytes
+    edges = np.flatnonzero((np.diff(chunks) != 1) | (np.diff(at) != 1) | (not whole)) + 1
+    for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(chunks)]):
+        r = int(at[a])
+        model_to_blocks(spec, source, int(chunks[a]) * spec.chunk_tokens, rows[r:r + b - a])
+
+
 def _split_tokens(arr: np.ndarray, at_token: int, k: int, C: int) -> np.ndarray:
     """``arr[:, :, :, at_token:at_token + k*C, :]`` viewed as ``(L, 2, H, k, C, D)``: always a view
     (``reshape`` could silently copy, and a copy written to would lose the data)."""
@@ -217,3 +231,4 @@ def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
             return True
         span = stride * (size - 1) + span
     return False
+

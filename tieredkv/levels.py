@@ -245,9 +245,10 @@ class Level:
         self.count(bytes_read=got * self._block_bytes)
         return got
 
-    def put(self, keys: ChunkKeys, payloads: np.ndarray, *, why: str = "stored") -> np.ndarray | None:
+    def put(self, keys: ChunkKeys, payloads: Any, *, why: str = "stored") -> np.ndarray | None:
         """Write blocks now, in this thread; count what was stored (``why``: ``"stored"``,
-        ``"demoted"`` or ``"promoted"``). Returns the ``PutResult`` codes (``None``: the level failed)."""
+        ``"demoted"`` or ``"promoted"``). ``payloads``: rows, or a fill callable for a tier that takes
+        one (``HotTier.put_many``). Returns the ``PutResult`` codes (``None``: the level failed)."""
         codes = self.call(lambda: self.tier.put_many(keys, payloads), default=None)
         if codes is None:
             return None

@@ -2,14 +2,17 @@
 
 ``TieredCache.load`` hands the work to a ``Loader`` (``get_blocks`` its promotions). It reads each run
 of blocks from the level that holds it: the top level's straight from the tier's memory into place (one
-copy), a lower level's group by group, each group copied into place right after the level read it. A
-lower run that the promotion rule will not promote is needed only in place: the level may read every
-group into one small buffer of its own (``Tier.read_through``; the warm tier's group is then still in
-the CPU cache when it is placed). A run to promote is read into a kept staging buffer, from which it is
-promoted. Only once all is in place are the blocks read below the top level promoted into the levels above:
-promoting mid-load could evict this very hit's top-level blocks before they were read (a full hot tier),
-cutting the restore short. The promotion rule answers from each block's count of hits below the top level, this
-process's memory of the last ``HIT_MEMORY`` keys.
+copy), a lower level's group by group, each group copied into place right after the level read it.
+A run of the level just below the top, loaded into host memory (numpy, a CPU tensor), is needed only
+in place whatever the promotion rule: the level may read every group into one small buffer of its own
+(``Tier.read_through``; the warm tier's group is then still in the CPU cache when it is hashed and
+placed), and the blocks the rule promotes are copied from the destination into the slots the top
+level claims (``promote_placed``). Otherwise (a CUDA destination, a level further down) a run that
+the rule will not promote is read the same way, and a run to promote is read into a kept staging
+buffer, from which it is promoted. Only once all is in place are the blocks read below the top level
+promoted into the levels above: promoting mid-load could evict this very hit's top-level blocks before
+they were read (a full hot tier), cutting the restore short. The promotion rule answers from each
+block's count of hits below the top level, this process's memory of the last ``HIT_MEMORY`` keys.
 
 A loader never refers to the cache: it is handed the levels, and the cache counts what it returns.
 """
@@ -28,7 +31,7 @@ import numpy as np
 from tieredkv import forksafe, tensors
 from tieredkv.hit import PrefixHit
 from tieredkv.keys import ChunkKeys
-from tieredkv.layout import page_aligned_empty
+from tieredkv.layout import model_to_rows, page_aligned_empty
 from tieredkv.levels import Level
 from tieredkv.policies.promotion import PromotionRule
 from tieredkv.spec import KVSpec
@@ -70,21 +73,28 @@ class Loader:
 
     def _load(self, hit: PrefixHit, out: Any, levels: list[Level], by_code: dict[int, Level], below: int) -> int:
         place, finish = self.placement.placer(out, hit.tokens)
+        host = self.placement.host(out) if len(levels) > 1 else None
         C = self.spec.chunk_tokens
         staging = self._staging_rows(below)  # (0, block_bytes) when every block is in the top level
         staged = loaded = 0  # lower runs take consecutive staging rows: promotion reads them after the loop
-        promote: list[tuple[Level, ChunkKeys, np.ndarray]] = []
+        promote: list[tuple[Level, ChunkKeys, Any]] = []
         edges = np.flatnonzero(np.diff(hit.where)) + 1
         for i, j in zip([0, *edges.tolist()], [*edges.tolist(), hit.blocks]):
             level, run = by_code.get(int(hit.where[i])), hit.keys[i:j]
             if level is None:
                 break  # a level closed since the lookup
+            sink = functools.partial(_place_at, place, i * C, C, level is levels[0])
             if level is levels[0]:  # one copy per run of adjacent slots, straight from the tier's memory
-                got = level.read_shared(run, functools.partial(_place_at, place, i * C, C, True))
+                got = level.read_shared(run, sink)
+            elif host is not None and level is levels[1]:  # one pass into place; promoted from there
+                got = level.read_through(run, sink, staging[staged:staged + j - i])
+                staged += j - i
+                if got:
+                    promote.append((level, run[:got], (host, i)))
             else:  # each group read is copied into place before the level reads the next one
                 rows = staging[staged:staged + j - i]
                 staged += j - i
-                got, kept = self.read_below(level, run, functools.partial(_place_at, place, i * C, C, False), rows)
+                got, kept = self.read_below(level, run, sink, rows)
                 if got and kept:
                     promote.append((level, run[:got], rows[:got]))
             loaded += got
@@ -94,7 +104,10 @@ class Loader:
         # Promote only now: promoting mid-load could evict this very hit's top-level blocks before they
         # were read (a full hot tier), cutting the restore short.
         for level, keys, payloads in promote:
-            self.promote(levels, level, keys, payloads)
+            if isinstance(payloads, tuple):  # placed in ``host`` from chunk ``first`` on
+                self.promote_placed(levels, level, keys, *payloads)
+            else:
+                self.promote(levels, level, keys, payloads)
         return loaded
 
     def _staging_rows(self, n_blocks: int) -> np.ndarray:
@@ -125,6 +138,26 @@ class Loader:
             if level is levels[0] and self.before_put is not None:
                 self.before_put(level, len(keys))
             level.put(keys, payloads, why="promoted")
+
+    def promote_placed(self, levels: list[Level], source: Level, keys: ChunkKeys, host: np.ndarray,
+                       first: int) -> None:
+        """``promote`` for blocks of ``source`` (the level just below the top one) that a load placed in
+        ``host`` (a host array in the model layout) from chunk ``first`` on, verified: counts a hit for
+        each (as ``promote``) and copies those the rule promotes out of ``host`` straight into the slots
+        the top level claims (a fill, as ``store`` does). The restore itself stays one pass (no staging
+        buffer written and read back), and the promotion is the one copy it must make."""
+        chosen = self._promotion_chosen(keys)
+        if not len(chosen):
+            return
+        spec, top = self.spec, levels[0]
+        at = first + chosen
+
+        def fill(data: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+            model_to_rows(spec, host, at[rows], data, slots)
+
+        if self.before_put is not None:
+            self.before_put(top, len(chosen))
+        top.put(keys.take(chosen), fill, why="promoted")
 
     def read_below(self, level: Level, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
                    staging: np.ndarray) -> tuple[int, bool]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from tieredkv import writeback
 from tieredkv.keys import ChunkKeys
-from tieredkv.layout import model_to_blocks
+from tieredkv.layout import model_to_rows
 from tieredkv.levels import Counting, Level
 from tieredkv.spec import KVSpec
 from tieredkv.tier import PutResult
@@ -57,21 +57,11 @@ class Storer:
     def store_model(self, levels: list[Level], keys: ChunkKeys, todo: np.ndarray, src: Any) -> np.ndarray:
         """Store blocks ``keys[todo]`` read out of ``src``, a host array in the model's layout
         (``tensors.host_source``). Returns the top level's ``PutResult`` codes."""
-        spec, C = self.spec, self.spec.chunk_tokens
+        spec = self.spec
 
         def gather(idx: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
-            # Block new[idx[j]] into rows[at[j]] (rows[j] without ``at``): one copy per run where both
-            # the chunks and the rows are consecutive (one for a fresh prompt). Rows of padded slots
-            # are not one array: block by block.
-            if not len(idx):
-                return
-            pos = todo[idx]
-            at = np.arange(len(idx)) if at is None else at
-            whole = rows.strides[0] == spec.block_bytes
-            edges = np.flatnonzero((np.diff(pos) != 1) | (np.diff(at) != 1) | (not whole)) + 1
-            for a, b in zip([0, *edges.tolist()], [*edges.tolist(), len(idx)]):
-                r = int(at[a])
-                model_to_blocks(spec, src, int(pos[a]) * C, rows[r:r + b - a])
+            # Block new[idx[j]] into rows[at[j]] (rows[j] without ``at``).
+            model_to_rows(spec, src, todo[idx], rows, np.arange(len(idx)) if at is None else at)
 
         def fill(data: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
             gather(rows, data, slots)  # straight into the slots the top level claimed: no copy of ours

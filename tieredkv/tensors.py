@@ -68,6 +68,13 @@ class Placement:
             return host_placer(spec, numpy_of(out, spec.numpy_dtype)), lambda n: None
         return self._cuda_placer(out)
 
+    def host(self, out: Any) -> np.ndarray | None:
+        """``out`` (already checked by ``placer``) as the numpy array its bytes live in, when it is in
+        host memory (numpy, a CPU tensor); None for a device tensor."""
+        if isinstance(out, np.ndarray):
+            return out
+        return None if on_device(out) else numpy_of(out, self.spec.numpy_dtype)
+
     def _cuda_placer(self, out: Any) -> tuple[Placer, Callable[[int], None]]:
         # Hot rows are DMA'd straight out of the segment (registered once), other rows through the
         # driver; the re-layout runs on the GPU into a kept device staging buffer.

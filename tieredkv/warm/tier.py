@@ -390,11 +390,15 @@ class WarmTier(Writes, CheckedReads, Tier):
         new = first[~np.asarray(stored, dtype=bool)]
         framed = dict(zip(new.tolist(), packed.pack(self._packer, rows, new)))
         big = np.asarray([i for i, p in framed.items() if p.nbytes > self.slot_bytes], dtype=np.int64)
-        if len(big):
-            codes[big] = PutResult.NO_SPACE
-            with self._mem:
-                self._counts["too_big"] += len(big)
+        self._refuse_too_big(codes, big)
         return np.setdiff1d(first, big, assume_unique=True), framed
+
+    def _refuse_too_big(self, codes: np.ndarray, idx: np.ndarray) -> None:
+        """Mark the batch positions ``idx`` refused (``NO_SPACE``: their frame is larger than a slot), counted."""
+        if len(idx):
+            codes[idx] = PutResult.NO_SPACE
+            with self._mem:
+                self._counts["too_big"] += len(idx)
 
     def _fitting(self, raw: bytes, rows: np.ndarray, idx: np.ndarray, slots: np.ndarray, owner: int,
                  token: int, codes: np.ndarray, framed: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, list]:
@@ -409,9 +413,7 @@ class WarmTier(Writes, CheckedReads, Tier):
         fit = np.asarray([p.nbytes <= self.slot_bytes for p in parts], dtype=bool)
         if not fit.all():
             self._release(raw, idx[~fit], slots[~fit], owner, token)
-            codes[idx[~fit]] = PutResult.NO_SPACE
-            with self._mem:
-                self._counts["too_big"] += int((~fit).sum())
+            self._refuse_too_big(codes, idx[~fit])
         return idx[fit], slots[fit], [p for p, f in zip(parts, fit) if f]
 
     # ================================================================================== policy view

@@ -916,11 +916,11 @@ def where_time_went(doc: dict) -> list[str]:
                         f"{later['cpu']:.1f} ms CPU ({later['faults']:,.0f} faults)")
         if more:
             lines.append(" " * 12 + "; ".join(more))
-    lines += _shared_vs_private(doc)
+    lines += _shared_vs_private(doc, cpus)
     return lines if len(lines) > 1 else []
 
 
-def _shared_vs_private(doc: dict) -> list[str]:
+def _shared_vs_private(doc: dict, cpus: int) -> list[str]:
     """What the TTFT p50 of shared against private comes from: with every request waiting for a core,
     wall ~ CPU x busy workers / CPUs, so the ratio of CPU to the first token times the ratio of busy
     workers predicts the ratio of TTFT; the rest is noise (other programs, scheduling)."""
@@ -931,7 +931,6 @@ def _shared_vs_private(doc: dict) -> list[str]:
     if not (sh.get("busy_workers_mean") and pr.get("busy_workers_mean") and pr.get("ttft_cpu_p50_ms")
             and pr.get("ttft_p50_ms")):
         return []
-    cpus = doc["settings"].get("cpu_count") or os.cpu_count() or 1
     cpu = sh["ttft_cpu_p50_ms"] / pr["ttft_cpu_p50_ms"]
     # Up to one busy worker per CPU nobody waits for a core.
     busy = max(sh["busy_workers_mean"], cpus) / max(pr["busy_workers_mean"], cpus)

@@ -90,3 +90,25 @@ def test_close_stops_the_thread_and_a_later_run_starts_a_new_one(halves):
     assert not helper[0].is_alive()
     assert halves.run(half("first"), half("second"))
     assert where["second"] != threading.get_ident()
+
+
+def test_a_run_while_the_interpreter_shuts_down_does_both_halves_here(tmp_path):
+    # At exit, concurrent.futures refuses new work ("cannot schedule new futures after interpreter
+    # shutdown"): a restore in an atexit handler must still work, on one thread.
+    import subprocess
+    import sys
+
+    script = tmp_path / "at_exit.py"
+    script.write_text(
+        "import atexit, threading\n"
+        "from tieredkv.halves import Halves\n"
+        "h = Halves('exit-halves')\n"
+        "h.run(lambda: None, lambda: None)\n"  # the helper thread exists before shutdown begins
+        "def at_exit():\n"
+        "    where = []\n"
+        "    split = h.run(lambda: where.append(1), lambda: where.append(2))\n"
+        "    print('split' if split else 'alone', where)\n"
+        "atexit.register(at_exit)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0].endswith("[1, 2]"), out.stdout

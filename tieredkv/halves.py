@@ -45,10 +45,17 @@ class Halves:
             second()
             return False
         try:
-            if self._pool is None or self._pid != os.getpid():
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
-                self._pid = os.getpid()
-            other = self._pool.submit(second)
+            try:
+                if self._pool is None or self._pid != os.getpid():
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+                    self._pid = os.getpid()
+                other = self._pool.submit(second)
+            except RuntimeError:  # the interpreter is shutting down: it starts no thread now
+                other = None
+            if other is None:
+                first()
+                second()
+                return False
             try:
                 first()
             except BaseException:

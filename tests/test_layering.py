@@ -18,6 +18,7 @@ LAYERS = {
     "tieredkv.errors": 0, "tieredkv.forksafe": 0, "tieredkv.model_identity": 0, "tieredkv.spec": 1,
     "tieredkv.hashtable": 0, "tieredkv.policies": 1,
     "tieredkv.keys": 2, "tieredkv.layout": 2, "tieredkv.counters": 2, "tieredkv.numa": 2, "tieredkv.codec": 2,
+    "tieredkv.halves": 2,
     "tieredkv.tier": 3,
     "tieredkv.background": 4, "tieredkv.cuda": 4, "tieredkv.tensors": 4, "tieredkv.memory": 4,
     "tieredkv.hot": 4, "tieredkv.warm": 4, "tieredkv.remote": 4, "tieredkv.journal": 4,

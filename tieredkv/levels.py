@@ -231,11 +231,13 @@ class Level:
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 
-    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None], staging: np.ndarray) -> int:
+    def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None], staging: np.ndarray,
+                     parallel: bool = False) -> int:
         """``read`` for blocks needed only where ``sink`` puts them (``Tier.read_through``: the tier may
-        reuse one small buffer instead of ``staging``); counts as ``read``."""
+        reuse one small buffer instead of ``staging``, and with ``parallel`` call ``sink`` from a second
+        thread); counts as ``read``."""
         corrupt_before = self.tier.corrupt_seen
-        got = self.call(lambda: self.tier.read_through(keys, sink, staging), default=0)
+        got = self.call(lambda: self.tier.read_through(keys, sink, staging, parallel=parallel), default=0)
         self.count(corrupt=self.tier.corrupt_seen - corrupt_before, bytes_read=got * self._block_bytes)
         return got
 

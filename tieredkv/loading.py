@@ -2,17 +2,19 @@
 
 ``TieredCache.load`` hands the work to a ``Loader`` (``get_blocks`` its promotions). It reads each run
 of blocks from the level that holds it: the top level's straight from the tier's memory into place (one
-copy), a lower level's group by group, each group copied into place right after the level read it.
-A run of the level just below the top, loaded into host memory (numpy, a CPU tensor), is needed only
-in place whatever the promotion rule: the level may read every group into one small buffer of its own
+copy), a lower level's group by group, each group copied into place right after the level read it. A run
+of the level just below the top, loaded into host memory (numpy, a CPU tensor), is needed only in place
+whatever the promotion rule: the level may read every group into one small buffer of its own
 (``Tier.read_through``; the warm tier's group is then still in the CPU cache when it is hashed and
-placed), and the blocks the rule promotes are copied from the destination into the slots the top
-level claims (``promote_placed``). Otherwise (a CUDA destination, a level further down) a run that
-the rule will not promote is read the same way, and a run to promote is read into a kept staging
-buffer, from which it is promoted. Only once all is in place are the blocks read below the top level
-promoted into the levels above: promoting mid-load could evict this very hit's top-level blocks before
-they were read (a full hot tier), cutting the restore short. The promotion rule answers from each
-block's count of hits below the top level, this process's memory of the last ``HIT_MEMORY`` keys.
+placed, and a large run is split between the calling thread and the tier's helper thread), and the
+blocks the rule promotes are copied from the destination into the slots the top level claims
+(``promote_placed``; a large promotion, too, in two halves on two threads). Otherwise (a CUDA
+destination, a level further down) a run that the rule will not promote is read the same way, and a run
+to promote is read into a kept staging buffer, from which it is promoted. Only once all is in place are
+the blocks read below the top level promoted into the levels above: promoting mid-load could evict this
+very hit's top-level blocks before they were read (a full hot tier), cutting the restore short. The
+promotion rule answers from each block's count of hits below the top level, this process's memory of the
+last ``HIT_MEMORY`` keys.
 
 A loader never refers to the cache: it is handed the levels, and the cache counts what it returns.
 """
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from tieredkv import forksafe, tensors
+from tieredkv.halves import Halves
 from tieredkv.hit import PrefixHit
 from tieredkv.keys import ChunkKeys
 from tieredkv.layout import model_to_rows, page_aligned_empty
@@ -38,6 +41,10 @@ from tieredkv.spec import KVSpec
 
 #: Per-process memory of hits below the top level (for ``on_nth_hit`` promotion), in keys.
 HIT_MEMORY = 65536
+
+#: A promotion out of a host destination at least this large copies its two halves on two threads
+#: (``tieredkv.halves``), as the warm tier splits the read that placed them.
+PROMOTE_SPLIT_BYTES = 4 << 20
 
 
 class Loader:
@@ -57,6 +64,7 @@ class Loader:
         self._hits_lock = threading.Lock()
         forksafe.register(self)  # both unlocked in a forked child
         self._staging: np.ndarray | None = None
+        self._halves = Halves("tieredkv-promote")
         self._lower_hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         #: Called with (the top level, the number of blocks) before a promotion puts into the top level
         #: (``WriteBehind.before_put``: blocks queued for write-behind that the put may evict are copied
@@ -87,7 +95,9 @@ class Loader:
             if level is levels[0]:  # one copy per run of adjacent slots, straight from the tier's memory
                 got = level.read_shared(run, sink)
             elif host is not None and level is levels[1]:  # one pass into place; promoted from there
-                got = level.read_through(run, sink, staging[staged:staged + j - i])
+                # A host placer writes only each block's own places: the level may split the read
+                # between two threads.
+                got = level.read_through(run, sink, staging[staged:staged + j - i], parallel=True)
                 staged += j - i
                 if got:
                     promote.append((level, run[:got], (host, i)))
@@ -153,7 +163,12 @@ class Loader:
         at = first + chosen
 
         def fill(data: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-            model_to_rows(spec, host, at[rows], data, slots)
+            if len(rows) < 2 or len(rows) * spec.block_bytes < PROMOTE_SPLIT_BYTES:
+                model_to_rows(spec, host, at[rows], data, slots)
+                return
+            h = len(rows) // 2  # disjoint slots: the halves may be copied at once
+            self._halves.run(lambda: model_to_rows(spec, host, at[rows[:h]], data, slots[:h]),
+                             lambda: model_to_rows(spec, host, at[rows[h:]], data, slots[h:]))
 
         if self.before_put is not None:
             self.before_put(top, len(chosen))
@@ -199,8 +214,9 @@ class Loader:
         return np.flatnonzero(self.promotion.should_promote(counts))
 
     def release(self) -> None:
-        """Drop the staging buffer (at ``close``)."""
+        """Drop the staging buffer and stop the helper thread (at ``close``)."""
         self._staging = None
+        self._halves.close()
 
 
 def _place_at(place: tensors.Placer, first_token: int, chunk_tokens: int, shared: bool, i: int,

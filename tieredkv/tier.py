@@ -191,11 +191,15 @@ class Tier(abc.ABC):
         """
 
     def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
-                     staging: np.ndarray | None = None) -> int:
+                     staging: np.ndarray | None = None, *, parallel: bool = False) -> int:
         """``get_many(keys, staging, sink)`` for a caller that needs the blocks only where ``sink`` puts
         them (a restore into a model layout): ``sink(i, rows)`` gets each group as soon as it is read,
         possibly before it is verified, with rows valid only during the call; only the leading blocks
         the call returns are valid where the sink put them.
+
+        ``parallel`` says that ``sink`` only writes each block's own places (no state shared between
+        calls), so a tier may call it from a thread of its own and out of key order (each block still
+        exactly once) to read with two threads; this default ignores it.
 
         This default reads into ``staging`` (``(>= len(keys), block_bytes)`` uint8 rows; a new buffer
         when None). A tier that reads in groups overrides it to reuse one small buffer for every group

@@ -49,6 +49,7 @@ class Records:
     _counts: dict[str, int]  # this process's counters since open
     _rng: np.random.Generator  # sampling for verify="sampled"
     _scratch: Any  # warm.reads.Scratch: each reading thread's buffer for read_through's groups
+    _halves: Any  # tieredkv.halves.Halves: the second thread of a split read_through
     _lock: threading.RLock  # serialises this handle's writers (see WarmTier.__init__)
     _mem: threading.RLock  # guards the in-memory state above; held for memory work only
     _pid: int  # the process the index environment belongs to

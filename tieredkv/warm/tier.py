@@ -54,6 +54,7 @@ from numpy.random import default_rng  # at import: imported lazily, numpy.random
 
 from tieredkv import codec, forksafe, policies
 from tieredkv.errors import InvalidInput, LockTimeout, TieredKVError
+from tieredkv.halves import Halves
 from tieredkv.keys import KEY_BYTES, ChunkKeys, key_at
 from tieredkv.layout import as_block_bytes
 from tieredkv.spec import KVSpec
@@ -196,6 +197,7 @@ class WarmTier(Writes, CheckedReads, Tier):
         forksafe.register(self)  # both unlocked in a forked child: a write-behind write may hold them
         self._rng = default_rng()
         self._scratch = Scratch()
+        self._halves = Halves("tieredkv-warm-read")
         self._map_size = map_size_bytes
         self._map_max = map_max_bytes
         self._reset_process_state()
@@ -238,21 +240,23 @@ class WarmTier(Writes, CheckedReads, Tier):
         return self._get(keys, out, sink)
 
     def read_through(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None],
-                     staging: np.ndarray | None = None) -> int:
+                     staging: np.ndarray | None = None, *, parallel: bool = False) -> int:
         """``get_many`` for a caller that needs the blocks only where ``sink`` puts them: every group
         is read into the same small buffer of this thread (``staging`` is not used), hashed and handed
         to ``sink`` while it is still in the CPU cache, so a verified read writes main memory once
         (``warm/reads.py``). ``sink``'s rows are valid only during the call and may be handed over
         before they are verified: only the leading blocks this call returns are valid where the sink
         put them; the block that ends the run is treated as in ``get_many`` (removed and counted when
-        corrupt).
+        corrupt). With ``parallel`` a large read is split with the tier's helper thread (each half
+        one pass into a buffer of its thread), so ``sink`` is then called from two threads at once,
+        out of key order, each block still exactly once.
 
         Returns:
             The length of the leading run, as ``get_many``.
         """
-        return self._get(keys, None, sink)
+        return self._get(keys, None, sink, parallel)
 
-    def _get(self, keys: ChunkKeys, out: np.ndarray | None, sink) -> int:
+    def _get(self, keys: ChunkKeys, out: np.ndarray | None, sink, parallel: bool = False) -> int:
         """``get_many`` (``out`` None: ``read_through``)."""
         # No lock: the copy is made safe by the re-check after it (module docstring), not by
         # excluding writers, so a read never waits for a write (see __init__).
@@ -274,7 +278,7 @@ class WarmTier(Writes, CheckedReads, Tier):
             found[int(np.argmax(bad)):] = False
         run = int(found.sum())
         if run:
-            run = self._copy_checked(raw, keys, recs[:run], rows, sink)
+            run = self._copy_checked(raw, keys, recs[:run], rows, sink, parallel)
         with self._mem:
             self._counts["hits"] += run
             self._counts["misses"] += n - run
@@ -614,6 +618,7 @@ class WarmTier(Writes, CheckedReads, Tier):
                     self._slabs.close()
                 finally:
                     self._scratch = Scratch()  # every thread's read buffer goes with the old one
+                    self._halves.close()
                     if quiet:
                         self._index.resume()
 

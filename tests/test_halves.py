@@ -1,0 +1,114 @@
+"""``tieredkv.halves.Halves``: two halves of a piece of work, on the calling thread and on a helper thread
+when it is free, else one after the other on the calling thread; errors of either half are raised."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from tieredkv.halves import Halves
+
+
+def recorder():
+    where: dict[str, int] = {}
+
+    def half(name: str):
+        return lambda: where.__setitem__(name, threading.get_ident())
+
+    return where, half
+
+
+@pytest.fixture
+def halves():
+    h = Halves("test-halves")
+    yield h
+    h.close()
+
+
+def needs_two_cpus():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("this machine gives the test one CPU: Halves never splits there")
+
+
+def test_the_second_half_runs_on_the_helper_while_the_first_runs_here(halves):
+    needs_two_cpus()
+    where, half = recorder()
+    both = threading.Barrier(2, timeout=10)  # passes only if the two halves run at the same time
+
+    assert halves.run(lambda: (both.wait(), half("first")()), lambda: (both.wait(), half("second")()))
+    assert where["first"] == threading.get_ident() != where["second"]
+
+
+def test_a_busy_helper_or_one_cpu_runs_both_halves_here_in_order(halves):
+    order = []
+    assert halves._free.acquire(blocking=False)
+    try:
+        assert not halves.run(lambda: order.append(("first", threading.get_ident())),
+                              lambda: order.append(("second", threading.get_ident())))
+    finally:
+        halves._free.release()
+    assert order == [("first", threading.get_ident()), ("second", threading.get_ident())]
+    mask = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mask)})
+    try:
+        assert not halves.run(lambda: None, lambda: None)
+    finally:
+        os.sched_setaffinity(0, mask)
+
+
+def test_an_error_in_either_half_is_raised_after_both_ended(halves):
+    needs_two_cpus()
+    ended = []
+
+    def slow_second():
+        time.sleep(0.2)
+        ended.append("second")
+
+    with pytest.raises(ZeroDivisionError):
+        halves.run(lambda: 1 / 0, slow_second)
+    assert ended == ["second"]  # run waited for the helper's half before raising
+
+    with pytest.raises(KeyError):
+        halves.run(lambda: None, lambda: {}["missing"])
+
+    with pytest.raises(ZeroDivisionError):  # both fail: the first half's error wins
+        halves.run(lambda: 1 / 0, lambda: {}["missing"])
+    assert halves.run(lambda: None, lambda: None)  # the helper was given back every time
+
+
+def test_close_stops_the_thread_and_a_later_run_starts_a_new_one(halves):
+    needs_two_cpus()
+    where, half = recorder()
+    assert halves.run(half("first"), half("second"))
+    helper = [t for t in threading.enumerate() if t.name.startswith("test-halves")]
+    assert len(helper) == 1
+    halves.close()
+    helper[0].join(5)
+    assert not helper[0].is_alive()
+    assert halves.run(half("first"), half("second"))
+    assert where["second"] != threading.get_ident()
+
+
+def test_a_run_while_the_interpreter_shuts_down_does_both_halves_here(tmp_path):
+    # At exit, concurrent.futures refuses new work ("cannot schedule new futures after interpreter
+    # shutdown"): a restore in an atexit handler must still work, on one thread.
+    import subprocess
+    import sys
+
+    script = tmp_path / "at_exit.py"
+    script.write_text(
+        "import atexit, threading\n"
+        "from tieredkv.halves import Halves\n"
+        "h = Halves('exit-halves')\n"
+        "h.run(lambda: None, lambda: None)\n"  # the helper thread exists before shutdown begins
+        "def at_exit():\n"
+        "    where = []\n"
+        "    split = h.run(lambda: where.append(1), lambda: where.append(2))\n"
+        "    print('split' if split else 'alone', where)\n"
+        "atexit.register(at_exit)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0].endswith("[1, 2]"), out.stdout

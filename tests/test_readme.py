@@ -29,7 +29,8 @@ ELSEWHERE = {
     "bash .ci/setup && .venv/bin/tieredkv demo": "builds .venv (.ci/run runs .ci/setup first on every CI run), "
                                                  "then minutes of model runs: tests/test_demo.py runs the "
                                                  "demo small",
-    "bash .ci/setup && .venv/bin/python -m pytest -q": "this suite itself, as .ci/run runs it",
+    "bash .ci/setup && .venv/bin/python -m pytest -q -n 2 --dist loadfile": "this suite itself, as .ci/run "
+                                                                            "runs it",
     "python -m pytest -q -m quick -n auto": "this suite itself (the inner loop)",
     "tieredkv stats --prometheus 9400": "a fixed port may be taken on a shared machine; "
                                         "tests/test_cli.py::test_stats_prometheus_serves_until_interrupted "
@@ -59,6 +60,14 @@ def test_every_command_is_run_or_covered_elsewhere():
     assert len(found) >= 12
     assert set(ELSEWHERE) | set(UNTIL_INTERRUPTED) <= set(found), "README changed: update ELSEWHERE"
     assert "source .venv/bin/activate" in found            # how `tieredkv` gets on PATH
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run runs the README's test command exactly (with coverage added through PYTEST_ADDOPTS)."""
+    [readme] = [c for c in commands() if " -m pytest " in c and c.startswith("bash .ci/setup && ")]
+    command = readme.removeprefix("bash .ci/setup && ")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if " -m pytest" in line]
+    assert ci == [f'PYTEST_ADDOPTS="--cov --cov-report=term" {command}'], ci
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """``tieredkv.halves.Halves``: two halves of a piece of work, on the calling thread and on a helper thread
-when it is free, else one after the other on the calling thread; errors of either half are raised."""
+when it is free and the host has a CPU free, else one after the other on the calling thread; errors of
+either half are raised. The tests of the split itself say the host has a CPU free (``free_cpu``): the
+suite runs on busy CPUs, where ``Halves`` rightly does not split; ``other_cpu_free`` is tested alone."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import time
 
 import pytest
 
-from tieredkv.halves import Halves
+from tieredkv import halves as halves_module
+from tieredkv.halves import Halves, other_cpu_free
 
 
 def recorder():
@@ -22,7 +25,13 @@ def recorder():
 
 
 @pytest.fixture
-def halves():
+def free_cpu(monkeypatch):
+    """The host has a CPU free whatever its load (the suite's own tests keep both CPUs busy)."""
+    monkeypatch.setattr(halves_module, "other_cpu_free", lambda: True)
+
+
+@pytest.fixture
+def halves(free_cpu):
     h = Halves("test-halves")
     yield h
     h.close()
@@ -42,7 +51,7 @@ def test_the_second_half_runs_on_the_helper_while_the_first_runs_here(halves):
     assert where["first"] == threading.get_ident() != where["second"]
 
 
-def test_a_busy_helper_or_one_cpu_runs_both_halves_here_in_order(halves):
+def test_a_busy_helper_or_busy_cpus_run_both_halves_here_in_order(halves, monkeypatch):
     order = []
     assert halves._free.acquire(blocking=False)
     try:
@@ -51,10 +60,21 @@ def test_a_busy_helper_or_one_cpu_runs_both_halves_here_in_order(halves):
     finally:
         halves._free.release()
     assert order == [("first", threading.get_ident()), ("second", threading.get_ident())]
+    monkeypatch.setattr(halves_module, "other_cpu_free", lambda: False)
+    assert not halves.run(lambda: None, lambda: None)
+    assert [t for t in threading.enumerate() if t.name.startswith("test-halves")] == []  # never started
+
+
+def test_a_cpu_is_free_only_below_the_cpu_count_less_a_half_and_never_for_a_thread_pinned_to_one(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     mask = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(mask)})
+    for load, free in ((0.0, True), (3.4, True), (3.5, False), (9.0, False)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        assert other_cpu_free() == (free and len(mask) >= 2), load
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    os.sched_setaffinity(0, {min(mask)})  # this thread only (Linux affinity is per thread)
     try:
-        assert not halves.run(lambda: None, lambda: None)
+        assert not other_cpu_free()
     finally:
         os.sched_setaffinity(0, mask)
 
@@ -93,6 +113,7 @@ def test_close_stops_the_thread_and_a_later_run_starts_a_new_one(halves):
 
 
 def test_a_run_while_the_interpreter_shuts_down_does_both_halves_here(tmp_path):
+    needs_two_cpus()
     # At exit, concurrent.futures refuses new work ("cannot schedule new futures after interpreter
     # shutdown"): a restore in an atexit handler must still work, on one thread.
     import subprocess
@@ -101,8 +122,9 @@ def test_a_run_while_the_interpreter_shuts_down_does_both_halves_here(tmp_path):
     script = tmp_path / "at_exit.py"
     script.write_text(
         "import atexit, threading\n"
-        "from tieredkv.halves import Halves\n"
-        "h = Halves('exit-halves')\n"
+        "from tieredkv import halves\n"
+        "halves.other_cpu_free = lambda: True\n"
+        "h = halves.Halves('exit-halves')\n"
         "h.run(lambda: None, lambda: None)\n"  # the helper thread exists before shutdown begins
         "def at_exit():\n"
         "    where = []\n"

@@ -2,17 +2,18 @@
 to pay for the hand-over (a warm restore of a long prefix, its promotion into the hot tier).
 
 ```
-run(first, second) ── helper free, 2+ CPUs ──► second() on the helper thread, first() here, then wait
-                   └─ helper busy, or 1 CPU ─► first(), then second(), both here
+run(first, second) ── helper free, a CPU free ──► second() on the helper thread, first() here, then wait
+                   └─ helper busy, CPUs busy ───► first(), then second(), both here
 ```
 
 A restore on one thread is bound by one core: reading a group from the page cache, hashing it and
 copying it into place all wait for each other. Split in two halves, each half keeps that one-pass shape
 on its own core (docs/benchmarks.md has the figures). Each ``Halves`` owns one helper thread, started on
 first use. ``run`` never waits for it: a caller that finds it busy (another thread of the process is
-using it) does both halves itself, and so does a thread pinned to one CPU. In a forked child, where the
-parent's thread does not exist, a new one is started. Both halves have finished, or failed, when ``run``
-returns; an exception from either is raised by ``run`` (the first half's, if both fail).
+using it) does both halves itself, and so does a thread pinned to one CPU, or one on a host whose CPUs
+are busy (``other_cpu_free``). In a forked child, where the parent's thread does not exist, a new one is
+started. Both halves have finished, or failed, when ``run`` returns; an exception from either is raised
+by ``run`` (the first half's, if both fail).
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tieredkv import forksafe
+
+
+def other_cpu_free() -> bool:
+    """Whether this thread may run on 2+ CPUs and the host leaves one free: its 1-minute load average
+    (which counts the caller itself) is below the host's CPU count less one half. On busy CPUs a split
+    copy takes as long as one thread's (its halves share the cores with the other work) and spends more
+    CPU time: the two threads stall on the same memory bandwidth (docs/benchmarks.md)."""
+    return len(os.sched_getaffinity(0)) >= 2 and os.getloadavg()[0] < (os.cpu_count() or 1) - 0.5
 
 
 class Halves:
@@ -40,7 +49,7 @@ class Halves:
 
         The two must touch disjoint memory (and be safe to run on two threads). Raises what either raised.
         """
-        if len(os.sched_getaffinity(0)) < 2 or not self._free.acquire(blocking=False):
+        if not other_cpu_free() or not self._free.acquire(blocking=False):
             first()
             second()
             return False

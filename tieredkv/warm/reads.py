@@ -33,18 +33,20 @@ from tieredkv.warm import packed
 from tieredkv.warm.records import Records
 
 #: A read is split into groups of about this size (at least one block), each read, checksummed and handed
-#: to the caller's sink before the next one is read, all on the caller's thread: the group is still in
-#: the CPU's L2 cache when it is hashed and copied out, so a verified read touches main memory about as
-#: often as a plain read (one pass) instead of three (read, hash, copy). A helper thread hashing one
-#: 32 MiB group while the next was read gave no overlap on 2 cores and hashed out of DRAM (3.9x the
-#: time of hashing in L2, docs/benchmarks.md); one reading and hashing 1 MiB groups three ahead of the
-#: sink made a 112 MiB restore slower on 2 loaded cores (0.59x a page-cache read against 0.71x at load 3).
+#: to the caller's sink before the next one is read by the same thread: the group is still in the CPU's
+#: L2 cache when it is hashed and copied out, so a verified read touches main memory about as often as a
+#: plain read (one pass) instead of three (read, hash, copy). Pipelines across threads did worse (a
+#: helper hashing one 32 MiB group while the next was read hashed out of DRAM, 3.9x the time of hashing
+#: in L2; one reading 1 MiB groups three ahead of the sink was slower on 2 loaded cores): a split read
+#: (below) keeps each group on one thread instead.
 READ_GROUP_BYTES = 1 << 20
 
 #: A ``read_through`` the caller allows to run in parallel (its sink only writes each block's own places)
 #: and at least this large is split in two halves of whole groups (``tieredkv.halves``): the second half
 #: is read, hashed and handed to the sink by the tier's helper thread while the calling thread does the
-#: first, each into its own small buffer, so both halves keep the one-pass shape above.
+#: first, each into its own small buffer, so both halves keep the one-pass shape above. A 112 MiB
+#: verified restore then runs at 0.95x a page-cache read on 2 quiet cores, against 0.69x on one thread
+#: (docs/benchmarks.md); on busy cores ``tieredkv.halves`` does not split.
 READ_SPLIT_BYTES = 4 << 20
 
 

@@ -2,7 +2,8 @@
 
 ``TieredCache.store`` reads a model-layout KV array (``host_source``: numpy, or a torch tensor on the
 CPU or a GPU, copied to the host first); ``TieredCache.load`` writes one (``Placement.placer``): numpy
-and CPU tensors through ``layout.blocks_to_model``, CUDA tensors by DMA straight out of the hot segment
+and CPU tensors through ``layout.blocks_to_model`` (a large run in two halves on two threads when a CPU
+is free), CUDA tensors by DMA straight out of the hot segment
 (registered with CUDA once) and a re-layout on the GPU (``tieredkv/cuda.py``). Nothing here knows
 tiers or levels.
 """
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tieredkv.errors import InvalidPayload
+from tieredkv.halves import Halves
 from tieredkv.layout import blocks_to_chunks, blocks_to_model, model_chunks, overlaps_itself
 from tieredkv.spec import KVSpec
 
@@ -22,6 +24,10 @@ from tieredkv.spec import KVSpec
 #: destination at ``at_token``, in the model layout; ``shared``: the rows are the hot segment's own
 #: memory (a CUDA destination registers them for DMA), not a staging buffer.
 Placer = Callable[[np.ndarray, int, bool], None]
+
+#: A placement into host memory at least this large (a run of hot blocks handed over at once) is copied
+#: in two halves on two threads when the host has a CPU free (``tieredkv.halves``).
+PLACE_SPLIT_BYTES = 4 << 20
 
 
 class Placement:
@@ -36,6 +42,7 @@ class Placement:
         self.spec = spec
         self.host_registry: Any = None   # tieredkv.cuda.HostRegistry, on the first load into CUDA
         self._device_stage: Any = None   # kept device staging buffer of those loads
+        self._halves = Halves("tieredkv-place")  # the second thread of large placements into host memory
 
     def placer(self, out: Any, min_tokens: int) -> tuple[Placer, Callable[[int], None]]:
         """``place`` (see ``Placer``) for ``out``, and ``finish(n)`` to call once ``n`` tokens are in
@@ -53,7 +60,7 @@ class Placement:
                 raise InvalidPayload("out is read-only")
             check_array(spec, out, "out", min_tokens)
             check_no_overlap(out)
-            return host_placer(spec, out), lambda n: None
+            return host_placer(spec, out, self._halves), lambda n: None
         if torch_or_none(out) is None:
             raise InvalidPayload(f"out must be a numpy array or a torch tensor, got {type(out).__name__}")
         if not _torch_dtype_ok(spec, out):
@@ -65,7 +72,7 @@ class Placement:
                                  "without requires_grad (or pass out.detach(), which shares its memory)")
         check_no_overlap(out)
         if out.device.type == "cpu":
-            return host_placer(spec, numpy_of(out, spec.numpy_dtype)), lambda n: None
+            return host_placer(spec, numpy_of(out, spec.numpy_dtype), self._halves), lambda n: None
         return self._cuda_placer(out)
 
     def host(self, out: Any) -> np.ndarray | None:
@@ -97,10 +104,12 @@ class Placement:
         return place, finish
 
     def close(self) -> None:
-        """Unregister the hot segment from CUDA (call before it is unmapped); drop the device buffer."""
+        """Unregister the hot segment from CUDA (call before it is unmapped); drop the device buffer;
+        stop the placement thread."""
         if self.host_registry is not None:
             self.host_registry.unregister_all()
         self._device_stage = None
+        self._halves.close()
 
 
 def on_device(out: Any) -> bool:
@@ -130,19 +139,29 @@ def host_source(spec: KVSpec, kv: Any) -> np.ndarray:
     return numpy_of(kv.detach(), spec.numpy_dtype)
 
 
-def host_placer(spec: KVSpec, target: np.ndarray) -> Placer:
-    """A ``Placer`` into a host array in the model layout."""
+def host_placer(spec: KVSpec, target: np.ndarray, halves: Halves | None = None) -> Placer:
+    """A ``Placer`` into a host array in the model layout. With ``halves``, a placement of at least
+    ``PLACE_SPLIT_BYTES`` (a run of hot blocks) is copied in two halves on two threads when a CPU is free
+    (``tieredkv.halves``)."""
     C = spec.chunk_tokens
+    whole = target.shape[3] // C
     chunks: list[np.ndarray] = []  # target's whole chunks, viewed once (on the first place)
+
+    def place_part(rows: np.ndarray, first: int) -> None:
+        blocks_to_chunks(spec, rows, chunks[0], first)
 
     def place(rows: np.ndarray, at_token: int, shared: bool) -> None:
         first, within = divmod(at_token, C)
-        if within or (first + len(rows)) * C > target.shape[3]:
+        if within or first + len(rows) > whole:
             blocks_to_model(spec, rows, target, at_token)
             return
         if not chunks:
             chunks.append(model_chunks(spec, target))
-        blocks_to_chunks(spec, rows, chunks[0], first)
+        if halves is None or len(rows) < 2 or rows.shape[0] * spec.block_bytes < PLACE_SPLIT_BYTES:
+            place_part(rows, first)
+            return
+        h = len(rows) // 2  # disjoint chunks of the target: the halves may be copied at once
+        halves.run(lambda: place_part(rows[:h], first), lambda: place_part(rows[h:], first + h))
 
     return place
 

@@ -134,3 +134,101 @@ def test_a_run_while_the_interpreter_shuts_down_does_both_halves_here(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0].endswith("[1, 2]"), out.stdout
+
+
+def test_a_half_queued_when_the_thread_could_not_start_never_runs_later(halves, monkeypatch):
+    # A thread limit (pids cgroup, RLIMIT_NPROC): submit queues the half, then fails to start the
+    # thread. That half ran on the caller; it must not run again beside a later run's work.
+    needs_two_cpus()
+    real_start = threading.Thread.start
+    failures = [RuntimeError("can't start new thread")]
+
+    def start(self):
+        if failures:
+            raise failures.pop()
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    ran: list[str] = []
+    assert not halves.run(lambda: ran.append("first 1"), lambda: ran.append("second 1"))
+    assert ran == ["first 1", "second 1"]
+    assert halves.run(lambda: ran.append("first 2"), lambda: ran.append("second 2"))
+    time.sleep(0.2)
+    assert sorted(ran[2:]) == ["first 2", "second 2"]  # "second 1" did not run again
+
+
+@pytest.mark.parametrize("where", ["first", "second"])
+def test_close_inside_a_run_returns_at_once_and_the_run_still_ends(halves, where):
+    # A signal handler closing the cache while this thread is inside a restore (first), or a sink that
+    # closes it from the helper's half (second): close must not wait for the run it is part of.
+    needs_two_cpus()
+    done: list[str] = []
+
+    def closing():
+        halves.close()
+        done.append(where)
+
+    def other():
+        time.sleep(0.1)
+        done.append("other")
+
+    # On a thread of its own, so that a close that waits for its own run fails this test, not hangs it.
+    runner = threading.Thread(target=halves.run, daemon=True,
+                              args=(closing if where == "first" else other, closing if where == "second" else other))
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive(), "close() waited for the run it was called from"
+    assert sorted(done) == sorted([where, "other"])
+    assert halves.run(lambda: None, lambda: None)  # a new helper thread
+
+
+def test_an_interruption_while_waiting_is_raised_only_once_the_helpers_half_ended(halves):
+    # Ctrl-C or a signal handler's exception arriving while run waits for the helper: the helper's half
+    # goes on writing the destination, so run must not return (or raise) before it ends.
+    needs_two_cpus()
+    import signal
+
+    class Stop(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Stop
+
+    written = []
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(Stop):
+            halves.run(lambda: None, lambda: (time.sleep(0.5), written.append("second")))
+        assert written == ["second"]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_no_free_cpu_when_the_load_average_cannot_be_read_or_a_cgroup_quota_allows_one(monkeypatch):
+    def unreadable():
+        raise OSError("no /proc/loadavg")
+
+    monkeypatch.setattr(os, "getloadavg", unreadable)
+    assert not other_cpu_free()
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(halves_module, "_cpu_quota", lambda: 1.0)
+    assert not other_cpu_free()
+
+
+@pytest.mark.parametrize(("membership", "files", "quota"), [
+    ("0::/job\n", {"job/cpu.max": "150000 100000\n"}, 1.5),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, float("inf")),
+    ("4:memory:/x\n1:cpu,cpuacct:/job\n", {"cpu,cpuacct/job/cpu.cfs_quota_us": "300000\n",
+                                           "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, float("inf")),
+    ("0::/gone\n", {}, float("inf")),  # unreadable: no quota assumed
+])
+def test_the_cgroup_cpu_quota_is_read_from_v2_and_v1(tmp_path, membership, files, quota):
+    (tmp_path / "cgroup").write_text(membership)
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert halves_module._cpu_quota(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == quota

@@ -18,20 +18,65 @@ by ``run`` (the first half's, if both fail).
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 from tieredkv import forksafe
 
 
 def other_cpu_free() -> bool:
-    """Whether this thread may run on 2+ CPUs and the host leaves one free: its 1-minute load average
-    (which counts the caller itself) is below the host's CPU count less one half. On busy CPUs a split
-    copy takes as long as one thread's (its halves share the cores with the other work) and spends more
-    CPU time: the two threads stall on the same memory bandwidth (docs/benchmarks.md)."""
-    return len(os.sched_getaffinity(0)) >= 2 and os.getloadavg()[0] < (os.cpu_count() or 1) - 0.5
+    """Whether this thread may use 2+ CPUs (its affinity and the process's cgroup CPU quota) and the host
+    leaves one free: its 1-minute load average (which counts the caller itself) is below the host's CPU
+    count less one half. On busy CPUs a split copy takes as long as one thread's (its halves share the
+    cores with the other work) and spends more CPU time: the two threads stall on the same memory
+    bandwidth (docs/benchmarks.md). False where the load average cannot be read."""
+    if len(os.sched_getaffinity(0)) < 2 or _cpu_quota() < 2:
+        return False
+    try:
+        return os.getloadavg()[0] < (os.cpu_count() or 1) - 0.5
+    except OSError:
+        return False
+
+
+@functools.cache
+def _cpu_quota(membership: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float:
+    """The CPUs this process's cgroup may use at once (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``);
+    infinity without a quota, or where it cannot be read."""
+    try:
+        with open(membership) as f:
+            groups = dict(line.rstrip("\n").split(":", 2)[1:] for line in f if line.count(":") >= 2)
+    except OSError:
+        return math.inf
+    try:
+        if "" in groups:  # v2: one hierarchy
+            with open(f"{root}{groups[''].rstrip('/')}/cpu.max") as f:
+                quota, period = f.read().split()[:2]
+            return math.inf if quota == "max" else int(quota) / int(period)
+        controller = next(c for c in groups if "cpu" in c.split(","))
+        base = f"{root}/{controller}{groups[controller].rstrip('/')}"
+        with open(f"{base}/cpu.cfs_quota_us") as f, open(f"{base}/cpu.cfs_period_us") as g:
+            quota_us, period_us = int(f.read()), int(g.read())
+        return math.inf if quota_us < 0 else quota_us / period_us
+    except (OSError, ValueError, StopIteration, ZeroDivisionError):
+        return math.inf
+
+
+def _settle(future: Future) -> BaseException | None:
+    """Wait until ``future`` is done, even through an interruption (Ctrl-C, a signal handler's exception):
+    the helper's half must not go on writing after ``run`` returned or raised. Returns the interruption,
+    to be raised once the half ended."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            futures_wait([future])
+            return interrupted
+        except BaseException as e:  # re-raised by the caller once the half ended
+            interrupted = interrupted or e
 
 
 class Halves:
@@ -47,20 +92,15 @@ class Halves:
     def run(self, first: Callable[[], None], second: Callable[[], None]) -> bool:
         """Run ``first`` and ``second``, at once when the helper is free; return whether they were split.
 
-        The two must touch disjoint memory (and be safe to run on two threads). Raises what either raised.
+        The two must touch disjoint memory (and be safe to run on two threads). Raises what either raised,
+        once both ended.
         """
         if not other_cpu_free() or not self._free.acquire(blocking=False):
             first()
             second()
             return False
         try:
-            try:
-                if self._pool is None or self._pid != os.getpid():
-                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
-                    self._pid = os.getpid()
-                other = self._pool.submit(second)
-            except RuntimeError:  # the interpreter is shutting down: it starts no thread now
-                other = None
+            other = self._submit(second)
             if other is None:
                 first()
                 second()
@@ -68,16 +108,44 @@ class Halves:
             try:
                 first()
             except BaseException:
-                other.exception()  # the helper's half ends before this returns; the first half's error wins
+                _settle(other)  # the helper's half ends before this raises; the first half's error wins
                 raise
+            interrupted = _settle(other)
+            if interrupted is not None:
+                raise interrupted
             other.result()
         finally:
             self._free.release()
         return True
 
+    def _submit(self, second: Callable[[], None]) -> Future | None:
+        """``second`` queued for the helper thread (started here if need be), or None when no thread can
+        run it now (call with ``_free`` held)."""
+        pool = self._pool
+        if pool is None or self._pid != os.getpid():
+            pool = self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+            self._pid = os.getpid()
+        try:
+            return pool.submit(second)
+        except RuntimeError:
+            # The interpreter is shutting down, ``close`` shut this pool down meanwhile, or the thread
+            # could not start (a thread limit): then ``second`` may already sit in the pool's queue, and
+            # must never run later, beside other work. Drop the pool, cancelling what it holds.
+            self._pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            return None
+
     def close(self) -> None:
-        """Stop the helper thread (once a half it may be running ends). A later ``run`` starts a new one."""
-        with self._free:  # no half in progress, and none starts meanwhile
-            pool, self._pool = self._pool, None
-            if pool is not None and self._pid == os.getpid():
-                pool.shutdown(wait=True)
+        """Stop the helper thread. Never waits for a ``run`` in progress (this very thread may be inside one,
+        in a signal handler, say, or be the helper itself, running a finalizer): the thread then ends after
+        the half it runs, and ``run`` still waits for that half. A later ``run`` starts a new thread."""
+        pool, self._pool = self._pool, None
+        if pool is None or self._pid != os.getpid():
+            return
+        idle = self._free.acquire(blocking=False)
+        try:
+            on_helper = threading.current_thread().name.startswith(self._name)
+            pool.shutdown(wait=idle and not on_helper)
+        finally:
+            if idle:
+                self._free.release()

@@ -65,18 +65,24 @@ def test_a_busy_helper_or_busy_cpus_run_both_halves_here_in_order(halves, monkey
     assert [t for t in threading.enumerate() if t.name.startswith("test-halves")] == []  # never started
 
 
-def test_a_cpu_is_free_only_below_the_cpu_count_less_a_half_and_never_for_a_thread_pinned_to_one(monkeypatch):
+def test_a_cpu_is_free_only_when_fewer_threads_run_than_cpus_and_the_load_average_is_low(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     mask = os.sched_getaffinity(0)
-    for load, free in ((0.0, True), (3.4, True), (3.5, False), (9.0, False)):
-        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
-        assert other_cpu_free() == (free and len(mask) >= 2), load
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    for average, runnable, free in ((0.0, 1, True), (3.4, 3, True), (3.5, 1, False), (9.0, 1, False),
+                                    (0.2, 4, False), (0.2, 9, False)):
+        monkeypatch.setattr(halves_module, "_host_load", lambda a=average, r=runnable: (a, r))
+        assert other_cpu_free() == (free and len(mask) >= 2), (average, runnable)
+    monkeypatch.setattr(halves_module, "_host_load", lambda: (0.0, 1))
     os.sched_setaffinity(0, {min(mask)})  # this thread only (Linux affinity is per thread)
     try:
         assert not other_cpu_free()
     finally:
         os.sched_setaffinity(0, mask)
+
+
+def test_the_host_load_is_read_from_proc_loadavg():
+    average, runnable = halves_module._host_load()
+    assert average >= 0 and runnable >= 1  # this very thread is running
 
 
 def test_an_error_in_either_half_is_raised_after_both_ended(halves):
@@ -206,13 +212,11 @@ def test_an_interruption_while_waiting_is_raised_only_once_the_helpers_half_ende
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_no_free_cpu_when_the_load_average_cannot_be_read_or_a_cgroup_quota_allows_one(monkeypatch):
-    def unreadable():
-        raise OSError("no /proc/loadavg")
-
-    monkeypatch.setattr(os, "getloadavg", unreadable)
+def test_no_free_cpu_when_the_load_cannot_be_read_or_a_cgroup_quota_allows_one(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(halves_module, "_host_load", lambda: None)
     assert not other_cpu_free()
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(halves_module, "_host_load", lambda: (0.0, 1))
     monkeypatch.setattr(halves_module, "_cpu_quota", lambda: 1.0)
     assert not other_cpu_free()
 

@@ -11,9 +11,9 @@ copying it into place all wait for each other. Split in two halves, each half ke
 on its own core (docs/benchmarks.md has the figures). Each ``Halves`` owns one helper thread, started on
 first use. ``run`` never waits for it: a caller that finds it busy (another thread of the process is
 using it) does both halves itself, and so does a thread pinned to one CPU, or one on a host whose CPUs
-are busy (``other_cpu_free``). In a forked child, where the parent's thread does not exist, a new one is
-started. Both halves have finished, or failed, when ``run`` returns; an exception from either is raised
-by ``run`` (the first half's, if both fail).
+are busy (``other_cpu_free``: runnable threads and load average). In a forked child, where the parent's
+thread does not exist, a new one is started. Both halves have finished, or failed, when ``run`` returns;
+an exception from either is raised by ``run`` (the first half's, if both fail).
 """
 
 from __future__ import annotations
@@ -31,16 +31,30 @@ from tieredkv import forksafe
 
 def other_cpu_free() -> bool:
     """Whether this thread may use 2+ CPUs (its affinity and the process's cgroup CPU quota) and the host
-    leaves one free: its 1-minute load average (which counts the caller itself) is below the host's CPU
-    count less one half. On busy CPUs a split copy takes as long as one thread's (its halves share the
-    cores with the other work) and spends more CPU time: the two threads stall on the same memory
-    bandwidth (docs/benchmarks.md). False where the load average cannot be read."""
+    leaves one free: fewer threads runnable right now than it has CPUs (the caller counts), and a
+    1-minute load average below the CPU count less one half (the instant count alone may catch a lull
+    in a busy host; the average alone lags a burst by tens of seconds). On busy CPUs a split copy takes
+    as long as one thread's (its halves share the cores with the other work) and spends more CPU time:
+    the two threads stall on the same memory bandwidth (docs/benchmarks.md). False where the load
+    cannot be read."""
     if len(os.sched_getaffinity(0)) < 2 or _cpu_quota() < 2:
         return False
-    try:
-        return os.getloadavg()[0] < (os.cpu_count() or 1) - 0.5
-    except OSError:
+    load = _host_load()
+    if load is None:
         return False
+    average, runnable = load
+    cpus = os.cpu_count() or 1
+    return average < cpus - 0.5 and runnable < cpus
+
+
+def _host_load() -> tuple[float, int] | None:
+    """The host's 1-minute load average and its threads runnable now (``/proc/loadavg``), or None."""
+    try:
+        with open("/proc/loadavg") as f:
+            fields = f.read().split()
+        return float(fields[0]), int(fields[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @functools.cache

@@ -45,8 +45,8 @@ READ_GROUP_BYTES = 1 << 20
 #: and at least this large is split in two halves of whole groups (``tieredkv.halves``): the second half
 #: is read, hashed and handed to the sink by the tier's helper thread while the calling thread does the
 #: first, each into its own small buffer, so both halves keep the one-pass shape above. A 112 MiB
-#: verified restore then runs at 0.95x a page-cache read on 2 quiet cores, against 0.69x on one thread
-#: (docs/benchmarks.md); on busy cores ``tieredkv.halves`` does not split.
+#: verified restore then runs at 0.81-0.95x a page-cache read on 2 quiet cores, against about 0.7x on
+#: one thread (docs/benchmarks.md); on busy cores ``tieredkv.halves`` does not split.
 READ_SPLIT_BYTES = 4 << 20
 
 

@@ -236,3 +236,17 @@ def test_the_cgroup_cpu_quota_is_read_from_v2_and_v1(tmp_path, membership, files
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert halves_module._cpu_quota(str(tmp_path / "cgroup"), str(tmp_path / "fs")) == quota
+
+
+@pytest.mark.parametrize(("n", "item", "step", "parts"), [
+    (3, 1 << 20, 1, [(0, 3)]),                       # 3 MiB: under SPLIT_BYTES, one call
+    (8, 1 << 20, 1, [(0, 4), (4, 8)]),
+    (9, 1 << 20, 1, [(0, 5), (5, 9)]),
+    (24, 1 << 20, 5, [(0, 15), (15, 24)]),           # whole groups of 5: 3 of the 5 on this thread
+    (5, 1 << 20, 5, [(0, 5)]),                       # one group: nothing to split
+])
+def test_split_cuts_at_whole_steps_from_split_bytes_on(halves, n, item, step, parts):
+    got = []
+    split = halves.split(n, item, lambda a, b: got.append((a, b)), step=step)
+    assert sorted(got) == parts
+    assert split == (len(parts) == 2)

@@ -1,6 +1,6 @@
 """Large placements into host memory in two halves: a run of hot blocks that ``TieredCache.load`` copies
 into a numpy array or a CPU tensor is split between the calling thread and the placement's helper thread
-(``tensors.PLACE_SPLIT_BYTES``, ``tieredkv.halves``) when a CPU is free. Under test: the split happens,
+(``tieredkv.halves.SPLIT_BYTES``) when a CPU is free. Under test: the split happens,
 the destination gets the stored bytes (contiguous, strided, a CPU tensor), and busy CPUs place it all on
 the calling thread."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import kv_for, same_bytes
-from tieredkv import KVSpec, TieredCache, halves, tensors
+from tieredkv import KVSpec, TieredCache, halves
 from tieredkv.halves import Halves
 
 SPEC = KVSpec(model_id="test/place-split", num_layers=4, num_kv_heads=2, head_dim=16, dtype="float16",
@@ -24,7 +24,7 @@ N = 24
 @pytest.fixture
 def splits(monkeypatch):
     """Placements of 4 blocks or more split; a CPU free whatever the host's load; each run's outcome."""
-    monkeypatch.setattr(tensors, "PLACE_SPLIT_BYTES", 4 * SPEC.block_bytes)
+    monkeypatch.setattr(halves, "SPLIT_BYTES", 4 * SPEC.block_bytes)
     monkeypatch.setattr(halves, "other_cpu_free", lambda: True)
     seen: list[tuple[bool, set[int]]] = []
     run = Halves.run

@@ -1,4 +1,4 @@
-"""Split one-pass warm reads: a ``read_through(..., parallel=True)`` of at least ``READ_SPLIT_BYTES`` is
+"""Split one-pass warm reads: a ``read_through(..., parallel=True)`` of at least ``halves.SPLIT_BYTES`` is
 shared between the calling thread and the tier's helper thread, each reading, hashing and sinking its
 half of the groups into a buffer of its own.
 
@@ -20,7 +20,7 @@ import pytest
 from test_warm_read_through import flip_bytes_on_disk
 
 from helpers import kv_for, payload_for, same_bytes
-from tieredkv import KVSpec, TieredCache, chunk_keys, halves, loading
+from tieredkv import KVSpec, TieredCache, chunk_keys, halves
 from tieredkv.halves import Halves
 from tieredkv.layout import model_to_blocks
 from tieredkv.warm import WarmTier
@@ -42,8 +42,7 @@ def small_splits(monkeypatch):
     whatever the host's load (``tieredkv.halves.other_cpu_free``, tested in test_halves.py)."""
     monkeypatch.setattr(halves, "other_cpu_free", lambda: True)
     monkeypatch.setattr(warm_reads, "READ_GROUP_BYTES", GROUP * SPEC.block_bytes)
-    monkeypatch.setattr(warm_reads, "READ_SPLIT_BYTES", 4 * SPEC.block_bytes)
-    monkeypatch.setattr(loading, "PROMOTE_SPLIT_BYTES", 4 * SPEC.block_bytes)
+    monkeypatch.setattr(halves, "SPLIT_BYTES", 4 * SPEC.block_bytes)
 
 
 @pytest.fixture

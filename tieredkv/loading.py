@@ -42,10 +42,6 @@ from tieredkv.spec import KVSpec
 #: Per-process memory of hits below the top level (for ``on_nth_hit`` promotion), in keys.
 HIT_MEMORY = 65536
 
-#: A promotion out of a host destination at least this large copies its two halves on two threads
-#: (``tieredkv.halves``), as the warm tier splits the read that placed them.
-PROMOTE_SPLIT_BYTES = 4 << 20
-
 
 class Loader:
     """The read path of one ``TieredCache``: its staging buffer and its promotion memory.
@@ -163,12 +159,9 @@ class Loader:
         at = first + chosen
 
         def fill(data: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-            if len(rows) < 2 or len(rows) * spec.block_bytes < PROMOTE_SPLIT_BYTES:
-                model_to_rows(spec, host, at[rows], data, slots)
-                return
-            h = len(rows) // 2  # disjoint slots: the halves may be copied at once
-            self._halves.run(lambda: model_to_rows(spec, host, at[rows[:h]], data, slots[:h]),
-                             lambda: model_to_rows(spec, host, at[rows[h:]], data, slots[h:]))
+            # A large promotion in two halves on two threads (disjoint slots), as the read that placed it.
+            self._halves.split(len(rows), spec.block_bytes,
+                               lambda a, b: model_to_rows(spec, host, at[rows[a:b]], data, slots[a:b]))
 
         if self.before_put is not None:
             self.before_put(top, len(chosen))

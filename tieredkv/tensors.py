@@ -25,10 +25,6 @@ from tieredkv.spec import KVSpec
 #: memory (a CUDA destination registers them for DMA), not a staging buffer.
 Placer = Callable[[np.ndarray, int, bool], None]
 
-#: A placement into host memory at least this large (a run of hot blocks handed over at once) is copied
-#: in two halves on two threads when the host has a CPU free (``tieredkv.halves``).
-PLACE_SPLIT_BYTES = 4 << 20
-
 
 class Placement:
     """Where one cache's loads go: checks ``out`` and builds its ``Placer``; keeps, across loads, the
@@ -140,15 +136,11 @@ def host_source(spec: KVSpec, kv: Any) -> np.ndarray:
 
 
 def host_placer(spec: KVSpec, target: np.ndarray, halves: Halves | None = None) -> Placer:
-    """A ``Placer`` into a host array in the model layout. With ``halves``, a placement of at least
-    ``PLACE_SPLIT_BYTES`` (a run of hot blocks) is copied in two halves on two threads when a CPU is free
-    (``tieredkv.halves``)."""
+    """A ``Placer`` into a host array in the model layout. With ``halves``, a large placement (a run of hot
+    blocks) is copied in two halves on two threads when a CPU is free (``Halves.split``)."""
     C = spec.chunk_tokens
     whole = target.shape[3] // C
     chunks: list[np.ndarray] = []  # target's whole chunks, viewed once (on the first place)
-
-    def place_part(rows: np.ndarray, first: int) -> None:
-        blocks_to_chunks(spec, rows, chunks[0], first)
 
     def place(rows: np.ndarray, at_token: int, shared: bool) -> None:
         first, within = divmod(at_token, C)
@@ -157,11 +149,11 @@ def host_placer(spec: KVSpec, target: np.ndarray, halves: Halves | None = None) 
             return
         if not chunks:
             chunks.append(model_chunks(spec, target))
-        if halves is None or len(rows) < 2 or rows.shape[0] * spec.block_bytes < PLACE_SPLIT_BYTES:
-            place_part(rows, first)
-            return
-        h = len(rows) // 2  # disjoint chunks of the target: the halves may be copied at once
-        halves.run(lambda: place_part(rows[:h], first), lambda: place_part(rows[h:], first + h))
+        if halves is None:
+            blocks_to_chunks(spec, rows, chunks[0], first)
+        else:  # disjoint chunks of the target: halves may be copied at once
+            halves.split(len(rows), spec.block_bytes,
+                         lambda a, b: blocks_to_chunks(spec, rows[a:b], chunks[0], first + a))
 
     return place
 

@@ -37,17 +37,15 @@ from tieredkv.warm.records import Records
 #: L2 cache when it is hashed and copied out, so a verified read touches main memory about as often as a
 #: plain read (one pass) instead of three (read, hash, copy). Pipelines across threads did worse (a
 #: helper hashing one 32 MiB group while the next was read hashed out of DRAM, 3.9x the time of hashing
-#: in L2; one reading 1 MiB groups three ahead of the sink was slower on 2 loaded cores): a split read
-#: (below) keeps each group on one thread instead.
+#: in L2; one reading 1 MiB groups three ahead of the sink was slower on 2 loaded cores). A
+#: ``read_through`` the caller allows to run in parallel (its sink only writes each block's own places)
+#: is instead split in two halves of whole groups (``tieredkv.halves``, from ``SPLIT_BYTES`` on): the
+#: tier's helper thread reads, hashes and sinks the second half into a buffer of its own while the
+#: calling thread does the first, so each group stays on one thread. A 112 MiB verified restore then
+#: runs at 0.81-0.95x a page-cache read on 2 quiet cores, against about 0.7x on one thread
+#: (docs/benchmarks.md); on busy cores ``tieredkv.halves`` does not split.
 READ_GROUP_BYTES = 1 << 20
 
-#: A ``read_through`` the caller allows to run in parallel (its sink only writes each block's own places)
-#: and at least this large is split in two halves of whole groups (``tieredkv.halves``): the second half
-#: is read, hashed and handed to the sink by the tier's helper thread while the calling thread does the
-#: first, each into its own small buffer, so both halves keep the one-pass shape above. A 112 MiB
-#: verified restore then runs at 0.81-0.95x a page-cache read on 2 quiet cores, against about 0.7x on
-#: one thread (docs/benchmarks.md); on busy cores ``tieredkv.halves`` does not split.
-READ_SPLIT_BYTES = 4 << 20
 
 
 class Scratch(threading.local):
@@ -196,7 +194,7 @@ class CheckedReads(Records):
         read, while it is still in the CPU cache. ``rows`` None: every group is read into this
         thread's scratch buffer (``read_through``), overwritten by the next one once ``sink`` returns.
         ``parallel`` (``read_through`` only): the sink may be called from the helper thread, out of key
-        order, and a large read is split between the two threads (``READ_SPLIT_BYTES``).
+        order, and a large read is split between the two threads (``tieredkv.halves.SPLIT_BYTES``).
 
         Returns:
             ``(complete, sums)``: blocks read in full, and the xxh3_64 of each checked row (0 elsewhere).
@@ -226,9 +224,8 @@ class CheckedReads(Records):
                 if sink is not None:
                     sink(b, group)
 
-        half = -(-n // per_group // 2) * per_group  # whole groups: the first half, on this thread
-        if parallel and n * self.block_bytes >= READ_SPLIT_BYTES and half < n:
-            self._halves.run(lambda: groups(0, half), lambda: groups(half, n))
+        if parallel:
+            self._halves.split(n, self.block_bytes, groups, step=per_group)  # whole groups per thread
         else:
             groups(0, n)
         return complete, np.array(sums, dtype=np.uint64)

@@ -21,8 +21,10 @@ large buffers get 2 MiB pages; a segment in /dev/shm has 4 KiB pages unless its 
 tieredkv. The big part also times the same flat copy out of and into a plain file mapping in the
 segment's directory (the pages a segment there gets: 4 KiB in /dev/shm), and divides get and put by
 those ("x same pages": what tieredkv adds over a memcpy between the same kinds of pages); it prints
-how much of the baseline's buffers the kernel mapped with 2 MiB pages. ``--huge`` (root) also runs
-every round with the segments on a ``huge=always`` tmpfs.
+how much of the baseline's buffers the kernel mapped with 2 MiB pages, and what a get spends around
+its copy (``get_phases``: its bookkeeping before and after the copy, with the caches as the flat copy
+left them, against the same bookkeeping back to back). ``--huge`` (root) also runs every round with
+the segments on a ``huge=always`` tmpfs.
 
 Each round prints the load average beside its figures; medians over ``--repeats`` per round. Not a
 test: nothing here asserts a timing.
@@ -46,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tieredkv of this checkout
 
 from tieredkv import HotTier, KVSpec, TieredCache, chunk_keys  # noqa: E402
+from tieredkv.layout import copy_rows, misaligned  # noqa: E402
 
 SMALL = KVSpec(model_id="bench/64k", num_layers=8, num_kv_heads=1, head_dim=32, dtype="float16")
 #: 1 KiB blocks: the copy is a few nanoseconds per block, so a call's time is its bookkeeping.
@@ -246,6 +249,38 @@ def huge_kib(arr: np.ndarray) -> int:
     return total
 
 
+def get_phases(tier: HotTier, keys, out: np.ndarray, evict, repeats: int) -> dict:
+    """Where a big get's time goes besides the copy: ``HotTier.read_runs`` with a sink that makes the
+    same copy as ``get_many``, right after ``evict`` (the flat copy, which leaves the caches as a real
+    get finds them), timed before, during and after the sink's copy; and the same call with a sink
+    that copies nothing, back to back (the bookkeeping with warm caches). Medians in ms."""
+    cold: dict[str, list[float]] = {"before": [], "copy": [], "after": []}
+    at: dict[str, float] = {}
+
+    def sink(i: int, rows: np.ndarray) -> None:
+        at["a"] = time.perf_counter()
+        copy_rows(out[i:i + len(rows)], rows, misaligned(out[i:i + len(rows)], rows))
+        at["b"] = time.perf_counter()
+
+    for _ in range(repeats):
+        evict()
+        t0 = time.perf_counter()
+        tier.read_runs(keys, sink)
+        t1 = time.perf_counter()
+        cold["before"].append(at["a"] - t0)
+        cold["copy"].append(at["b"] - at["a"])
+        cold["after"].append(t1 - at["b"])
+    warm = []
+    tier.read_runs(keys, lambda i, rows: None)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tier.read_runs(keys, lambda i, rows: None)
+        warm.append(time.perf_counter() - t0)
+    out_ms = {k: statistics.median(v) * 1e3 for k, v in cold.items()}
+    out_ms["warm_bookkeeping"] = statistics.median(warm) * 1e3
+    return out_ms
+
+
 def big_round(repeats: int, blocks: int = 64) -> dict:
     """One round of the big-block figures (see the module docstring)."""
     spec = BIG
@@ -295,10 +330,12 @@ def big_round(repeats: int, blocks: int = 64) -> dict:
                    repeats, before=lambda: tier.remove(fresh))
         huge = {"out": huge_kib(out), "src": huge_kib(src), "segment_dir_file": huge_kib(seg_pages),
                 "huge_src": huge_kib(huge_src), "huge_out": huge_kib(huge_out)}
+        phases = get_phases(tier, keys, out, flat_get, repeats)
     finally:
         tier.unlink()
     gbps = {k: nbytes / w / 1e9 for k, (w, _) in t.items()}
     return {"load_before": load0, "load_after": _load(), "gbps": gbps, "huge_kib": huge, "bytes": nbytes,
+            "get_phases_ms": phases,
             "huge_vs_flat": t["flat_get"][0] / t["flat_huge"][0],
             "seg_from_vs_flat": t["flat_get"][0] / t["flat_from_seg"][0],
             "seg_into_vs_flat": t["flat_put"][0] / t["flat_into_seg"][0],
@@ -396,6 +433,10 @@ def _run(args, place: str, report: dict) -> None:
               f"KiB on 2 MiB pages of {rows[-1]['bytes'] >> 10}: flat's src {huge['src']} / out {huge['out']}, "
               f"segment dir file {huge['segment_dir_file']}, 2 MiB buffers {huge['huge_src']} / {huge['huge_out']}; "
               f"load average now {_load():.1f}")
+        ph = {k: statistics.median(b["get_phases_ms"][k] for b in rows) for k in rows[0]["get_phases_ms"]}
+        print(f"a get's bookkeeping around its copy (read_runs after the flat copy, medians): {ph['before']:.3f} ms "
+              f"before the copy, {ph['after']:.3f} ms after, the copy {ph['copy']:.2f} ms; the same bookkeeping "
+              f"back to back, caches warm: {ph['warm_bookkeeping']:.3f} ms")
 
 
 if __name__ == "__main__":

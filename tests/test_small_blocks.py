@@ -144,3 +144,7 @@ def test_the_block_overhead_benchmark_runs(tmp_path):
         for op in ("get", "put"):
             assert set(row[who][op]) == {"us_per_block", "cpu_us_per_block", "ratio", "memcpy_us_per_block"}
     assert set(row["bookkeeping"]) == {"get", "put"} and row["segment_dir"]
+    assert block_overhead.main(["--only", "big", "--rounds", "1", "--repeats", "1", "--json", str(out)]) == 0
+    [big] = json.loads(out.read_text())["big"]
+    assert set(big["get_phases_ms"]) == {"before", "copy", "after", "warm_bookkeeping"}
+    assert all(v > 0 for v in big["get_phases_ms"].values())

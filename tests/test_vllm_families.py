@@ -90,6 +90,15 @@ def _mapped_shm() -> set[str]:
     return names
 
 
+def _remove_unmapped_vllm_segments(keep: set[str], older_than_s: float = 0.0) -> None:
+    """Unlink vLLM's segments that no live process maps, but those in ``keep`` and those younger than
+    ``older_than_s``."""
+    for name in _vllm_dist_segments() - keep - _mapped_shm():
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - os.stat(f"/dev/shm/{name}").st_mtime >= older_than_s:
+                os.unlink(f"/dev/shm/{name}")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-families")
@@ -102,10 +111,7 @@ def runs(tmp_path_factory):
     started = time.monotonic()
     # An earlier run killed before its cleanup (below) left its segments: the ones nobody maps, made
     # over a minute ago (not one another engine is just setting up), are garbage.
-    for name in _vllm_dist_segments() - _mapped_shm():
-        with contextlib.suppress(FileNotFoundError):
-            if time.time() - os.stat(f"/dev/shm/{name}").st_mtime > 60:
-                os.unlink(f"/dev/shm/{name}")
+    _remove_unmapped_vllm_segments(keep=set(), older_than_s=60)
     before = _vllm_dist_segments()
     try:
         proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_families.py"), str(tmp / "job.json")],
@@ -113,9 +119,7 @@ def runs(tmp_path_factory):
     finally:
         # vLLM 0.32 leaves its TP=2 engines' broadcast segments behind: remove the ones these engines
         # made (new since the start, and mapped by no live process).
-        for name in _vllm_dist_segments() - before - _mapped_shm():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
+        _remove_unmapped_vllm_segments(keep=before)
     assert proc.returncode == 0, f"engines failed:\n{proc.stderr[-6000:]}"
     docs = json.loads((tmp / "out.json").read_text())
     # What each engine start (and its runs) cost, for the suite's time budget (pytest -s shows it).

@@ -155,3 +155,19 @@ def test_tier_to_pages_and_back(device, dtype):
             posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:
             pass
+
+
+def test_a_write_from_chunks_outside_them_is_refused():
+    """``Chunks`` rows must hold every token written, at a block boundary, in blocks of this cache's shape."""
+    from tieredkv.integrations.paged import Chunks
+
+    caches = paged_caches("LBHNC", "cpu")
+    paged = PagedKV(view_all(caches, "LBHNC", "halves"), BLOCK)
+    chunk = 2 * BLOCK
+    rows = np.zeros((2, paged.chunk_bytes(chunk)), np.uint8)
+    paged.write([1, 2, 3, 4], Chunks(rows, 0, chunk), 0)  # all four blocks of the two chunks: fine
+    for ids, first in (([1, 2], 3 * BLOCK), ([1], BLOCK // 2), ([1], -BLOCK)):  # past the end, mid-block, before
+        with pytest.raises(InvalidInput, match="do not lie in"):
+            paged.write(ids, Chunks(rows, 0, chunk), first)
+    with pytest.raises(InvalidInput, match="do not lie in"):  # rows of another shape of block
+        paged.write([1], Chunks(rows[:, :-4], 0, chunk), 0)

@@ -1,6 +1,8 @@
 """The connector's layer-wise loads (tieredkv.integrations.vllm_loads) without vLLM or an engine: a real
 TieredCache (hot tier in shared memory) and paged caches built as vLLM builds them (tests/test_paged_kv.py),
-on the CPU and, where there is one, on a CUDA device (the DMA path: staging in device memory).
+on the CPU and, where there is one, on a CUDA device (the DMA path: staging in device memory). On the CPU
+a step of one hot-tier hit goes straight from the slots into the pages (no staging buffer); the steps of
+several plans, or with a lower level's blocks, take the staged path.
 
 On a GPU machine: ``pytest -q tests/test_vllm_loads.py`` (torch with CUDA; vLLM not required)."""
 
@@ -12,10 +14,10 @@ import threading
 import numpy as np
 import pytest
 import torch
-from test_paged_kv import BLOCK, HEAD_DIM, HEADS, LAYERS, backend_kv, devices, paged_caches, view_all
+from test_paged_kv import BLOCK, HEAD_DIM, HEADS, LAYERS, LAYOUT_ORDERS, backend_kv, devices, paged_caches, view_all
 
-from tieredkv import KVSpec, TieredCache, chunk_keys
-from tieredkv.integrations.paged import PagedKV
+from tieredkv import InvalidInput, KVSpec, TieredCache, chunk_keys
+from tieredkv.integrations.paged import Chunks, PagedKV
 from tieredkv.integrations.vllm_loads import NULL_BLOCK, LayerLoader
 
 CHUNK = 2 * BLOCK
@@ -102,6 +104,7 @@ def test_a_layer_wait_returns_once_its_layer_is_written_and_not_before(cache):
         assert not waiter.is_alive()
         assert all(expect(caches, 1, b, kv, i * BLOCK) for i, b in enumerate((5, 9, 2, 7)))
         assert loader.finish() == set() and loader.finish() == set()
+        assert loader._buffer is None  # one hot-tier hit: straight from the slots, no staging buffer
     finally:
         gate.opened.set()
         loader.close()
@@ -246,3 +249,152 @@ def test_a_plan_its_after_copy_hook_rejects_is_recomputed(cache, verdict):
         assert not pages_of(caches, 0, 3).any() and expect(caches, 1, 6, other_kv, BLOCK)
     finally:
         loader.close()
+
+
+def pages_of_split(caches, layer, block, split):
+    k, v = backend_kv(caches[layer], split)
+    return torch.stack([k[block], v[block]]).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,split", [("LBHNC", "halves"), ("LBNHC", "last_axis"), ("BHLNC", "halves")])
+def test_one_hot_hit_goes_from_the_slots_into_the_pages_of_any_layout(seg_name, dtype, name, split):
+    """The direct path with a local prefix-cache hit to skip (one block: half a chunk), two KV cache groups
+    (the second's first block the null block, outside a window), bfloat16 as raw bytes, and page layouts
+    whose (N, D) are one run or not: every page holds the stored tokens, and no staging buffer is made."""
+    assert name in LAYOUT_ORDERS
+    tokens = np.arange(1, 6 * BLOCK + 2)
+    with TieredCache(spec_for(dtype), hot_bytes=8 << 20, hot_name=seg_name) as cache:
+        kv = torch.randn(LAYERS, 2, HEADS, 6 * BLOCK, HEAD_DIM).to(dtype)
+        cache.store(tokens[:6 * BLOCK], kv)
+        hit = cache.lookup(tokens)
+        caches = paged_caches(name, "cpu", dtype)
+        loader = LayerLoader(cache, PagedKV(view_all(caches, name, split), BLOCK), [0, 1],
+                             {n: i for i, n in enumerate(NAMES)}, "layer")
+        try:
+            loader.start([Plan("a", hit, BLOCK, ((3, 4, 5, 6, 7), (NULL_BLOCK, 14, 15, 16, 17)))])
+            for layer_name in NAMES:
+                loader.wait_layer(layer_name)
+            assert loader.finish() == set() and loader._buffer is None
+            for i, b in enumerate((3, 4, 5, 6, 7)):
+                assert torch.equal(pages_of_split(caches, 0, b, split), kv[0, :, :, (i + 1) * BLOCK:(i + 2) * BLOCK])
+            for i, b in enumerate((14, 15, 16, 17)):
+                assert torch.equal(pages_of_split(caches, 1, b, split), kv[1, :, :, (i + 2) * BLOCK:(i + 3) * BLOCK])
+            assert not pages_of_split(caches, 1, NULL_BLOCK, split).any()
+            assert not pages_of_split(caches, 0, 14, split).any()  # group 1's pages are not group 0's
+        finally:
+            loader.close()
+            cache.unlink_hot()
+
+
+def _released_at_each_write(loader):
+    """Wrap ``loader.paged.write``: record how many layers the step had released when each copy began."""
+    seen = []
+    real = loader.paged.write
+
+    def write(ids, host, first_token=0, layers=None):
+        seen.append((layers, loader._job.layers_ready, isinstance(host, Chunks)))
+        real(ids, host, first_token, layers=layers)
+
+    loader.paged.write = write  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_hit_in_one_run_is_released_layer_by_layer_and_one_in_two_runs_at_the_end(cache):
+    one = np.arange(1, 4 * BLOCK + 2)
+    kv_one, hit_one = stored(cache, one, 4 * BLOCK)
+    two = np.arange(7, 4 * BLOCK + 8)
+    kv_two, _ = stored(cache, two, 2 * BLOCK)  # its first chunk; a third prompt takes the next slots
+    stored(cache, two + 3000, 2 * BLOCK)
+    cache.store(two[:4 * BLOCK], kv_two_full := torch.cat([kv_two, torch.randn(LAYERS, 2, HEADS, 2 * BLOCK,
+                                                                                 HEAD_DIM)], dim=3))
+    hit_two = cache.lookup(two)
+    assert hit_two.tokens == 4 * BLOCK
+    for hit, kv, runs in ((hit_one, kv_one, 1), (hit_two, kv_two_full, 2)):
+        loader, caches = loader_for(cache, "cpu")
+        seen = _released_at_each_write(loader)
+        try:
+            loader.start([Plan("a", hit, 0, ((5, 6, 7, 8),))])
+            assert loader.finish() == set()
+            assert all(isinstance_ for _, _, isinstance_ in seen)  # straight from the slots
+            if runs == 1:  # layer l's copy starts once the layers before it are released
+                assert [(layers, ready) for layers, ready, _ in seen] == [((0,), 0), ((1,), 1)]
+            else:  # two runs: nothing released before the last copy
+                assert len(seen) == 2 * LAYERS and {ready for _, ready, _ in seen} == {0}
+            for layer in range(LAYERS):
+                assert all(expect(caches, layer, b, kv, i * BLOCK) for i, b in enumerate((5, 6, 7, 8)))
+        finally:
+            loader.close()
+
+
+def test_a_single_plan_losing_blocks_after_the_lookup_reports_them(cache):
+    tokens = np.arange(3, 6 * BLOCK + 3)
+    kv, hit = stored(cache, tokens, 6 * BLOCK)
+    cache.hot.remove(chunk_keys(cache.spec, tokens[:2 * CHUNK])[1:2])  # chunk 1 gone before the load
+    loader, caches = loader_for(cache, "cpu")
+    try:
+        loader.start([Plan("a", hit, 0, ((11, 12, 13, 14, 15, 16),))])
+        for name in NAMES:
+            loader.wait_layer(name)
+        assert loader.finish() == {13, 14, 15, 16} and loader._buffer is None
+        for layer in range(LAYERS):
+            assert expect(caches, layer, 11, kv, 0) and expect(caches, layer, 12, kv, BLOCK)
+    finally:
+        loader.close()
+
+
+def test_a_direct_copy_that_raises_fails_the_plan_and_releases_every_layer(cache):
+    tokens = np.arange(5, 2 * BLOCK + 6)
+    _, hit = stored(cache, tokens, 2 * BLOCK)
+    loader, _ = loader_for(cache, "cpu")
+    real = loader.paged.write
+
+    def write(ids, host, first_token=0, layers=None):
+        if layers == (1,):
+            raise OSError("injected: the copy into the pages failed")
+        real(ids, host, first_token, layers=layers)
+
+    loader.paged.write = write  # type: ignore[method-assign]
+    try:
+        loader.start([Plan("a", hit, 0, ((30, 31),))])
+        for name in NAMES:
+            loader.wait_layer(name)
+        assert loader.finish() == {30, 31}
+        assert cache.hot.remove(hit.keys) == hit.blocks == 1  # unpinned again (a pinned block stays)
+    finally:
+        loader.close()
+
+
+def test_a_hit_partly_in_the_warm_tier_takes_the_staged_path(seg_name, tmp_path):
+    tokens = np.arange(2, 4 * BLOCK + 3)
+    with TieredCache(spec_for(), hot_bytes=8 << 20, hot_name=seg_name, warm_dir=tmp_path,
+                     warm_bytes=64 << 20) as cache:
+        kv, _ = stored(cache, tokens, 4 * BLOCK)
+        assert cache.flush(timeout_s=30)  # written behind to the warm tier
+        cache.hot.remove(chunk_keys(cache.spec, tokens[:4 * BLOCK])[1:])  # chunk 1 on in the warm tier only
+        hit = cache.lookup(tokens)
+        assert hit.blocks == 2 and hit.blocks_in(hit.where[0]) == 1
+        assert cache.load_runs(hit, lambda i, rows: None) is None  # nothing read: load it
+        loader, caches = loader_for(cache, "cpu")
+        try:
+            loader.start([Plan("a", hit, 0, ((5, 6, 7, 8),))])
+            assert loader.finish() == set() and loader._buffer is not None
+            for layer in range(LAYERS):
+                assert all(expect(caches, layer, b, kv, i * BLOCK) for i, b in enumerate((5, 6, 7, 8)))
+        finally:
+            loader.close()
+            cache.unlink_hot()
+
+
+def test_load_runs_hands_over_pinned_runs_and_counts_them_as_load(cache):
+    tokens = np.arange(1, 4 * BLOCK + 2)
+    kv, hit = stored(cache, tokens, 4 * BLOCK)
+    before = cache.stats()["loaded_tokens"]
+    runs = []
+    assert cache.load_runs(hit, lambda first, rows: runs.append((first, rows.copy()))) == 4 * BLOCK
+    assert [first for first, _ in runs] == [0] and runs[0][1].shape == (2, cache.spec.block_bytes)
+    out = np.zeros((2, cache.spec.block_bytes), np.uint8)
+    assert cache.hot.get_many(hit.keys, out) == 2 and np.array_equal(runs[0][1], out)
+    assert cache.stats()["loaded_tokens"] == before + 4 * BLOCK
+    with pytest.raises(InvalidInput):
+        cache.load_runs("not a hit", lambda first, rows: None)

@@ -25,7 +25,7 @@ import atexit
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -240,6 +240,29 @@ class TieredCache:
         started = time.perf_counter()
         loaded = self._loader.load(hit, out, self._open_levels(), self._by_code)
         C = self.spec.chunk_tokens
+        self._counting.add(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
+        self._counting.observe("load", time.perf_counter() - started)
+        return loaded * C
+
+    def load_runs(self, hit: PrefixHit, sink: Callable[[int, np.ndarray], None]) -> int | None:
+        """``load`` for a caller that copies the blocks where they go itself (the vLLM connector, into
+        its paged cache): ``sink(first_token, rows)`` gets each run of the hit's blocks as the top
+        level's own memory, ``(k, block_bytes)`` uint8 rows holding tokens ``first_token ..
+        first_token + k * chunk_tokens`` (the hot tier's slots, pinned), valid only during the call.
+        Counted as ``load``. Returns the tokens handed over, the leading ones (blocks evicted since
+        ``lookup`` end the run; whatever ``sink`` put from a run not counted in the result must not be
+        used), or None, with nothing done, when some of the hit's blocks are in a lower level: ``load``
+        them."""
+        if not isinstance(hit, PrefixHit):
+            raise InvalidInput("load_runs() takes the PrefixHit returned by lookup()")
+        top = self._open_levels()[0]
+        if hit.blocks_in(top.code) != hit.blocks:
+            return None
+        if hit.blocks == 0:
+            return 0
+        started = time.perf_counter()
+        C = self.spec.chunk_tokens
+        loaded = top.read_shared(hit.keys, lambda i, rows: sink(i * C, rows))
         self._counting.add(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
         self._counting.observe("load", time.perf_counter() - started)
         return loaded * C

@@ -17,12 +17,21 @@ request's blocks::
     tieredkv host (L, 2, H, k*N, D)[l] --view--> (2, H, k, N, D) --permute--> (k, 2, H, N, D)
                                                                  --index copy--> paged[l][block_ids]
 
+A CPU restore may also come straight from the hot tier's memory (``Chunks``: a run of tieredkv blocks,
+each ``(L, 2, H, C, D)``, pinned while the copy runs), with no host buffer in between::
+
+    blocks (k, L, 2, H, C, D)[:, l] --view--> (k, 2, H, C/N, N, D)[:, :, :, r] --index copy-->
+                                              paged[l][the block_ids at offset r*N of their chunk]
+
+one index copy per layer and offset (``C / N`` of them: 2 for chunks of 64 tokens in blocks of 32).
+
 This module is separate from ``tieredkv.integrations.vllm`` so that the copies can be checked on a
 CUDA machine without vLLM installed (tests/test_paged_kv.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -91,6 +100,17 @@ def paged_view(cache: torch.Tensor, layout: Any, split: str, *, num_kv_heads: in
     raise InvalidInput(f"unknown K/V split {split!r}; expected one of {sorted(set(KV_SPLIT.values()))}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """The source of a ``PagedKV.write`` straight from tieredkv blocks: ``rows`` (``(k, block_bytes)``
+    uint8, a run of hot-tier slots, say) hold tokens ``first_token .. first_token + k * chunk_tokens``,
+    each row one block ``(layers, 2, kv_heads, chunk_tokens, head_dim)`` (``KVSpec.block_shape``)."""
+
+    rows: np.ndarray
+    first_token: int
+    chunk_tokens: int
+
+
 class PagedKV:
     """All layers of one engine's paged cache, in model order, as ``[B, 2, H, N, D]`` views.
 
@@ -138,12 +158,17 @@ class PagedKV:
     def _layers(self, layers):
         return range(len(self.views)) if layers is None else layers
 
-    def write(self, block_ids, host: torch.Tensor, first_token: int = 0, layers=None) -> None:
+    def write(self, block_ids, host: torch.Tensor | Chunks, first_token: int = 0, layers=None) -> None:
         """Copy ``host[:, :, :, first_token:first_token + k*N]`` into blocks ``block_ids`` (k of them).
 
+        ``host``: a host buffer ``(layers, 2, kv_heads, tokens, head_dim)``, or (a CPU cache only)
+        ``Chunks`` holding the tokens ``first_token .. first_token + k*N``.
         ``layers``: only these layer indices (a KV cache group's layers; default all)."""
         k, N = len(block_ids), self.block_size
         if not k:
+            return
+        if isinstance(host, Chunks):
+            self._write_chunks(block_ids, host, first_token, self._layers(layers))
             return
         ids = self._ids(block_ids)
         on_cpu = self.device.type == "cpu"
@@ -155,6 +180,34 @@ class PagedKV:
             # [2, H, k*N, D] -> [k, 2, H, N, D]; merging N and D stays a view (both contiguous).
             src = self._pages(src[:, :, first_token:first_token + k * N].unflatten(2, (k, N)).permute(2, 0, 1, 3, 4))
             pages[ids] = _numpy(src) if on_cpu else src
+
+    def chunk_bytes(self, chunk_tokens: int) -> int:
+        """The bytes of one tieredkv block of ``chunk_tokens`` tokens of every layer of this cache: what
+        ``Chunks`` rows must hold."""
+        return len(self.views) * 2 * self.kv_heads * chunk_tokens * self.head_dim * self.dtype.itemsize
+
+    def _write_chunks(self, block_ids, chunks: Chunks, first_token: int, layers) -> None:
+        """``write`` from ``Chunks`` (CPU): per layer, one index copy per offset of a vLLM block in its
+        chunk, each from a strided view of the rows (see the module docstring)."""
+        k, N, C = len(block_ids), self.block_size, chunks.chunk_tokens
+        rows, at = chunks.rows, first_token - chunks.first_token
+        n, per = rows.shape[0], C // N
+        if self.device.type != "cpu" or C % N or at < 0 or at % N or at + k * N > n * C \
+                or rows.shape[1] != self.chunk_bytes(C):
+            raise InvalidInput(f"{k} blocks of {N} tokens from token {first_token} do not lie in {n} chunks of "
+                               f"{C} tokens from token {chunks.first_token} of this CPU cache")
+        ids = np.asarray(block_ids, dtype=np.int64)
+        where = at // N + np.arange(k)  # each vLLM block: chunk where // per, offset where % per
+        for layer in layers:
+            pages = self.views[layer]
+            blocks = rows.view(pages.dtype).reshape(n, len(self.views), 2, self.kv_heads, per, N, self.head_dim)
+            for r in range(per):
+                chosen = where % per == r
+                if not chosen.any():
+                    continue
+                c = where[chosen] // per  # consecutive chunks
+                src = blocks[c[0]:c[-1] + 1, layer, :, :, r]  # (m, 2, H, N, D)
+                pages[ids[chosen]] = src.reshape(*src.shape[:3], -1) if self._runs else src
 
     def read(self, block_ids, host: torch.Tensor, layers=None) -> None:
         """Copy blocks ``block_ids`` (k of them) into ``host[:, :, :, :k*N]`` (``layers``: as in ``write``)."""

@@ -11,6 +11,18 @@ its own::
     forward                      (embed) |wait l0 |attn l0 |wait l1 |attn l1| ...
                                          ^ the first layer waits for the tier copy + its paged copy
 
+On the CPU a step with one plan whose blocks are all in the top level (a hot-tier hit, the common case)
+skips the staging buffer: the loader thread reads the hit as runs of the hot tier's own memory, pinned
+(``TieredCache.load_runs``), and writes each layer from there into the pages (``paged.Chunks``), one
+copy instead of two. When the hit is one run of slots (a prefix stored in one call), each layer is
+released as soon as it is written, so the forward's layer 0 waits only for its own layer::
+
+    loader thread   |pin|l0|l1|l2| ... |lL-1|unpin|
+    forward             |wait l0|attn l0|wait l1|attn l1| ...
+
+A hit in several runs is written run by run and released whole at the end. Other steps (several plans,
+a lower level's blocks, a hybrid model's state, a CUDA cache) take the path above.
+
 ``mode="layer"`` runs a step's loads on one background thread: ``start`` returns at once,
 ``wait_layer(l)`` blocks until layer ``l`` of every planned block is written (or known failed), and
 ``finish`` waits for all of it and returns the blocks that could not be filled. On the CPU this
@@ -40,7 +52,7 @@ from typing import Any
 
 import torch
 
-from tieredkv.integrations.paged import PagedKV
+from tieredkv.integrations.paged import Chunks, PagedKV
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +203,8 @@ class LayerLoader:
                 self._cond.notify_all()
 
     def _copy(self, job: _Job) -> None:
+        if self._copy_direct(job):
+            return
         N = self.paged.block_size
         staged = self._stage(job)
         for i, (plan, host) in enumerate(zip(job.plans, staged)):  # the tier copies
@@ -218,6 +232,41 @@ class LayerLoader:
             with self._cond:
                 job.layers_ready = layer + 1
                 self._cond.notify_all()
+
+    def _copy_direct(self, job: _Job) -> bool:
+        """The step's one plan straight from the top level's memory into the pages (the module
+        docstring); False, with nothing done, where that path does not apply."""
+        paged, cache = self.paged, self.cache
+        if self._cuda or len(job.plans) != 1 or self._after_copy is not None or not hasattr(cache, "load_runs"):
+            return False
+        plan, N, C = job.plans[0], paged.block_size, cache.spec.chunk_tokens
+        if C % N or plan.skip_tokens % N or paged.chunk_bytes(C) != cache.spec.block_bytes:
+            return False
+        whole = plan.hit.blocks
+
+        def write(first_token: int, rows: Any) -> None:
+            chunks = Chunks(rows, first_token, C)
+            end = first_token + len(rows) * C
+            for layer, group in enumerate(self._group_of_layer):
+                ids = plan.block_ids[group]
+                a = max(first_token - plan.skip_tokens, 0) // N
+                part = ids[a:max(end - plan.skip_tokens, 0) // N]
+                skip = leading_nulls(part)
+                paged.write(part[skip:], chunks, plan.skip_tokens + (a + skip) * N, layers=(layer,))
+                if first_token == 0 and len(rows) == whole:  # the whole hit in one run: this layer is done
+                    with self._cond:
+                        job.layers_ready = layer + 1
+                        self._cond.notify_all()
+
+        try:
+            loaded = cache.load_runs(plan.hit, write)
+        except Exception:  # this plan is recomputed (``_run`` reports its blocks, releases every layer)
+            logger.exception("tieredkv: load for request %s failed; vLLM recomputes it", plan.req_id)
+            return True
+        if loaded is None:
+            return False
+        job.done[0] = max(loaded - plan.skip_tokens, 0) // N
+        return True
 
     def _stage(self, job: _Job) -> list[torch.Tensor]:
         """One contiguous ``(layers, 2, kv_heads, hit tokens, head_dim)`` view per plan, all in one kept

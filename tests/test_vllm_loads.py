@@ -355,14 +355,66 @@ def test_a_direct_copy_that_raises_fails_the_plan_and_releases_every_layer(cache
         real(ids, host, first_token, layers=layers)
 
     loader.paged.write = write  # type: ignore[method-assign]
+    before = cache.stats()
     try:
         loader.start([Plan("a", hit, 0, ((30, 31),))])
         for name in NAMES:
             loader.wait_layer(name)
         assert loader.finish() == {30, 31}
+        after = cache.stats()  # counted as a load that lost its blocks
+        assert after["loaded_tokens"] == before["loaded_tokens"]
+        assert after["lost_blocks"] == before["lost_blocks"] + hit.blocks
         assert cache.hot.remove(hit.keys) == hit.blocks == 1  # unpinned again (a pinned block stays)
     finally:
         loader.close()
+
+
+def test_a_read_retried_after_damage_never_takes_a_released_layer_back(cache, monkeypatch):
+    """The hot tier retries a read whose bookkeeping found damage (here the policy's hit, after the copy):
+    the sink runs again and rewrites the same bytes, and a layer once released stays released."""
+    from tieredkv.hot import tier as hot_tier
+
+    tokens = np.arange(1, 4 * BLOCK + 2)
+    kv, hit = stored(cache, tokens, 4 * BLOCK)
+    real_hit, calls = hot_tier.policies.hit, [0]
+
+    def hit_once_damaged(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise IndexError("injected: the policy state is damaged")
+        return real_hit(*args, **kwargs)
+
+    monkeypatch.setattr(hot_tier.policies, "hit", hit_once_damaged)
+    loader, caches = loader_for(cache, "cpu")
+    seen = _released_at_each_write(loader)
+    try:
+        with pytest.warns(RuntimeWarning, match="damaged"):
+            loader.start([Plan("a", hit, 0, ((5, 6, 7, 8),))])
+            assert loader.finish() == set()
+        ready = [r for _, r, _ in seen]
+        assert len(seen) == 2 * LAYERS and ready == sorted(ready) and ready[:LAYERS] == list(range(LAYERS))
+        for layer in range(LAYERS):
+            assert all(expect(caches, layer, b, kv, i * BLOCK) for i, b in enumerate((5, 6, 7, 8)))
+    finally:
+        loader.close()
+
+
+def test_pages_of_another_dtype_than_the_cache_are_never_written(seg_name):
+    """A float16 cache and bfloat16 pages (same size): no raw bytes reinterpreted, the plan is recomputed."""
+    tokens = np.arange(1, 2 * BLOCK + 2)
+    with TieredCache(spec_for(torch.float16), hot_bytes=8 << 20, hot_name=seg_name) as cache:
+        cache.store(tokens[:2 * BLOCK], torch.randn(LAYERS, 2, HEADS, 2 * BLOCK, HEAD_DIM).half())
+        hit = cache.lookup(tokens)
+        caches = paged_caches("LBHNC", "cpu", torch.bfloat16)
+        loader = LayerLoader(cache, PagedKV(view_all(caches, "LBHNC", "halves"), BLOCK), [0, 0],
+                             {n: i for i, n in enumerate(NAMES)}, "sync")
+        try:
+            loader.start([Plan("a", hit, 0, ((3, 4),))])
+            assert loader.finish() == {3, 4}
+            assert not any(c.any() for c in caches)
+        finally:
+            loader.close()
+            cache.unlink_hot()
 
 
 def test_a_hit_partly_in_the_warm_tier_takes_the_staged_path(seg_name, tmp_path):

@@ -262,9 +262,12 @@ class TieredCache:
             return 0
         started = time.perf_counter()
         C = self.spec.chunk_tokens
-        loaded = top.read_shared(hit.keys, lambda i, rows: sink(i * C, rows))
-        self._counting.add(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
-        self._counting.observe("load", time.perf_counter() - started)
+        loaded = 0  # a sink (or the tier) that raises: the hit counts as lost
+        try:
+            loaded = top.read_shared(hit.keys, lambda i, rows: sink(i * C, rows))
+        finally:
+            self._counting.add(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
+            self._counting.observe("load", time.perf_counter() - started)
         return loaded * C
 
     # ---- store ----------------------------------------------------------------------------------

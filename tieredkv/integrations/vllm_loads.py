@@ -240,11 +240,16 @@ class LayerLoader:
         if self._cuda or len(job.plans) != 1 or self._after_copy is not None or not hasattr(cache, "load_runs"):
             return False
         plan, N, C = job.plans[0], paged.block_size, cache.spec.chunk_tokens
-        if C % N or plan.skip_tokens % N or paged.chunk_bytes(C) != cache.spec.block_bytes:
+        if C % N or plan.skip_tokens % N or paged.chunk_bytes(C) != cache.spec.block_bytes \
+                or not _same_dtype(paged.dtype, cache.spec.dtype):
             return False
-        whole = plan.hit.blocks
+        whole, calls = plan.hit.blocks, [0]
 
         def write(first_token: int, rows: Any) -> None:
+            calls[0] += 1
+            # The whole hit in one run, on the first call: each layer is done once written. (A tier that
+            # retries a read after damage calls again; what it wrote first stays released.)
+            early = calls[0] == 1 and first_token == 0 and len(rows) == whole
             chunks = Chunks(rows, first_token, C)
             end = first_token + len(rows) * C
             for layer, group in enumerate(self._group_of_layer):
@@ -253,9 +258,9 @@ class LayerLoader:
                 part = ids[a:max(end - plan.skip_tokens, 0) // N]
                 skip = leading_nulls(part)
                 paged.write(part[skip:], chunks, plan.skip_tokens + (a + skip) * N, layers=(layer,))
-                if first_token == 0 and len(rows) == whole:  # the whole hit in one run: this layer is done
+                if early:
                     with self._cond:
-                        job.layers_ready = layer + 1
+                        job.layers_ready = max(job.layers_ready, layer + 1)
                         self._cond.notify_all()
 
         try:
@@ -284,6 +289,13 @@ class LayerLoader:
                                                        plan.hit.tokens, paged.head_dim))
             at += size
         return out
+
+
+def _same_dtype(pages: torch.dtype, spec_dtype: str) -> bool:
+    """Whether pages of ``pages`` hold values of the spec's dtype (fp8 pages are registered as uint8)."""
+    if pages == torch.uint8:
+        return spec_dtype in ("float8_e4m3fn", "float8_e5m2")
+    return str(pages).removeprefix("torch.") == spec_dtype
 
 
 def _cache_out(buf: torch.Tensor, dtype: str) -> Any:

@@ -52,8 +52,8 @@ def stored(cache, tokens, n_tokens):
     return kv, cache.lookup(tokens)
 
 
-def pages_of(caches, layer, block):
-    k, v = backend_kv(caches[layer], "halves")
+def pages_of(caches, layer, block, split="halves"):
+    k, v = backend_kv(caches[layer], split)
     return torch.stack([k[block], v[block]]).cpu()  # [2, H, N, D]
 
 
@@ -251,11 +251,6 @@ def test_a_plan_its_after_copy_hook_rejects_is_recomputed(cache, verdict):
         loader.close()
 
 
-def pages_of_split(caches, layer, block, split):
-    k, v = backend_kv(caches[layer], split)
-    return torch.stack([k[block], v[block]]).cpu()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name,split", [("LBHNC", "halves"), ("LBNHC", "last_axis"), ("BHLNC", "halves")])
 def test_one_hot_hit_goes_from_the_slots_into_the_pages_of_any_layout(seg_name, dtype, name, split):
@@ -277,11 +272,11 @@ def test_one_hot_hit_goes_from_the_slots_into_the_pages_of_any_layout(seg_name, 
                 loader.wait_layer(layer_name)
             assert loader.finish() == set() and loader._buffer is None
             for i, b in enumerate((3, 4, 5, 6, 7)):
-                assert torch.equal(pages_of_split(caches, 0, b, split), kv[0, :, :, (i + 1) * BLOCK:(i + 2) * BLOCK])
+                assert torch.equal(pages_of(caches, 0, b, split), kv[0, :, :, (i + 1) * BLOCK:(i + 2) * BLOCK])
             for i, b in enumerate((14, 15, 16, 17)):
-                assert torch.equal(pages_of_split(caches, 1, b, split), kv[1, :, :, (i + 2) * BLOCK:(i + 3) * BLOCK])
-            assert not pages_of_split(caches, 1, NULL_BLOCK, split).any()
-            assert not pages_of_split(caches, 0, 14, split).any()  # group 1's pages are not group 0's
+                assert torch.equal(pages_of(caches, 1, b, split), kv[1, :, :, (i + 2) * BLOCK:(i + 3) * BLOCK])
+            assert not pages_of(caches, 1, NULL_BLOCK, split).any()
+            assert not pages_of(caches, 0, 14, split).any()  # group 1's pages are not group 0's
         finally:
             loader.close()
             cache.unlink_hot()

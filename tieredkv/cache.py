@@ -235,14 +235,7 @@ class TieredCache:
         """
         if not isinstance(hit, PrefixHit):
             raise InvalidInput("load() takes the PrefixHit returned by lookup()")
-        if hit.blocks == 0:
-            return 0
-        started = time.perf_counter()
-        loaded = self._loader.load(hit, out, self._open_levels(), self._by_code)
-        C = self.spec.chunk_tokens
-        self._counting.add(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
-        self._counting.observe("load", time.perf_counter() - started)
-        return loaded * C
+        return self._counted_load(hit, lambda: self._loader.load(hit, out, self._open_levels(), self._by_code))
 
     def load_runs(self, hit: PrefixHit, sink: Callable[[int, np.ndarray], None]) -> int | None:
         """``load`` for a caller that copies the blocks where they go itself (the vLLM connector, into
@@ -258,17 +251,22 @@ class TieredCache:
         top = self._open_levels()[0]
         if hit.blocks_in(top.code) != hit.blocks:
             return None
+        C = self.spec.chunk_tokens
+        return self._counted_load(hit, lambda: top.read_shared(hit.keys, lambda i, rows: sink(i * C, rows)))
+
+    def _counted_load(self, hit: PrefixHit, read: Callable[[], int]) -> int:
+        """``read()`` the hit's blocks (it returns how many), counted: loaded tokens, lost blocks (all of
+        them when ``read`` raises), the time; returns the tokens loaded."""
         if hit.blocks == 0:
             return 0
         started = time.perf_counter()
-        C = self.spec.chunk_tokens
-        loaded = 0  # a sink (or the tier) that raises: the hit counts as lost
+        loaded = 0
         try:
-            loaded = top.read_shared(hit.keys, lambda i, rows: sink(i * C, rows))
+            loaded = read()
         finally:
-            self._counting.add(loaded_tokens=loaded * C, lost_blocks=hit.blocks - loaded)
+            self._counting.add(loaded_tokens=loaded * self.spec.chunk_tokens, lost_blocks=hit.blocks - loaded)
             self._counting.observe("load", time.perf_counter() - started)
-        return loaded * C
+        return loaded * self.spec.chunk_tokens
 
     # ---- store ----------------------------------------------------------------------------------
     def store(self, tokens: Any, kv: Any, salt: bytes = b"", *, from_token: int = 0,

@@ -197,10 +197,14 @@ class LayerLoader:
         finally:
             for plan, done in zip(job.plans, job.done):
                 job.errors.update(b for ids in plan.block_ids for b in ids[done:] if b != NULL_BLOCK)
-            with self._cond:
-                job.layers_ready = len(self._group_of_layer)
-                job.finished = True
-                self._cond.notify_all()
+            self._release(job, len(self._group_of_layer), finished=True)
+
+    def _release(self, job: _Job, layers: int, finished: bool = False) -> None:
+        """Let the forward past the first ``layers`` layers (never fewer than already released)."""
+        with self._cond:
+            job.layers_ready = max(job.layers_ready, layers)
+            job.finished = job.finished or finished
+            self._cond.notify_all()
 
     def _copy(self, job: _Job) -> None:
         if self._copy_direct(job):
@@ -229,9 +233,7 @@ class LayerLoader:
                 event = torch.cuda.Event()
                 event.record(self._stream)
                 job.events.append(event)
-            with self._cond:
-                job.layers_ready = layer + 1
-                self._cond.notify_all()
+            self._release(job, layer + 1)
 
     def _copy_direct(self, job: _Job) -> bool:
         """The step's one plan straight from the top level's memory into the pages (the module
@@ -259,9 +261,7 @@ class LayerLoader:
                 skip = leading_nulls(part)
                 paged.write(part[skip:], chunks, plan.skip_tokens + (a + skip) * N, layers=(layer,))
                 if early:
-                    with self._cond:
-                        job.layers_ready = max(job.layers_ready, layer + 1)
-                        self._cond.notify_all()
+                    self._release(job, layer + 1)
 
         try:
             loaded = cache.load_runs(plan.hit, write)

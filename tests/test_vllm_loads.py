@@ -61,6 +61,11 @@ def expect(caches, layer, block, kv, first_token):
     return torch.equal(pages_of(caches, layer, block), kv[layer, :, :, first_token:first_token + BLOCK])
 
 
+def holds(caches, blocks, kv) -> bool:
+    """Whether ``blocks`` hold ``kv``'s tokens from token 0 on, a block each, in every layer."""
+    return all(expect(caches, layer, b, kv, i * BLOCK) for layer in range(LAYERS) for i, b in enumerate(blocks))
+
+
 def loader_for(cache, device, mode="layer", groups=(0, 0)):
     caches = paged_caches("LBHNC", device)
     paged = PagedKV(view_all(caches, "LBHNC", "halves"), BLOCK)
@@ -123,9 +128,7 @@ def test_blocks_lost_after_the_lookup_are_reported_and_every_layer_is_released(c
             loader.wait_layer(name)
         # Chunk 1 and everything after it (never loaded: a hit is a prefix) are recomputed.
         assert loader.finish() == {13, 14, 15, 16}
-        for layer in range(LAYERS):
-            assert expect(caches, layer, 11, kv, 0) and expect(caches, layer, 12, kv, BLOCK)
-            assert expect(caches, layer, 20, other_kv, 0) and expect(caches, layer, 21, other_kv, BLOCK)
+        assert holds(caches, (11, 12), kv) and holds(caches, (20, 21), other_kv)
     finally:
         loader.close()
 
@@ -316,8 +319,7 @@ def test_a_hit_in_one_run_is_released_layer_by_layer_and_one_in_two_runs_at_the_
                 assert [(layers, ready) for layers, ready, _ in seen] == [((0,), 0), ((1,), 1)]
             else:  # two runs: nothing released before the last copy
                 assert len(seen) == 2 * LAYERS and {ready for _, ready, _ in seen} == {0}
-            for layer in range(LAYERS):
-                assert all(expect(caches, layer, b, kv, i * BLOCK) for i, b in enumerate((5, 6, 7, 8)))
+            assert holds(caches, (5, 6, 7, 8), kv)
         finally:
             loader.close()
 
@@ -332,8 +334,7 @@ def test_a_single_plan_losing_blocks_after_the_lookup_reports_them(cache):
         for name in NAMES:
             loader.wait_layer(name)
         assert loader.finish() == {13, 14, 15, 16} and loader._buffer is None
-        for layer in range(LAYERS):
-            assert expect(caches, layer, 11, kv, 0) and expect(caches, layer, 12, kv, BLOCK)
+        assert holds(caches, (11, 12), kv)
     finally:
         loader.close()
 
@@ -388,8 +389,7 @@ def test_a_read_retried_after_damage_never_takes_a_released_layer_back(cache, mo
             assert loader.finish() == set()
         ready = [r for _, r, _ in seen]
         assert len(seen) == 2 * LAYERS and ready == sorted(ready) and ready[:LAYERS] == list(range(LAYERS))
-        for layer in range(LAYERS):
-            assert all(expect(caches, layer, b, kv, i * BLOCK) for i, b in enumerate((5, 6, 7, 8)))
+        assert holds(caches, (5, 6, 7, 8), kv)
     finally:
         loader.close()
 
@@ -426,8 +426,7 @@ def test_a_hit_partly_in_the_warm_tier_takes_the_staged_path(seg_name, tmp_path)
         try:
             loader.start([Plan("a", hit, 0, ((5, 6, 7, 8),))])
             assert loader.finish() == set() and loader._buffer is not None
-            for layer in range(LAYERS):
-                assert all(expect(caches, layer, b, kv, i * BLOCK) for i, b in enumerate((5, 6, 7, 8)))
+            assert holds(caches, (5, 6, 7, 8), kv)
         finally:
             loader.close()
             cache.unlink_hot()

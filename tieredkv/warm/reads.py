@@ -47,7 +47,6 @@ from tieredkv.warm.records import Records
 READ_GROUP_BYTES = 1 << 20
 
 
-
 class Scratch(threading.local):
     """One kept, page-aligned buffer per reading thread for ``read_through``'s groups (reads take no
     lock, so threads cannot share one). Kept, not allocated per call: a fresh buffer costs a page

@@ -656,10 +656,10 @@ t = WarmTier(spec, {root!r}, capacity_bytes=4 * 4096)
 def stuck(*a, **k):
     child = os.fork()
     if child == 0:  # a helper process that never touches the tier
-        print("forked", flush=True)  # fork's after-in-child handlers have run
+        os.write(1, b"forked\\n")  # fork's after-in-child handlers have run (one write: lines never mix)
         time.sleep(600)
         os._exit(0)
-    print("claimed", child, flush=True)
+    os.write(1, f"claimed {{child}}\\n".encode())
     time.sleep(600)
 t._slabs.write = stuck
 k = chunk_keys(spec, np.arange(7000, 7000 + 4 * spec.chunk_tokens))

@@ -644,3 +644,34 @@ def test_an_interrupted_close_still_lets_go_of_the_handle(tiny_spec, seg_name, m
         assert tier._closed
         assert not locks.is_locked(survivor._fd, locks.REGISTRY_BASE + owner)
         assert survivor.live_handles() == 1
+
+
+_EXITS_WITHOUT_CLOSE = """
+import sys, numpy as np, torch  # torch first, a tensor stored: the teardown order that showed it
+from tieredkv import KVSpec, TieredCache
+from tieredkv.config import CacheConfig, HotConfig
+spec = KVSpec(model_id="test/tiny", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", chunk_tokens=4)
+cache = TieredCache(spec, CacheConfig(hot=HotConfig(bytes=1 << 20, name=sys.argv[1])))
+cache.store(np.arange(8), torch.ones((2, 2, 1, 8, 8)))
+print(cache.hot._owner, flush=True)
+"""
+
+
+def test_a_process_that_exits_without_close_lets_go_of_its_row_without_a_warning(tiny_spec, seg_name):
+    """A script that ends without ``close()``: at exit its handle closes cleanly (its owner row is free
+    at once, not left for a reclaim) and nothing is printed. At interpreter teardown, which closed it
+    before, the close found the modules half gone and warned ("'NoneType' object cannot be interpreted
+    as an integer")."""
+    import subprocess
+    import sys
+
+    with HotTier(tiny_spec, n_slots=8, name=seg_name) as tier:
+        done = subprocess.run([sys.executable, "-W", "default", "-c", _EXITS_WITHOUT_CLOSE, seg_name],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == ""
+        child = int(done.stdout)
+        assert child != tier._owner
+        assert int(tier._owners[child]["token"]) == 0  # released by the child itself, not reclaimed
+        assert tier.live_handles() == 1
+        assert tier.contains_many(chunk_keys(tiny_spec, np.arange(8), b"")).all()

@@ -9,6 +9,7 @@ row, and a segment that an open created but cannot use is unlinked again.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import secrets
@@ -46,6 +47,20 @@ def _drop_inherited_descriptors() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_descriptors)
+
+
+def _close_at_exit() -> None:
+    """Close the handles a process left open when it exits normally, while the modules they use are
+    still whole: left to ``__del__`` at interpreter teardown, the close found them half gone, warned
+    and left the owner's row for others to reclaim as a dead process's. Registered at import, so it
+    runs after a ``TieredCache``'s own exit flush (atexit runs last-registered first), which still
+    reads queued blocks out of the segment."""
+    for handle in list(_HANDLES):
+        if not handle._closed and handle._pid == os.getpid():
+            handle.close()
+
+
+atexit.register(_close_at_exit)
 
 
 class _Unpublished(Exception):

@@ -197,6 +197,8 @@ def test_demo_end_to_end_on_worker_processes(tmp_path):
             assert r["at"][0] <= r["at"][1] <= r["at"][2] and r["busy_workers"] >= 1 - 1e-6, (name, r)
             assert r["arrival_ttft_ms"] >= r["ttft_ms"] - 1e-6 and "load_faults" in r["phases"]
         assert cfg["busy_workers_mean"] >= 1 - 1e-6 and cfg["phases_ms"]["decode_cpu"]["mean"] > 0
+    assert c["no_cache"]["busy_workers_hits_mean"] == 0.0          # no hits to count
+    assert c["shared"]["busy_workers_hits_mean"] >= 1 - 1e-6 and "busy workers beside a hit" in proc.stdout
     assert c["shared"]["first_in_worker"]["first"]["requests"] == 1
     assert c["shared"]["first_in_worker"]["later"]["requests"] == 2
     assert "busy workers on" in proc.stdout and "from each request's arrival" in proc.stdout
@@ -242,6 +244,8 @@ def test_busy_workers_first_hits_and_the_shared_vs_private_account():
             req(2, 0, [2.0, 2.0, 2.5], 4.0, faults=30)]                   # zero-length wait: itself only
     assert demo.busy_workers(done) == [1.5, 2.0, 1.0]
     assert [d["busy_workers"] for d in done] == [1.5, 2.0, 1.0]
+    assert demo._hits_mean(done + [dict(req(3, 1, [3.0, 4.0, 5.0], 9.0, cached=0), busy_workers=5.0)],
+                           "busy_workers") == 1.5          # the miss is left out
     assert demo.busy_workers([{"request": 0}]) == []                      # older workers: no timeline
     split = demo.first_vs_later(done)
     assert split["first"]["requests"] == 1 and split["first"]["faults"] == 900
@@ -267,6 +271,10 @@ def test_busy_workers_first_hits_and_the_shared_vs_private_account():
     # Up to one busy worker per CPU nobody waits for a core: no difference predicted.
     two = {"private": dict(private, busy_workers_mean=1.0), "shared": dict(shared, busy_workers_mean=2.0)}
     assert "predict +0%" in "\n".join(demo.where_time_went({"settings": settings, "configs": two}))
+    # Where the JSON says how many were busy beside the hits (the p50 lies among them), that counts.
+    hits = {"private": dict(private, busy_workers_hits_mean=7.0), "shared": dict(shared, busy_workers_hits_mean=7.7)}
+    assert ("busy workers beside a hit 7.7 vs 7.0 (+10%: more requests in flight at once) predict +10%"
+            in "\n".join(demo.where_time_went({"settings": settings, "configs": hits})))
 
 
 def test_ttft_from_arrival_counts_the_wait_behind_the_workers_earlier_requests():

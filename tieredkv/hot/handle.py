@@ -54,10 +54,14 @@ def _close_at_exit() -> None:
     still whole: left to ``__del__`` at interpreter teardown, the close found them half gone, warned
     and left the owner's row for others to reclaim as a dead process's. Registered at import, so it
     runs after a ``TieredCache``'s own exit flush (atexit runs last-registered first), which still
-    reads queued blocks out of the segment."""
+    reads queued blocks out of the segment. A handle that cannot close (a daemon thread of the caller's
+    still reading through it) is left as before, to the kernel: exiting closes its descriptor."""
     for handle in list(_HANDLES):
         if not handle._closed and handle._pid == os.getpid():
-            handle.close()
+            try:
+                handle.close()
+            except Exception:  # the process is exiting: nothing to report it to, and the others go on
+                pass
 
 
 atexit.register(_close_at_exit)

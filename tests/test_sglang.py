@@ -245,6 +245,100 @@ def test_mla_has_one_writer_and_every_rank_reads_its_pages(extra):
     reader.close()
 
 
+def model_dir(path, weights: bytes):
+    """A local model directory: a config.json and one weight file."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def launched_with(monkeypatch, model_path, revision=None):
+    """Publish SGLang's ``model`` config namespace (its own bag class) as a server launched with
+    ``--model-path model_path`` has it; the storage config carries only the served name."""
+    from sglang.srt.runtime_context import _ConfigBag, get_context
+
+    bag = _ConfigBag("model")
+    bag._set("model_path", str(model_path))
+    bag._set("revision", revision)
+    monkeypatch.setattr(get_context(), "_config_bags", {"model": bag})
+
+
+def test_two_model_directories_under_one_served_name_never_share_pages(extra, tmp_path, monkeypatch):
+    a, b = model_dir(tmp_path / "a" / "model", b"weights of A"), model_dir(tmp_path / "b" / "model", b"weights of B")
+    keys = page_keys(list(range(2 * PAGE)))
+    launched_with(monkeypatch, a)
+    store_a = backend(HostPool("page_first"), extra, model="alias")
+    assert store_a.batch_set_v1(keys, indices([0, 1])) == [True, True]
+    assert store_a.spec.model_id.startswith("model@local-")
+    launched_with(monkeypatch, b)
+    store_b = backend(HostPool("page_first"), {**extra, "hot_name": extra["hot_name"] + "-b"}, model="alias")
+    assert store_b.spec.namespace != store_a.spec.namespace
+    assert store_b.batch_exists(keys) == 0 and store_b.batch_get_v1(keys, indices([4, 5])) == [False, False]
+    store_b.cache.unlink_hot()
+    # Without a published model path the served name is the identity: a directory's is its files too.
+    monkeypatch.undo()
+    by_name = backend(HostPool("page_first"), extra, model=str(a))
+    assert by_name.spec.namespace == store_a.spec.namespace and by_name.batch_exists(keys) == 2
+    by_name.close()
+    store_a.close()
+
+
+def test_one_model_directory_spelled_two_ways_is_one_namespace(extra, tmp_path, monkeypatch):
+    d = model_dir(tmp_path / "model", b"the weights")
+    keys = page_keys(list(range(2 * PAGE)))
+    launched_with(monkeypatch, d)
+    store = backend(HostPool("page_first"), extra, model="served-one")
+    store.batch_set_v1(keys, indices([2, 3]))
+    monkeypatch.chdir(tmp_path)
+    launched_with(monkeypatch, "./model/")
+    other = backend(HostPool("page_first"), extra, model="served-two")
+    assert other.spec.namespace == store.spec.namespace
+    assert other.batch_get_v1(keys, indices([6, 7])) == [True, True]
+    assert other.mem_pool_host.page_bytes(6) == store.mem_pool_host.page_bytes(2)
+    other.close()
+    store.close()
+
+
+def test_an_explicit_model_id_overrides_the_model_path(extra, tmp_path, monkeypatch):
+    launched_with(monkeypatch, model_dir(tmp_path / "model", b"weights"))
+    store = backend(HostPool("page_first"), {**extra, "model_id": "my-finetune@v3"}, model="alias")
+    assert store.spec.model_id == "my-finetune@v3"
+    store.close()
+    launched_with(monkeypatch, "Qwen/Qwen3-8B", revision="abc123")  # a hub name: the name and its revision
+    hub = backend(HostPool("page_first"), {**extra, "hot_name": extra["hot_name"] + "-hub"}, model="alias")
+    assert hub.spec.model_id == "Qwen/Qwen3-8B@abc123"
+    hub.cache.unlink_hot()
+
+
+def test_new_weights_at_the_same_path_do_not_find_the_old_pages(seg_name, tmp_path, monkeypatch):
+    d = model_dir(tmp_path / "model", b"fine-tune one")
+    extra = dynamic(hot_bytes="8M", hot_name=seg_name, warm_dir=str(tmp_path / "warm"), warm_bytes="16M")
+    keys = page_keys(list(range(3 * PAGE)))
+    launched_with(monkeypatch, d)
+
+    def restart() -> TieredKVStorage:
+        return backend(HostPool("page_first", seed=11), extra, model="alias")
+
+    store = restart()
+    assert store.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
+    store.cache.flush()
+    store.cache.unlink_hot()
+    store.cache = None
+    same = restart()  # same weights, same warm_dir: the pages are found
+    assert same.spec.namespace == store.spec.namespace and same.batch_exists(keys) == 3
+    same.cache.unlink_hot()
+    same.cache = None
+    new = tmp_path / "new.safetensors"
+    new.write_bytes(b"fine-tune two")  # a new fine-tune: same file name and size, other bytes
+    os.replace(new, d / "model.safetensors")
+    after = restart()
+    assert after.spec.namespace != store.spec.namespace
+    assert after.batch_exists(keys) == 0
+    assert after.batch_get_v1(keys, indices([5, 6, 7])) == [False] * 3
+    after.close()
+
+
 _WRITER = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {tests!r})

@@ -18,6 +18,11 @@ hash. Each string becomes a tieredkv key under a namespace of the model, the hos
 geometry, the KV dtype, the TP shard (one for MLA, whose KV every rank holds) and the PP stage, so
 nothing is ever served across those identities (docs/sglang.md).
 
+The model is SGLang's ``--model-path`` (read from SGLang's runtime context; the storage config carries
+only the served name, an alias), named by ``canonical_model_id``: a local directory by its
+``config.json`` and weight files, so new weights at the same path, or two models under one alias, never
+share pages; a hub name by the name (and ``--revision``). The extra-config key ``model_id`` overrides it.
+
 Zero-copy (``interface_v1``): ``batch_get_v1`` copies hot blocks straight from shared memory into
 the registered host pool's pages (one copy, no staging); warm blocks through one staging buffer.
 ``batch_set_v1`` gathers the pages into one buffer and stores it (hot; warm per the demotion rule).
@@ -41,6 +46,7 @@ from tieredkv.cache import TieredCache
 from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.extra import cache_kwargs
 from tieredkv.keys import ChunkKeys, opaque_keys
+from tieredkv.model_identity import canonical_model_id
 from tieredkv.spec import KVSpec
 from tieredkv.tier import PutResult
 
@@ -50,9 +56,47 @@ logger = logging.getLogger(__name__)
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "enable_metadata_cache",
                "metadata_ttl", "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                "hicache_storage_pass_prefix_keys")
+#: this backend's own extra-config keys: ``model_id`` names the model instead of SGLang's model path.
+OWN_KEYS = ("model_id",)
 #: host-pool layouts this backend reads, per attention kind.
 LAYOUTS = {"mha": ("layer_first", "page_first", "page_first_direct", "page_head"),
            "mla": ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")}
+
+
+def _launched_model() -> tuple[str, str | None] | None:
+    """SGLang's ``--model-path`` and ``--revision`` from its published runtime context (the process that
+    builds the storage backend has one); None when SGLang has published none (or is older)."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        model = get_model()
+        path = model.model_path
+    except (ImportError, ValueError, AttributeError):
+        return None
+    if not path:
+        return None
+    return str(path), getattr(model, "revision", None) or None
+
+
+def _model_id(storage_config: HiCacheStorageConfig, override: Any = None) -> str:
+    """The namespace's model identity: ``override`` (extra config ``model_id``) when given; else
+    ``canonical_model_id`` of the model path SGLang was launched with (a local directory: its files;
+    a hub name: the name, ``@revision`` when one is pinned); else of ``storage_config.model_name`` (the
+    served name, which defaults to the model path) when SGLang publishes no path.
+
+    Raises:
+        OSError: a local model directory cannot be read.
+    """
+    if override:
+        return str(override)
+    launched = _launched_model()
+    if launched is None:
+        return canonical_model_id(str(storage_config.model_name or "sglang-model"))
+    path, revision = launched
+    model_id = canonical_model_id(path)
+    if revision and model_id == path:
+        model_id += f"@{revision}"
+    return model_id
 
 
 def page_components(pool: Any, mla: bool) -> list[torch.Tensor]:
@@ -123,7 +167,8 @@ class TieredKVStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         self.storage_config = storage_config
         extra = {k: v for k, v in (storage_config.extra_config or {}).items() if k not in SGLANG_KEYS}
-        self._cache_kwargs = cache_kwargs(extra, what="hicache storage extra config")
+        self._cache_kwargs = cache_kwargs(extra, own_keys=OWN_KEYS, what="hicache storage extra config")
+        self._model_id_override = extra.get("model_id")
         if storage_config.dcp_size > 1:
             raise InvalidInput("tieredkv's SGLang backend does not support decode context parallelism (dcp_size > 1)")
         if storage_config.should_split_heads:
@@ -157,10 +202,13 @@ class TieredKVStorage(HiCacheStorage):
         geometry = "x".join(str(d) for c in comps for d in c.shape[1:])
         # MLA: every TP rank holds the same latent KV, so all ranks share one namespace (one writer).
         tp_rank, tp_size = (0, 1) if self.mla else (cfg.tp_rank, cfg.tp_size)
-        self.spec = KVSpec(model_id=str(cfg.model_name or "sglang-model"), num_layers=1, num_kv_heads=1,
+        # SGLang tags model_name with a pool's own page format; the model path does not carry it.
+        tag = getattr(mem_pool_host, "storage_format_tag", None)
+        self.spec = KVSpec(model_id=_model_id(cfg, self._model_id_override), num_layers=1, num_kv_heads=1,
                            head_dim=block_bytes // 2, dtype="int8", chunk_tokens=1, tp_rank=tp_rank, tp_size=tp_size,
                            extra=f"sglang;layout={mem_pool_host.layout};mla={int(self.mla)};page={self._page_size};"
-                                 f"dtype={mem_pool_host.dtype};geometry={geometry};pp={cfg.pp_rank}of{cfg.pp_size}")
+                                 f"dtype={mem_pool_host.dtype};geometry={geometry};pp={cfg.pp_rank}of{cfg.pp_size}"
+                                 + (f";format={tag}" if tag else ""))
         if self.cache is not None:
             self.cache.close()
         self.cache = TieredCache(self.spec, **self._cache_kwargs)

@@ -45,7 +45,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tieredkv import InvalidInput, TieredCache, chunk_keys
+from tieredkv import InvalidInput, KVSpec, TieredCache, chunk_keys
 from tieredkv.integrations import vllm as tv
 
 BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 32, 2, 64, 2, 64
@@ -163,7 +163,6 @@ def test_spec_matches_the_hf_integration_and_checks_chunk_tokens(model_dir, cfg)
 
 
 def test_each_tp_rank_has_its_own_heads_and_namespace(model_dir, cfg):
-    from tieredkv import KVSpec
 
     cfg.parallel_config.tensor_parallel_size = 2
     per_rank = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // 2, head_size=HEAD_DIM, dtype=torch.float32)
@@ -349,10 +348,48 @@ def test_a_block_lost_before_the_load_is_recomputed(cfg):
 
 
 # ---- the secondary tier -------------------------------------------------------------------------------------
-def offloading_spec():
-    cfg = types.SimpleNamespace(model=types.SimpleNamespace(name="test/model", dtype="float16"),
-                                parallel=types.SimpleNamespace(world_size=1))
+def offloading_spec(*, rank=0, tp=1, pp=1, dcp=1, layout="NHD", canonical=False, tokens_per_hash=16,
+                    blocks_per_chunk=1, groups=(("l0", "l1"),)):
+    """What vLLM hands a secondary tier: its real ``OffloadingConfig`` (one worker's view)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    parallel = OffloadingParallelConfig(rank=rank, world_size=tp * pp, tp_size=tp, pp_size=pp, pcp_size=1,
+                                        dcp_size=dcp, data_parallel_index=0, data_parallel_size=1,
+                                        data_parallel_rank_local=None, is_parallelism_agnostic=False)
+    cfg = OffloadingConfig(groups=tuple(OffloadingGroupConfig(tokens_per_block=16, layer_names=tuple(g), group_id=i)
+                                        for i, g in enumerate(groups)),
+                           worker_kv_bytes_per_block=4096, enable_kv_cache_events=False, extra_config={},
+                           engine_id="e", model=OffloadingModelConfig(name="test/model", dtype="float16"),
+                           cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_hash,
+                                                       blocks_per_chunk=blocks_per_chunk),
+                           parallel=parallel, canonical_layout=canonical, kv_cache_layout=layout)
     return types.SimpleNamespace(config=cfg)
+
+
+def test_secondary_tier_namespace_names_everything_that_lays_out_its_rows():
+    """vLLM's offload keys name the tokens and the request, not how a row's bytes are laid out: the
+    tier's namespace does. Each TP rank's rows are its own shard; another split over TP, PP or context
+    parallelism, another memory layout or canonical format, other groups, tokens per hash or blocks
+    per chunk lay the same tokens out differently. Every variant gets a namespace of its own."""
+    variants = [dict(), dict(rank=1, tp=2), dict(tp=2), dict(pp=2), dict(tp=2, dcp=2), dict(layout="HND"),
+                dict(canonical=True), dict(tokens_per_hash=32), dict(blocks_per_chunk=2),
+                dict(groups=(("l0",), ("l1",)))]
+    namespaces = []
+    for v in variants:
+        cfg = offloading_spec(**v).config
+        rank, world = tv._offload_rank(cfg)
+        namespaces.append(KVSpec(model_id="test/model", num_layers=1, num_kv_heads=1, head_dim=2048, dtype="int8",
+                                 chunk_tokens=1, tp_rank=rank, tp_size=world,
+                                 extra=tv.offload_layout_extra(cfg)).namespace)
+    assert len(set(namespaces)) == len(variants)
+    # The same view twice is the same namespace (engines of one host share blocks).
+    assert tv.offload_layout_extra(offloading_spec().config) == tv.offload_layout_extra(offloading_spec().config)
 
 
 def tier_config(seg_name, warm_dir):

@@ -8,9 +8,11 @@ Engine tests of the same families: tests/test_vllm_families.py.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,6 +232,47 @@ def test_mla_is_one_latent_for_every_tp_rank(models, seg_name, monkeypatch):
     assert (specs[0].num_kv_heads, specs[0].head_dim, specs[0].dtype) == (1, 288, "bfloat16")
     assert specs[0].extra == "attn=mla:latent=512+64"
     assert specs[0].bytes_per_token == 2 * 576 * 2  # layers x latent x bf16: no K/V pair, no heads
+
+
+def test_load_time_overrides_and_quantisation_have_namespaces_of_their_own(models, seg_name, monkeypatch):
+    """The same model directory with a RoPE override (``--hf-overrides``) or weights quantised at load
+    time (``--quantization``) computes other K: its blocks are kept apart. A plain engine's spec stays the
+    one an HF worker derives (they share blocks)."""
+    from tieredkv import KVSpec
+
+    kvc = kv_config((names(2), full()))
+    plain = config(models["llama"], extra(seg_name), 2)
+    base = tv.spec_from_vllm(plain, kvc)[0]
+    assert base == KVSpec.from_hf_config(models["llama"], dtype="float32", chunk_tokens=base.chunk_tokens)
+    seen = {base.namespace}
+    for overrides in ({"rope_theta": 12345.0}, {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}):
+        cfg = config(models["llama"], extra(seg_name), 2)
+        monkeypatch.setattr(cfg.model_config, "hf_overrides", overrides)
+        spec = tv.spec_from_vllm(cfg, kvc)[0]
+        assert spec.namespace not in seen and "overrides=" in spec.extra
+        seen.add(spec.namespace)
+    cfg = config(models["llama"], extra(seg_name), 2)
+    monkeypatch.setattr(cfg.model_config, "quantization", "fp8")
+    spec = tv.spec_from_vllm(cfg, kvc)[0]
+    assert spec.namespace not in seen and "quant=fp8" in spec.extra
+    monkeypatch.setattr(cfg.model_config, "hf_overrides", lambda c: c)
+    with pytest.raises(InvalidInput, match="callable"):
+        tv.spec_from_vllm(cfg, kvc)
+    # transformers' side: a quantisation config applied at load time to the same files.
+    hf = json.loads((Path(models["llama"]) / "config.json").read_text())
+    quantised = {**hf, "quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}
+    local = KVSpec.from_hf_config(models["llama"], dtype="float32")
+    assert KVSpec.from_hf_config(quantised, dtype="float32", model_id=local.model_id).namespace != local.namespace
+
+
+@pytest.mark.parametrize("field", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused(models, seg_name, field):
+    """Under context parallelism each rank's pages hold an interleaved share of every block's tokens:
+    refused at start-up rather than stored under the tokens' keys."""
+    cfg = config(models["llama"], extra(seg_name), 2)
+    setattr(cfg.parallel_config, field, 2)
+    with pytest.raises(InvalidInput, match=f"does not support context parallelism .{field}=2"):
+        tv.spec_from_vllm(cfg, kv_config((names(2), full())))
 
 
 @pytest.mark.parametrize("group, feature", [

@@ -97,6 +97,42 @@ def sliding_window_extra(config: Mapping[str, Any], num_layers: int) -> str:
     return f"window={int(window)}:{pattern}"
 
 
+def weights_extra(quantization: Any = None, overrides: Any = None) -> str:
+    """The namespace part of what changes the weights' numbers beyond the model's files: ``""`` for none.
+
+    ``quantization``: the weights' quantisation as the framework applies it (transformers'
+    ``quantization_config``, a mapping; vLLM's ``ModelConfig.quantization``, a method name), which
+    can be applied at load time to the same checkpoint; ``overrides``: config fields overridden at
+    load time (vLLM's ``hf_overrides``: a RoPE scaling or theta changes every K). A model whose
+    directory or name is the same but whose weights or RoPE differ this way computes other KV: its
+    blocks are kept apart. The two frameworks name quantisations differently, so a quantised model's
+    blocks are not shared between them (a miss, never wrong KV).
+
+    Raises:
+        InvalidInput: ``overrides`` is a callable (its effect cannot be named).
+    """
+    parts = []
+    if quantization:
+        if isinstance(quantization, Mapping):
+            method = str(quantization.get("quant_method") or "custom")
+            doc = json.dumps(dict(quantization), sort_keys=True, default=str)
+            parts.append(f"quant={method}:{xxhash.xxh3_64_hexdigest(doc.encode())}")
+        else:
+            parts.append(f"quant={quantization}")
+    if callable(overrides):
+        raise InvalidInput("config overrides given as a callable (vLLM's hf_overrides): tieredkv cannot name "
+                           "what it changes in the model's KV; give them as a dict")
+    if overrides:
+        doc = json.dumps(dict(overrides), sort_keys=True, default=str)
+        parts.append(f"overrides={xxhash.xxh3_64_hexdigest(doc.encode())}")
+    return ";".join(parts)
+
+
+def join_extra(*parts: str) -> str:
+    """Namespace parts joined with ``;``, empty ones left out (so that none adds nothing)."""
+    return ";".join(p for p in parts if p)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVSpec:
     """The KV geometry of one model shard.
@@ -283,4 +319,6 @@ class KVSpec:
                                "through the vLLM connector, which stores the latent")
         return cls(model_id=str(name), num_layers=int(layers), num_kv_heads=int(kv_heads) // tp_size,
                    head_dim=int(head_dim), dtype=dtype, chunk_tokens=chunk_tokens,
-                   tp_rank=tp_rank, tp_size=tp_size, extra=sliding_window_extra(cfg, int(layers)))
+                   tp_rank=tp_rank, tp_size=tp_size,
+                   extra=join_extra(sliding_window_extra(cfg, int(layers)),
+                                    weights_extra(cfg.get("quantization_config"))))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 import queue
@@ -37,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -69,7 +71,7 @@ from tieredkv.integrations.vllm_window import (
 )
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
-from tieredkv.spec import KVSpec
+from tieredkv.spec import KVSpec, join_extra, weights_extra
 from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,12 @@ def cache_config(extra: Mapping[str, Any] | None, *, own_keys: tuple[str, ...] =
 def _default_chunk_tokens(block_size: int) -> int:
     """The smallest multiple of the engine's block size that is >= 64 tokens (tieredkv's default)."""
     return -(-64 // block_size) * block_size
+
+
+def vllm_weights_extra(model_config: Any) -> str:
+    """``weights_extra`` of a vLLM engine's model: its quantisation (``--quantization``, or the
+    checkpoint's own) and its ``hf_overrides`` (``--hf-overrides``, e.g. a RoPE scaling)."""
+    return weights_extra(getattr(model_config, "quantization", None), getattr(model_config, "hf_overrides", None))
 
 
 def spec_from_vllm(vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int | None = None,
@@ -139,7 +147,7 @@ def spec_from_vllm(vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int 
         tp_rank, tp_size = 0, 1  # every rank holds (and reads) the same bytes: one copy per host
     spec = KVSpec(model_id=model_id, num_layers=len(layout.layer_names), num_kv_heads=layout.num_kv_heads,
                   head_dim=layout.head_dim, dtype=layout.dtype, chunk_tokens=chunk, tp_rank=tp_rank,
-                  tp_size=tp_size, extra=layout.extra)
+                  tp_size=tp_size, extra=join_extra(layout.extra, vllm_weights_extra(model)))
     return spec, layout, list(layout.layer_names)
 
 
@@ -772,6 +780,35 @@ def _agree_across_ranks(flags: list[bool], tp_size: int) -> list[bool]:
 
 
 # ---- a secondary tier behind vLLM's CPU offloading ------------------------------------------------
+def _offload_rank(cfg: Any) -> tuple[int, int]:
+    """(rank, world size) of a secondary tier's worker: each rank's rows hold its own shard, unless the
+    layout is replicated (every rank's bytes the same: one copy, rank 0 of 1)."""
+    if cfg is None:
+        return 0, 1
+    if getattr(cfg, "replicated_layout", False):
+        return 0, 1
+    return int(cfg.parallel.rank), int(cfg.parallel.world_size)
+
+
+def offload_layout_extra(cfg: Any) -> str:
+    """The namespace part of a secondary tier's rows: whatever decides their bytes besides the tokens
+    and the request (vLLM's offload keys name those): the KV dtype, the split over TP, PP and context
+    parallelism, the KV cache groups (their layers and tokens per block), tokens per hash and blocks
+    per chunk, the cache's memory layout, the canonical format, a replicated layout."""
+    if cfg is None:
+        return "vllm-offload"
+    par, cache = cfg.parallel, cfg.cache
+    groups = [[int(g.tokens_per_block), list(g.layer_names)] for g in cfg.groups]
+    doc = {"dtype": str(cfg.model.dtype), "tp": int(par.tp_size), "pp": int(par.pp_size),
+           "pcp": int(getattr(par, "pcp_size", 1)), "dcp": int(getattr(par, "dcp_size", 1)),
+           "groups": groups, "tokens_per_hash": int(cache.tokens_per_hash),
+           "blocks_per_chunk": int(cache.blocks_per_chunk), "layout": str(getattr(cfg, "kv_cache_layout", None)),
+           "canonical": bool(getattr(cfg, "canonical_layout", False)),
+           "replicated": bool(getattr(cfg, "replicated_layout", False))}
+    digest = xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True).encode())
+    return f"vllm-offload;dtype={cfg.model.dtype};rows={digest}"
+
+
 def offload_keys(spec: KVSpec, keys: Any) -> ChunkKeys:
     """``ChunkKeys`` for vLLM ``OffloadKey`` bytes (``tieredkv.keys.opaque_keys``).
 
@@ -806,11 +843,11 @@ class TieredKVTier(SecondaryTierManager):
                                f"got shape {rows.shape} strides {primary_kv_view.strides}")
         cfg = getattr(offloading_spec, "config", None)
         model = config.get("model_id") or (canonical_model_id(cfg.model.name) if cfg is not None else "vllm-model")
-        dtype = cfg.model.dtype if cfg is not None else "?"
-        world = cfg.parallel.world_size if cfg is not None else 1
-        # One opaque block per chunk: 1 layer x (K,V) x 1 head x 1 token x chunk_bytes/2 int8 values.
+        rank, world = _offload_rank(cfg)
+        # One opaque block per chunk: 1 layer x (K,V) x 1 head x 1 token x chunk_bytes/2 int8 values. vLLM's
+        # offload keys name the tokens and the request's identity, not the bytes' layout: the namespace does.
         self.spec = KVSpec(model_id=str(model), num_layers=1, num_kv_heads=1, head_dim=chunk_bytes // 2, dtype="int8",
-                           chunk_tokens=1, extra=f"vllm-offload;dtype={dtype};world={world}")
+                           chunk_tokens=1, tp_rank=rank, tp_size=world, extra=offload_layout_extra(cfg))
         self.cache = TieredCache(self.spec, cache_cfg)
         # With the config's journal on, chunks stored and evicted on the host become OffloadingEvents.
         self._events = TierEvents(self.cache) if self.cache.journal is not None else None

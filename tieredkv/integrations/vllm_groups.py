@@ -189,6 +189,18 @@ def _sliding_descriptor(vllm_config: Any, n_layers: int) -> str:
     return sliding_window_extra(doc, n_layers)
 
 
+def _refuse_parallelism(parallel: Any) -> None:
+    """Refuse the splits whose pages a chunk of tokens cannot name: pipeline parallelism (each rank holds
+    a part of the layers) and context parallelism (each rank's pages hold an interleaved share of every
+    block's tokens: a block spans block_size x ranks tokens)."""
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise _refuse("pipeline parallelism", "each rank would hold a part of the layers; use tensor parallelism")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) > 1:
+            raise _refuse(f"context parallelism ({name}={getattr(parallel, name)})",
+                          "each rank holds an interleaved share of every block's tokens")
+
+
 def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:
     """Classify ``kv_cache_config``'s groups into a ``CacheLayout``.
 
@@ -198,9 +210,7 @@ def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:
     """
     from vllm.model_executor.models.utils import extract_layer_index
 
-    parallel = vllm_config.parallel_config
-    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        raise _refuse("pipeline parallelism", "each rank would hold a part of the layers; use tensor parallelism")
+    _refuse_parallelism(vllm_config.parallel_config)
     every = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if not every:
         raise InvalidInput("the engine has no KV cache groups")

@@ -173,16 +173,25 @@ def run_step(sched: Scheduler, workers, reqs, kv, block_ids):
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
         errors |= w.get_block_ids_with_load_errors()
+    finished: set[str] | None = None
+    failed: set[str] = set()
     for w in workers:
         if kv is not None:
             forward(w, out, kv, block_ids)
         w.wait_for_save()
+        # Asynchronous loads (several KV cache groups): done once every worker says so, failed if one does
+        # (what vLLM's output aggregator makes of the workers' reports).
+        results = w.get_transfer_results(set())
+        finished = results.finished_recving if finished is None else finished & results.finished_recving
+        failed |= results.failed_recving
         w.clear_connector_metadata()
     running = [r for r in reqs if r.request_id in out.num_scheduled_tokens]
     runner = ModelRunnerOutput(req_ids=[r.request_id for r in running],
                                req_id_to_index={r.request_id: i for i, r in enumerate(running)},
                                sampled_token_ids=[[0] for _ in running],
-                               kv_connector_output=KVConnectorOutput(invalid_block_ids=errors))
+                               kv_connector_output=KVConnectorOutput(invalid_block_ids=errors,
+                                                                     finished_recving=finished or set(),
+                                                                     failed_recving=failed))
     sched.update_from_output(out, runner)
     return out, meta, errors
 
@@ -194,6 +203,9 @@ def second_engine(cfg: VllmConfig, kvc: KVCacheConfig, tokens, *, hit: int):
     req = request("second", tokens)
     sched.add_request(req)
     out, _, errors = run_step(sched, [w], [req], None, {})
+    if len(kvc.kv_cache_groups) > 1 and hit:  # an asynchronous load: the request runs once it is done
+        assert "second" not in out.num_scheduled_tokens
+        out, _, errors = run_step(sched, [w], [req], None, {})
     assert errors == set() and out.num_scheduled_tokens["second"] == len(tokens) - hit
     return out, w, pages
 
@@ -333,6 +345,53 @@ def test_hybrid_groups_load_the_window_only_and_save_every_layer(models, seg_nam
     w2.shutdown()
 
 
+def test_a_failed_load_under_two_kv_cache_groups_is_a_failed_receive_and_the_request_is_recomputed(models, seg_name):
+    """Regression: vLLM 0.32 refuses block-level load failures (invalid block ids) for a model with
+    several KV cache groups, with a RuntimeError that stops the engine; a block evicted between the
+    lookup and the load did that. The loads of such a model are asynchronous now: a failed one is a
+    failed receive, and vLLM recomputes the request from its start, without the tiers, and stores it."""
+    from vllm.v1.request import RequestStatus
+
+    n = names(4)
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=3)
+    tokens = np.arange(1, 301)
+    a = request("a", tokens)
+    sched.add_request(a)
+    run_step(sched, [w], [a], kv, {})
+    sched2 = scheduler(cfg, kvc)
+    w2, pages2 = worker(cfg, kvc)
+    b = request("b", tokens)
+    sched2.add_request(b)
+    out = sched2.schedule()  # the lookup: a 256-token hit, loaded asynchronously
+    assert "b" not in out.num_scheduled_tokens and b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(w2.cache.hot.evict(10**6).keys) > 0  # another engine's stores evict the blocks before the load
+    meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
+    w2.bind_connector_metadata(meta)
+    w2.start_load_kv(None)
+    w2.wait_for_save()
+    results = w2.get_transfer_results(set())
+    assert w2.get_block_ids_with_load_errors() == set()  # nothing vLLM would refuse
+    assert results.finished_recving == {"b"} and results.failed_recving == {"b"}
+    w2.clear_connector_metadata()
+    sched2.update_from_output(out, ModelRunnerOutput(
+        req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+        kv_connector_output=KVConnectorOutput(finished_recving={"b"}, failed_recving={"b"})))
+    # Recomputed from its start, the tiers not asked again; its chunks are stored again.
+    block_ids: dict = {}
+    out, meta, errors = run_step(sched2, [w2], [b], kv, block_ids)
+    assert errors == set() and out.num_scheduled_tokens["b"] == 300 and not meta.loads
+    (save,) = meta.saves
+    assert save.start_token == 0 and len(save.token_ids) == 256
+    assert len(w2.cache.resident_run(tv.chunk_keys(w2.spec, tokens[:256]))) == 4
+    full_ids, window_ids = block_ids["b"]
+    host = torch.zeros_like(kv)
+    w2._paged.read(full_ids[:8], host, layers=(1, 3))
+    assert same(host[[1, 3], :, :, :256], kv[[1, 3], :, :, :256])  # the pages hold the computed KV
+    assert not pages2[n[0]][tv.NULL_BLOCK].any()
+    w.shutdown()
+    w2.shutdown()
+
+
 def test_hybrid_chunks_behind_the_window_at_save_still_give_a_whole_prefix_hit(models, seg_name):
     """Regression: a chunk whose sliding blocks vLLM hands as null at save time (here: behind vLLM's
     own prefix hit on chunks the tiers have lost) was not stored at all, so the tiers' prefix ended
@@ -394,7 +453,9 @@ def test_hybrid_chunks_behind_the_window_at_save_still_give_a_whole_prefix_hit(m
     sched3 = scheduler(cfg, kvc)
     try:
         sched3.add_request(request("e", tokens))
-        assert sched3.schedule().num_scheduled_tokens["e"] == 300 - 192
+        out = sched3.schedule()  # two groups: an asynchronous load of the 192-token hit, "e" waits for it
+        assert "e" not in out.num_scheduled_tokens and sched3.requests["e"].num_computed_tokens == 192
+        assert [p.req_id for p in out.kv_connector_metadata.loads] == ["e"]
         assert sched3.connector.take_events() == []
     finally:
         sched3.connector.shutdown()
@@ -427,8 +488,10 @@ def test_hybrid_chunks_the_tiers_lack_before_vllms_own_hit_are_stored_after_a_ti
     sched1.add_request(c)
     out, meta, errors = run_step(sched1, [w1], [b, c], kv, block_ids)
     (load,) = meta.loads
-    assert errors == set() and out.num_scheduled_tokens["c"] == 300 - 256
+    assert errors == set() and "c" not in out.num_scheduled_tokens  # two groups: c waits for its load
     assert (load.hit.keys.start, load.hit.tokens, load.skip_tokens) == (2, 128, 0)  # vLLM holds 0-1, loads 2-3
+    out, meta, errors = run_step(sched1, [w1], [b, c], kv, block_ids)
+    assert errors == set() and out.num_scheduled_tokens["c"] == 300 - 256 and not meta.loads
     (save,) = [p for p in meta.saves if p.req_id == "c"]
     assert (save.start_token, save.partial_tokens) == (0, 192)  # sliding blocks 0-5 are null there
     assert [len(w.cache.resident_run(k)) for k in (keys, partial_keys(keys))] == [0, 2]

@@ -110,6 +110,7 @@ def test_models_with_full_layers_keep_prefix_hits(models, seg_name):
         keys = chunk_keys(conn.spec, tokens[:256])
         conn.cache.put_blocks(keys, np.zeros((4, conn.spec.block_bytes), np.uint8))
         conn.cache.hot.remove(keys[1:2])
-        assert conn.get_num_new_matched_tokens(request("g", tokens), 0) == (64, False)
+        # (Two KV cache groups: loaded asynchronously, so that vLLM can take a failed load.)
+        assert conn.get_num_new_matched_tokens(request("g", tokens), 0) == (64, True)
     finally:
         conn.shutdown()

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -317,6 +318,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config, kv_cache_config, chunk_tokens=extra.get("chunk_tokens"), model_id=extra.get("model_id"),
             tp_rank=tp_rank)
         self._block_size = self._layout.block_size
+        # Several KV cache groups (a full and a sliding group under the hybrid manager, attention and
+        # mamba state): vLLM 0.32 takes a failed load of such a model only as a failed receive of an
+        # asynchronous load (block ids are not unique across groups; reporting them as invalid blocks
+        # stops the engine). Its loads are asynchronous: the request waits a step for them.
+        self._async_loads = len(self._layout.groups) > 1
         # A replicated cache (MLA) is written by rank 0 alone; every rank loads it.
         self._writer = not self._layout.replicated or tp_rank == 0
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -343,10 +349,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sources: dict[str, dict[CacheHitSource, int]] = {}
         self._generation = b""  # after reset_cache: 16 random bytes in every request's salt
         self._recomputed: list[tuple[int, ...]] = []  # invalid-block sets handled, for the next metadata
+        self._no_load: set[str] = set()  # requests whose asynchronous load failed: computed, not loaded
         # worker side
         self._paged: PagedKV | None = None
         self._loader: LayerLoader | None = None
         self._load_errors: set[int] = set()
+        self._receiving: set[str] = set()  # asynchronous loads started, not yet reported finished
+        self._received: set[str] = set()   # ... finished (and, of them, failed: some block left unfilled)
+        self._failed_receives: set[str] = set()
         # Blocks whose load failed, until the scheduler says vLLM recomputes them (one count per step
         # that reported the block): no save computed over them.
         self._poisoned: collections.Counter[int] = collections.Counter()
@@ -386,7 +396,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         blocks), never the whole prompt. A failing lookup is a miss. Counts nothing (vLLM may ask
         again every step for a waiting request): ``update_state_after_alloc`` counts once."""
         identity = self._identity(request)
-        if identity is None:
+        if identity is None or request.request_id in self._no_load:
             return 0, False
         try:
             if self._window is not None:  # every layer slides: a full window of chunks is a hit
@@ -404,7 +414,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._states is not None:  # a hybrid model's hit ends where a recurrent state is stored
             hit = self._states.usable(hit, num_computed_tokens)
         self._lookups[request.request_id] = (hit, num_computed_tokens)
-        return max(hit.tokens - num_computed_tokens, 0), False
+        external = max(hit.tokens - num_computed_tokens, 0)
+        return external, self._async_loads and external > 0
 
     def _count_once(self, req_id: str, prompt_tokens: int, hit: PrefixHit | None, local: int, external: int) -> None:
         """Count the request's lookup once, crediting the tiers only with the tokens they served:
@@ -585,6 +596,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM recomputes such a request from its first bad block; the worker skipped its save
         (``wait_for_save``), so the recomputed chunks are stored once the prompt is computed again.
         """
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            # An asynchronous load that failed: vLLM recomputes the whole request. It is served without
+            # the tiers from now on (a load failing again would send it round that loop once more),
+            # and its chunks are stored once computed.
+            self._no_load.add(req_id)
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.saved_tokens = 0
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
@@ -618,6 +637,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         for state in (self._tracked, self._lookups, self._identities, self._sources):
             state.pop(req_id, None)
         self._counted.discard(req_id)
+        self._no_load.discard(req_id)
         return False, None
 
     def request_finished_all_groups(self, request: Any,
@@ -690,6 +710,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._poisoned = +self._poisoned  # drop counts at or below zero
         if meta.loads and self._loader is not None:
             self._loader.start(meta.loads)
+        if self._async_loads:
+            self._receiving.update(plan.req_id for plan in meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this step's loads have written layer ``layer_name`` (or failed on it)."""
@@ -702,6 +724,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._loader is None:
             return
         errors = self._loader.finish()
+        failed = self._loader.take_failed()
+        if self._async_loads:
+            # Reported per request (get_transfer_results): vLLM recomputes a failed one from its start
+            # before anything reads its blocks (they are cached only once a load succeeded).
+            self._received |= self._receiving
+            self._failed_receives |= failed & self._receiving
+            self._receiving = set()
+            return
         self._load_errors |= errors
         self._poisoned.update(errors)
 
@@ -750,6 +780,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                     self._states.store(plan.token_ids, plan.salt, plan.extra, plan.states)
             except Exception:  # a failed save is a future miss, never a failed request
                 logger.exception("tieredkv: saving request %s failed; it is not cached", plan.req_id)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The asynchronous loads (models with several KV cache groups) that ended, and those that failed
+        (also among the ended: vLLM then recomputes the request from its start)."""
+        self._finish_loads()
+        received, self._received = self._received, set()
+        failed, self._failed_receives = self._failed_receives, set()
+        return KVConnectorTransferResults(finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_loads()  # vLLM calls wait_for_save first; this holds without it too

@@ -81,6 +81,7 @@ class _Job:
     layers_ready: int = 0
     finished: bool = False
     errors: set[int] = dataclasses.field(default_factory=set)
+    failed: set[str] = dataclasses.field(default_factory=set)  # requests with a block left unfilled
     events: list[Any] = dataclasses.field(default_factory=list)  # CUDA: one per layer written
 
 
@@ -122,6 +123,7 @@ class LayerLoader:
         self._job: _Job | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_errors: set[int] = set()  # failed blocks of a job ``start`` had to finish early
+        self._failed: set[str] = set()  # requests of finished jobs with a block left unfilled (take_failed)
         self._thread: threading.Thread | None = None
         if mode == "layer":
             self._thread = threading.Thread(target=self._serve, name="tieredkv-loads", daemon=True)
@@ -170,7 +172,14 @@ class LayerLoader:
         if self._cuda:
             assert self._stream is not None
             torch.cuda.current_stream(self.paged.device).wait_stream(self._stream)
+        self._failed |= job.failed
         return errors | job.errors
+
+    def take_failed(self) -> set[str]:
+        """The requests of the jobs finished since the last call that have a block left unfilled (their
+        blocks are also in what ``finish`` returned)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def close(self) -> None:
         """Finish any running job and stop the thread (idempotent)."""
@@ -196,7 +205,10 @@ class LayerLoader:
             job.done = [0] * len(job.plans)
         finally:
             for plan, done in zip(job.plans, job.done):
-                job.errors.update(b for ids in plan.block_ids for b in ids[done:] if b != NULL_BLOCK)
+                unfilled = {b for ids in plan.block_ids for b in ids[done:] if b != NULL_BLOCK}
+                job.errors |= unfilled
+                if unfilled:
+                    job.failed.add(plan.req_id)
             self._release(job, len(self._group_of_layer), finished=True)
 
     def _release(self, job: _Job, layers: int, finished: bool = False) -> None:

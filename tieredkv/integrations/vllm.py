@@ -710,8 +710,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._poisoned = +self._poisoned  # drop counts at or below zero
         if meta.loads and self._loader is not None:
             self._loader.start(meta.loads)
-        if self._async_loads:
-            self._receiving.update(plan.req_id for plan in meta.loads)
+        if self._async_loads and meta.loads:
+            started = {plan.req_id for plan in meta.loads}
+            if self._loader is None:  # no paged cache to load into: each one ends now, failed
+                self._received |= started
+                self._failed_receives |= started
+            else:
+                self._receiving |= started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this step's loads have written layer ``layer_name`` (or failed on it)."""

@@ -253,7 +253,7 @@ def model_dir(path, weights: bytes):
     return path
 
 
-def launched_with(monkeypatch, model_path, revision=None):
+def launched_with(monkeypatch, model_path, revision=None, quantization=None, overrides=None):
     """Publish SGLang's ``model`` config namespace (its own bag class) as a server launched with
     ``--model-path model_path`` has it; the storage config carries only the served name."""
     from sglang.srt.runtime_context import _ConfigBag, get_context
@@ -261,6 +261,8 @@ def launched_with(monkeypatch, model_path, revision=None):
     bag = _ConfigBag("model")
     bag._set("model_path", str(model_path))
     bag._set("revision", revision)
+    bag._set("quantization", quantization)
+    bag._set("json_model_override_args", overrides or "{}")
     monkeypatch.setattr(get_context(), "_config_bags", {"model": bag})
 
 
@@ -282,6 +284,28 @@ def test_two_model_directories_under_one_served_name_never_share_pages(extra, tm
     assert by_name.spec.namespace == store_a.spec.namespace and by_name.batch_exists(keys) == 2
     by_name.close()
     store_a.close()
+
+
+def test_load_time_quantisation_and_config_overrides_never_share_pages(extra, tmp_path, monkeypatch):
+    """One model directory launched plain, with ``--quantization fp8`` and with a RoPE override
+    (``--json-model-override-args``): each computes other KV, so each has a namespace of its own."""
+    d = model_dir(tmp_path / "model", b"the weights")
+    keys = page_keys(list(range(PAGE)))
+    seen = []
+    for i, launch in enumerate([{}, {"quantization": "fp8"}, {"overrides": '{"rope_theta": 12345.0}'},
+                                {"overrides": '{"rope_scaling": {"rope_type": "linear", "factor": 4.0}}'}]):
+        launched_with(monkeypatch, d, **launch)
+        store = backend(HostPool("page_first"), {**extra, "hot_name": f"{extra['hot_name']}-{i}"}, model="served")
+        seen.append(store.spec.namespace)
+        if i == 0:
+            assert store.batch_set_v1(keys, indices([0])) == [True]
+        store.cache.unlink_hot()
+        store.close()
+    assert len(set(seen)) == 4
+    launched_with(monkeypatch, d, quantization="fp8")
+    store = backend(HostPool("page_first"), extra, model="served")
+    assert "quant=fp8" in store.spec.extra
+    store.close()
 
 
 def test_one_model_directory_spelled_two_ways_is_one_namespace(extra, tmp_path, monkeypatch):

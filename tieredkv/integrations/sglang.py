@@ -33,6 +33,7 @@ generic ``get``/``set`` path and the v1 path read and write the same blocks.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from typing import Any
@@ -47,7 +48,7 @@ from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.extra import cache_kwargs
 from tieredkv.keys import ChunkKeys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
-from tieredkv.spec import KVSpec
+from tieredkv.spec import KVSpec, weights_extra
 from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,26 @@ def _model_id(storage_config: HiCacheStorageConfig, override: Any = None) -> str
     if revision and model_id == path:
         model_id += f"@{revision}"
     return model_id
+
+
+def _launched_weights() -> str:
+    """``weights_extra`` of the model SGLang was launched with: ``--quantization`` (weights quantised at
+    load time) and ``--json-model-override-args`` (config fields such as a RoPE scaling); ``""`` for
+    neither, or when SGLang has published nothing."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        model = get_model()
+        quantization = getattr(model, "quantization", None)
+        overrides = getattr(model, "json_model_override_args", None)
+    except (ImportError, ValueError, AttributeError):
+        return ""
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides) if overrides.strip() else None
+        except ValueError:
+            overrides = {"json_model_override_args": overrides}  # named as given: still its own namespace
+    return weights_extra(quantization, overrides)
 
 
 def page_components(pool: Any, mla: bool) -> list[torch.Tensor]:
@@ -208,7 +229,8 @@ class TieredKVStorage(HiCacheStorage):
                            head_dim=block_bytes // 2, dtype="int8", chunk_tokens=1, tp_rank=tp_rank, tp_size=tp_size,
                            extra=f"sglang;layout={mem_pool_host.layout};mla={int(self.mla)};page={self._page_size};"
                                  f"dtype={mem_pool_host.dtype};geometry={geometry};pp={cfg.pp_rank}of{cfg.pp_size}"
-                                 + (f";format={tag}" if tag else ""))
+                                 + (f";format={tag}" if tag else "")
+                                 + (f";{weights}" if (weights := _launched_weights()) else ""))
         if self.cache is not None:
             self.cache.close()
         self.cache = TieredCache(self.spec, **self._cache_kwargs)

@@ -64,19 +64,24 @@ LAYOUTS = {"mha": ("layer_first", "page_first", "page_first_direct", "page_head"
            "mla": ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")}
 
 
-def _launched_model() -> tuple[str, str | None] | None:
-    """SGLang's ``--model-path`` and ``--revision`` from its published runtime context (the process that
-    builds the storage backend has one); None when SGLang has published none (or is older)."""
+def _launched(field: str) -> Any:
+    """A field of SGLang's published ``model`` config (``model_path``, ``revision``, ``quantization``,
+    ``json_model_override_args``, ...): the process that builds the storage backend has one; None where
+    SGLang has published none (or is older, or lacks the field)."""
     try:
         from sglang.srt.runtime_context import get_model
 
-        model = get_model()
-        path = model.model_path
+        return getattr(get_model(), field, None)
     except (ImportError, ValueError, AttributeError):
         return None
+
+
+def _launched_model() -> tuple[str, str | None] | None:
+    """``--model-path`` and ``--revision`` of the launched model; None where SGLang published no path."""
+    path = _launched("model_path")
     if not path:
         return None
-    return str(path), getattr(model, "revision", None) or None
+    return str(path), _launched("revision") or None
 
 
 def _model_id(storage_config: HiCacheStorageConfig, override: Any = None) -> str:
@@ -104,14 +109,7 @@ def _launched_weights() -> str:
     """``weights_extra`` of the model SGLang was launched with: ``--quantization`` (weights quantised at
     load time) and ``--json-model-override-args`` (config fields such as a RoPE scaling); ``""`` for
     neither, or when SGLang has published nothing."""
-    try:
-        from sglang.srt.runtime_context import get_model
-
-        model = get_model()
-        quantization = getattr(model, "quantization", None)
-        overrides = getattr(model, "json_model_override_args", None)
-    except (ImportError, ValueError, AttributeError):
-        return ""
+    quantization, overrides = _launched("quantization"), _launched("json_model_override_args")
     if isinstance(overrides, str):
         try:
             overrides = json.loads(overrides) if overrides.strip() else None

@@ -267,6 +267,24 @@ def test_spec_mismatch_and_bad_input(models):
         (4, 2, 16, "float32", 32)
 
 
+def test_a_rope_change_made_when_loading_has_a_namespace_of_its_own(tmp_path):
+    """``from_pretrained(dir, rope_parameters=...)`` computes other K than the directory's config says,
+    and the directory's files (which name the model) do not show it: the spec carries the difference,
+    so such a worker never shares the plain model's blocks. A plain load is still the directory's spec
+    (shared with vLLM engines serving the directory)."""
+    from transformers import AutoModelForCausalLM
+
+    d = hf_models.save_random_model(hf_models.tiny_llama_config(), tmp_path / "m")
+    plain = hf.spec_for_model(AutoModelForCausalLM.from_pretrained(d))
+    assert plain == KVSpec.from_hf_config(d, dtype=plain.dtype, chunk_tokens=plain.chunk_tokens)
+    linear = hf.spec_for_model(AutoModelForCausalLM.from_pretrained(
+        d, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}))
+    theta = hf.spec_for_model(AutoModelForCausalLM.from_pretrained(
+        d, rope_parameters={"rope_type": "default", "rope_theta": 12345.0}))
+    assert "overrides=" in linear.extra and "overrides=" in theta.extra
+    assert len({plain.namespace, linear.namespace, theta.namespace}) == 3
+
+
 # ---- tiers and processes ---------------------------------------------------------------------------
 @pytest.mark.parametrize("promotion", ["never", "always"])
 def test_hit_spanning_hot_and_warm(models, namespace, tmp_path, promotion):

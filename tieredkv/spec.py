@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from tieredkv.errors import InvalidInput
-from tieredkv.model_identity import canonical_model_id, local_model_id
+from tieredkv.model_identity import canonical_model_id, is_model_dir, local_model_id
 
 #: dtype name -> (bytes per element, numpy dtype used to hold the raw elements).
 #: bfloat16 and the fp8 formats have no numpy dtype: their bytes travel as uint16 / uint8.
@@ -126,6 +126,39 @@ def weights_extra(quantization: Any = None, overrides: Any = None) -> str:
         doc = json.dumps(dict(overrides), sort_keys=True, default=str)
         parts.append(f"overrides={xxhash.xxh3_64_hexdigest(doc.encode())}")
     return ";".join(parts)
+
+
+#: Config fields that change the rotary embedding, so every K: a model built with one of them other than
+#: its directory's ``config.json`` says computes other KV.
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "rotary_pct",
+               "rotary_emb_base", "max_position_embeddings")
+
+
+def rope_overrides(config: Any, name: Any) -> dict | None:
+    """The rotary-embedding fields a transformers config object holds otherwise than the config of the
+    local model directory ``name`` it came from, as transformers loads that (``from_pretrained(dir,
+    rope_scaling=...)`` changes them in memory, and the directory's files, which name the model, do
+    not show it); None when there are none, or nothing to compare (not a config object, not a local
+    directory, no transformers)."""
+    if not hasattr(config, "to_dict") or not name or not is_model_dir(str(name)):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        disk = AutoConfig.from_pretrained(str(name)).to_dict()
+    except Exception:  # noqa: BLE001 (a directory transformers cannot read: nothing to compare against)
+        return None
+    mine = config.to_dict()
+    out = {}
+    for scope in (None, "text_config"):
+        a = mine.get(scope) if scope else mine
+        b = disk.get(scope) if scope else disk
+        if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+            continue
+        for field in ROPE_FIELDS:
+            if a.get(field) != b.get(field):
+                out[f"{scope}.{field}" if scope else field] = a.get(field)
+    return out or None
 
 
 def join_extra(*parts: str) -> str:
@@ -271,6 +304,7 @@ class KVSpec:
                 raise InvalidInput(f"no config.json at {path}; pass a config object, a dict or a path")
             source = path.parent
             config = json.loads(path.read_text())
+        loaded = config  # a transformers config object, as the model was built with
         if not isinstance(config, Mapping):
             to_dict = getattr(config, "to_dict", None)
             if to_dict is None:
@@ -306,8 +340,8 @@ class KVSpec:
             raise InvalidInput(f"{kv_heads} KV heads do not split over tp_size={tp_size}")
         if dtype is None:
             dtype = pick("torch_dtype", "dtype") or "float16"
+        named = pick("_name_or_path", "name_or_path")
         if not model_id:
-            named = pick("_name_or_path", "name_or_path")
             if source is not None:  # the directory's own files decide, whatever name they carry
                 model_id = local_model_id(source)
             elif named:
@@ -321,4 +355,5 @@ class KVSpec:
                    head_dim=int(head_dim), dtype=dtype, chunk_tokens=chunk_tokens,
                    tp_rank=tp_rank, tp_size=tp_size,
                    extra=join_extra(sliding_window_extra(cfg, int(layers)),
-                                    weights_extra(cfg.get("quantization_config"))))
+                                    weights_extra(cfg.get("quantization_config"),
+                                                  None if source is not None else rope_overrides(loaded, named))))

@@ -115,17 +115,21 @@ def weights_extra(quantization: Any = None, overrides: Any = None) -> str:
     if quantization:
         if isinstance(quantization, Mapping):
             method = str(quantization.get("quant_method") or "custom")
-            doc = json.dumps(dict(quantization), sort_keys=True, default=str)
-            parts.append(f"quant={method}:{xxhash.xxh3_64_hexdigest(doc.encode())}")
+            parts.append(f"quant={method}:{digest_of(dict(quantization))}")
         else:
             parts.append(f"quant={quantization}")
     if callable(overrides):
         raise InvalidInput("config overrides given as a callable (vLLM's hf_overrides): tieredkv cannot name "
                            "what it changes in the model's KV; give them as a dict")
     if overrides:
-        doc = json.dumps(dict(overrides), sort_keys=True, default=str)
-        parts.append(f"overrides={xxhash.xxh3_64_hexdigest(doc.encode())}")
+        parts.append(f"overrides={digest_of(dict(overrides))}")
     return ";".join(parts)
+
+
+def digest_of(doc: Any) -> str:
+    """16 hex digits naming a JSON-able document (keys sorted; what JSON cannot spell, by ``str``): how a
+    namespace carries a config it cannot spell out."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, default=str).encode())
 
 
 #: Config fields that change the rotary embedding, so every K: a model built with one of them other than

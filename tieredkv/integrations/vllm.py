@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -38,7 +37,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -72,7 +70,7 @@ from tieredkv.integrations.vllm_window import (
 )
 from tieredkv.keys import ChunkKeys, chunk_keys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
-from tieredkv.spec import KVSpec, join_extra, weights_extra
+from tieredkv.spec import KVSpec, digest_of, join_extra, weights_extra
 from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
@@ -848,8 +846,7 @@ def offload_layout_extra(cfg: Any) -> str:
            "blocks_per_chunk": int(cache.blocks_per_chunk), "layout": str(getattr(cfg, "kv_cache_layout", None)),
            "canonical": bool(getattr(cfg, "canonical_layout", False)),
            "replicated": bool(getattr(cfg, "replicated_layout", False))}
-    digest = xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True).encode())
-    return f"vllm-offload;dtype={cfg.model.dtype};rows={digest}"
+    return f"vllm-offload;dtype={cfg.model.dtype};rows={digest_of(doc)}"
 
 
 def offload_keys(spec: KVSpec, keys: Any) -> ChunkKeys:

@@ -73,6 +73,9 @@ def local_model_id(path: str | os.PathLike) -> str:
     return ident
 
 
-def canonical_model_id(name: str) -> str:
-    """``local_model_id(name)`` when ``name`` is a local model directory, else ``name`` unchanged."""
-    return local_model_id(name) if name and is_model_dir(name) else name
+def canonical_model_id(name: str, revision: str | None = None) -> str:
+    """``local_model_id(name)`` when ``name`` is a local model directory (its files name it), else
+    ``name`` unchanged, with ``@revision`` when a revision of that hub name is pinned."""
+    if name and is_model_dir(name):
+        return local_model_id(name)
+    return f"{name}@{revision}" if revision else name

@@ -48,7 +48,7 @@ from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.integrations.extra import cache_kwargs
 from tieredkv.keys import ChunkKeys, opaque_keys
 from tieredkv.model_identity import canonical_model_id
-from tieredkv.spec import KVSpec, weights_extra
+from tieredkv.spec import KVSpec, join_extra, weights_extra
 from tieredkv.tier import PutResult
 
 logger = logging.getLogger(__name__)
@@ -76,14 +76,6 @@ def _launched(field: str) -> Any:
         return None
 
 
-def _launched_model() -> tuple[str, str | None] | None:
-    """``--model-path`` and ``--revision`` of the launched model; None where SGLang published no path."""
-    path = _launched("model_path")
-    if not path:
-        return None
-    return str(path), _launched("revision") or None
-
-
 def _model_id(storage_config: HiCacheStorageConfig, override: Any = None) -> str:
     """The namespace's model identity: ``override`` (extra config ``model_id``) when given; else
     ``canonical_model_id`` of the model path SGLang was launched with (a local directory: its files;
@@ -95,14 +87,10 @@ def _model_id(storage_config: HiCacheStorageConfig, override: Any = None) -> str
     """
     if override:
         return str(override)
-    launched = _launched_model()
-    if launched is None:
+    path = _launched("model_path")
+    if not path:
         return canonical_model_id(str(storage_config.model_name or "sglang-model"))
-    path, revision = launched
-    model_id = canonical_model_id(path)
-    if revision and model_id == path:
-        model_id += f"@{revision}"
-    return model_id
+    return canonical_model_id(str(path), _launched("revision"))
 
 
 def _launched_weights() -> str:
@@ -225,10 +213,10 @@ class TieredKVStorage(HiCacheStorage):
         tag = getattr(mem_pool_host, "storage_format_tag", None)
         self.spec = KVSpec(model_id=_model_id(cfg, self._model_id_override), num_layers=1, num_kv_heads=1,
                            head_dim=block_bytes // 2, dtype="int8", chunk_tokens=1, tp_rank=tp_rank, tp_size=tp_size,
-                           extra=f"sglang;layout={mem_pool_host.layout};mla={int(self.mla)};page={self._page_size};"
-                                 f"dtype={mem_pool_host.dtype};geometry={geometry};pp={cfg.pp_rank}of{cfg.pp_size}"
-                                 + (f";format={tag}" if tag else "")
-                                 + (f";{weights}" if (weights := _launched_weights()) else ""))
+                           extra=join_extra(f"sglang;layout={mem_pool_host.layout};mla={int(self.mla)};"
+                                            f"page={self._page_size};dtype={mem_pool_host.dtype};geometry={geometry};"
+                                            f"pp={cfg.pp_rank}of{cfg.pp_size}",
+                                            f"format={tag}" if tag else "", _launched_weights()))
         if self.cache is not None:
             self.cache.close()
         self.cache = TieredCache(self.spec, **self._cache_kwargs)

@@ -138,9 +138,8 @@ def spec_from_vllm(vllm_config: Any, kv_cache_config: Any, *, chunk_tokens: int 
                            f"{max(layout.window // block, 1) * block}")
     model = vllm_config.model_config
     if model_id is None:
-        model_id = canonical_model_id(str(model.model))  # a local directory: its files, not its spelling
-        if getattr(model, "revision", None) and model_id == str(model.model):
-            model_id += f"@{model.revision}"
+        # A local directory: its files, not its spelling; a hub name: the name and its pinned revision.
+        model_id = canonical_model_id(str(model.model), getattr(model, "revision", None))
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     if layout.replicated:
         tp_rank, tp_size = 0, 1  # every rank holds (and reads) the same bytes: one copy per host

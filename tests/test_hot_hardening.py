@@ -675,3 +675,238 @@ def test_a_process_that_exits_without_close_lets_go_of_its_row_without_a_warning
         assert int(tier._owners[child]["token"]) == 0  # released by the child itself, not reclaimed
         assert tier.live_handles() == 1
         assert tier.contains_many(chunk_keys(tiny_spec, np.arange(8), b"")).all()
+
+
+# ---- threads sharing a handle, a reattach, re-entry (an audit of the hot tier's handle) --------------
+def _block_first_copy(monkeypatch):
+    """Patch the hot tier's row copy so that the first call (a put's payload copy, its slots claimed)
+    waits for ``go``; ``claimed`` is set when it starts waiting."""
+    import threading
+
+    from tieredkv.hot import tier as hot_tier
+
+    claimed, go, first = threading.Event(), threading.Event(), [True]
+    real = hot_tier.copy_rows
+
+    def copy(dst, src, skewed):
+        if first[0]:
+            first[0] = False
+            claimed.set()
+            assert go.wait(30)
+        return real(dst, src, skewed)
+
+    monkeypatch.setattr(hot_tier, "copy_rows", copy)
+    return claimed, go
+
+
+def test_a_reattach_waits_for_another_threads_put_in_flight(tiny_spec, seg_name, monkeypatch):
+    """One thread's put has claimed slots and is filling them when the segment is unlinked; another
+    thread's call on the same handle must not reattach then: its close would free those claims, a
+    worker still on the old segment would take the slots and store its own blocks there, and the
+    put would then copy its bytes over them (that worker read the other prompt's KV under its own
+    keys). The handle reattaches on the first call after the put ends."""
+    import threading
+    import warnings
+
+    tier = HotTier(tiny_spec, n_slots=16, name=seg_name)
+    other = HotTier(tiny_spec, name=seg_name, policy=None, create=False)  # a worker on the same segment
+    try:
+        claimed, go = _block_first_copy(monkeypatch)
+        ours, theirs = prompt(tiny_spec, 1, 8), prompt(tiny_spec, 2, 8)
+        codes = []
+        writer = threading.Thread(target=lambda: codes.append(tier.put_many(ours, payload_for(tiny_spec, ours))))
+        writer.start()
+        assert claimed.wait(30)
+        inode = tier._inode
+        seg.unlink(seg_name)
+        tier._last_check = -1e9
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a reattach warns: there must be none while the put runs
+            assert not tier.contains_many(theirs).any()
+        assert tier._inode == inode and tier.slot_census()["writing_live"] == 8
+        assert (other.put_many(theirs, payload_for(tiny_spec, theirs)) == PutResult.STORED).all()
+        go.set()
+        writer.join(30)
+        assert (codes[0] == PutResult.STORED).all()
+        for keys in (theirs, ours):
+            out = np.zeros((8, tiny_spec.block_bytes), np.uint8)
+            assert other.get_many(keys, out) == 8
+            assert np.array_equal(out, payload_for(tiny_spec, keys))
+        tier._last_check = -1e9
+        with pytest.warns(RuntimeWarning, match="removed or replaced"):
+            assert tier.match(ours) == 0  # no call in flight now: reattached to a fresh segment
+        assert tier._inode != inode
+    finally:
+        other.close()
+        tier.close()
+
+
+def test_a_reattach_keeps_before_close_and_does_not_run_it(tiny_spec, seg_name):
+    """``before_close`` (a cache's write-behind rescue) is for closing for good. Run by a reattach it
+    was dropped afterwards (queued blocks then never rescued at close), and when the write-behind
+    writer's own read noticed the unlink, the rescue waited for the job that writer was inside."""
+    ran = []
+    tier = HotTier(tiny_spec, n_slots=8, name=seg_name)
+    try:
+        tier.before_close = lambda: ran.append("rescued")
+        seg.unlink(seg_name)
+        tier._last_check = -1e9
+        with pytest.warns(RuntimeWarning, match="removed or replaced"):
+            tier.match(prompt(tiny_spec, 1, 2))
+        assert ran == [] and tier.before_close is not None
+    finally:
+        tier.close()
+    assert ran == ["rescued"]
+
+
+@pytest.mark.filterwarnings("ignore:.*removed or replaced:RuntimeWarning")  # the writer's thread reattaches
+def test_the_write_behind_writer_noticing_an_unlink_does_not_hang(tiny_spec, seg_name, tmp_path, monkeypatch):
+    """End to end: the warm writer is the first caller to notice that the hot segment was removed (a
+    slow warm put kept it inside a job past the once-a-second check). It reattaches and goes on;
+    later stores are written behind and close flushes at once."""
+    import time
+
+    from tieredkv import TieredCache
+    from tieredkv.config import CacheConfig, HotConfig, WarmConfig
+
+    cache = TieredCache(tiny_spec, CacheConfig(hot=HotConfig(bytes=1 << 20, name=seg_name),
+                                               warm=WarmConfig(str(tmp_path), 16 << 20, write="write_behind")))
+    try:
+        rng = np.random.default_rng(5)
+        first, second, third = (rng.integers(0, 30_000, 32) for _ in range(3))
+        kv = torch_kv(tiny_spec, 32)
+        # The first job's blocks are on disk already: its write counts nothing, so the writer's next
+        # call on the hot tier is the second job's read, from inside that job.
+        cache.store(first, kv)
+        assert cache.flush(10)
+        cache.hot.remove(chunk_keys(tiny_spec, first))
+        warm = cache.warm
+        real_put, slow = warm.put_many, [True]
+
+        def busy_disk(keys, payloads):
+            if slow[0]:
+                slow[0] = False
+                time.sleep(1.5)
+            return real_put(keys, payloads)
+
+        monkeypatch.setattr(warm, "put_many", busy_disk)
+        inode = cache.hot._inode
+        cache.store(first, kv)
+        cache.store(second, kv)  # queued behind the slow job: its read comes after the check is due
+        time.sleep(0.2)
+        seg.unlink(seg_name)
+        time.sleep(3)  # this thread idle: the writer's read of the second job is the first to check
+        assert cache.hot._inode != inode, "the writer did not reattach"
+        assert cache.stats().get("warm_queue_blocks", 0) == 0, "the writer is stuck"
+        cache.store(third, kv)
+        started = time.monotonic()
+        cache.close()
+        assert time.monotonic() - started < 5
+    finally:
+        cache.close()
+    reopened = TieredCache(tiny_spec, CacheConfig(hot=HotConfig(bytes=1 << 20, name=seg_name),
+                                                  warm=WarmConfig(str(tmp_path), 16 << 20)))
+    try:
+        assert reopened.lookup(np.concatenate([third, [0]])).tokens == 32  # written behind, then found on disk
+    finally:
+        reopened.close()
+
+
+def torch_kv(spec, n_tokens):
+    import torch
+
+    return torch.randn(spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim)
+
+
+def _close_from_a_signal_handler(spec, name):
+    tier = HotTier(spec, n_slots=16, name=name, lock_timeout_s=60)
+
+    def on_term(signum, frame):
+        tier.close()  # flush and close on SIGTERM, as a server's handler does
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    real = tier._take_slots
+
+    def slow_take(*args, **kwargs):  # inside the put's critical section: the handler runs in it
+        time.sleep(30)
+        return real(*args, **kwargs)
+
+    tier._take_slots = slow_take
+    keys = prompt(spec, 1, 4)
+    tier.put_many(keys, payload_for(spec, keys))
+    os._exit(3)
+
+
+@pytest.mark.procs
+def test_a_signal_handler_that_closes_the_tier_inside_a_critical_section_does_not_hang(tiny_spec, seg_name):
+    """The handler runs on the thread that holds the handle's critical section: waiting for it would be
+    waiting for itself. The close gives up on the section at once, warns and drops the mapping."""
+    with HotTier(tiny_spec, n_slots=16, name=seg_name) as survivor:
+        p = FORK.Process(target=_close_from_a_signal_handler, args=(tiny_spec, seg_name))
+        p.start()
+        deadline = time.monotonic() + 30
+        while not survivor._h["dirty"] and time.monotonic() < deadline:  # the child is inside
+            time.sleep(0.01)
+        assert survivor._h["dirty"]
+        os.kill(p.pid, signal.SIGTERM)
+        p.join(10)
+        alive = p.is_alive()
+        if alive:
+            p.kill()
+            p.join(5)
+        assert not alive and p.exitcode == 0
+        keys = prompt(tiny_spec, 1, 4)  # the segment serves on (the next holder scrubs)
+        assert (survivor.put_many(keys, payload_for(tiny_spec, keys)) == PutResult.STORED).all()
+        assert survivor.live_handles() == 1
+
+
+def test_an_index_error_of_the_callers_sink_passes_through_get_many(tiny_spec, seg_name):
+    """The caller's bug is not damage to the segment: no warning, no scrub (which resets every
+    process's eviction history), the sink called once."""
+    import warnings
+
+    with HotTier(tiny_spec, n_slots=16, name=seg_name) as tier:
+        keys = prompt(tiny_spec, 1, 4)
+        tier.put_many(keys, payload_for(tiny_spec, keys))
+        calls = []
+
+        def sink(i, rows):
+            calls.append(i)
+            raise IndexError("the caller's own")
+
+        scrubs = int(tier._h["scrubs"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(IndexError, match="the caller's own"):
+                tier.get_many(keys, np.zeros((4, tiny_spec.block_bytes), np.uint8), sink)
+        assert calls == [0] and int(tier._h["scrubs"]) == scrubs
+        out = np.zeros((4, tiny_spec.block_bytes), np.uint8)
+        assert tier.get_many(keys, out) == 4 and np.array_equal(out, payload_for(tiny_spec, keys))
+        assert tier.slot_census()["pinned"] == 0  # the dropped pins were recounted by the next holder
+
+
+def test_a_handle_stores_again_what_its_own_interrupted_put_abandoned(tiny_spec, seg_name, monkeypatch):
+    """A put whose publish could not take the lock abandons its claims (token zeroed, no lock). The
+    next store of that prefix through the same handle frees them and stores, as any other handle's
+    does, instead of answering EXISTS with nothing readable."""
+    from tieredkv.errors import LockTimeout
+
+    with HotTier(tiny_spec, n_slots=64, name=seg_name) as tier:
+        keys = prompt(tiny_spec, 1, 4)
+        real_enter, entries = tier._enter, []
+
+        def enter():
+            entries.append(1)
+            if len(entries) == 2:  # 1: the claim, 2: the publish
+                raise LockTimeout("held by a live process")
+            return real_enter()
+
+        monkeypatch.setattr(tier, "_enter", enter)
+        with pytest.raises(LockTimeout):
+            tier.put_many(keys, payload_for(tiny_spec, keys))
+        monkeypatch.setattr(tier, "_enter", real_enter)
+        assert tier.slot_census()["writing_dead"] == 4
+        assert (tier.put_many(keys, payload_for(tiny_spec, keys)) == PutResult.STORED).all()
+        out = np.zeros((4, tiny_spec.block_bytes), np.uint8)
+        assert tier.get_many(keys, out) == 4 and np.array_equal(out, payload_for(tiny_spec, keys))

@@ -85,7 +85,10 @@ class Allocation(Recovery):
         Returns how many were freed."""
         rec = self._slots
         cand = found[found >= 0]
-        cand = cand[(rec["state"][cand] == WRITING) & (rec["owner"][cand] != self._owner)]
+        # Not this handle's live claims (another thread's put in flight); its own abandoned ones (an
+        # interrupted put zeroes their token) are dead like anyone's.
+        ours = (rec["owner"][cand] == self._owner) & (rec["owner_token"][cand] == self._token)
+        cand = cand[(rec["state"][cand] == WRITING) & ~ours]
         dead = [s for s in cand.tolist()
                 if not self._owner_alive(int(rec["owner"][s]), int(rec["owner_token"][s]))]
         if dead:

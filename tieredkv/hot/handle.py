@@ -10,6 +10,7 @@ row, and a segment that an open created but cannot use is unlinked again.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import secrets
@@ -65,6 +66,32 @@ def _close_at_exit() -> None:
 
 
 atexit.register(_close_at_exit)
+
+
+def public(method):
+    """Decorator for a handle's public calls: refuse a closed handle, reattach after a fork or an
+    unlink (``_check``), and count the call while it runs.
+
+    Threads share a handle (a cache's caller and its write-behind writer), and a reattach swaps the
+    mapping, the descriptor and every view under whatever else runs on the handle: it would free the
+    slots another thread's ``put_many`` is filling (another process could take them, and then read
+    that thread's bytes under its own keys) and drop the pins of another thread's read. So a reattach
+    waits for a call that finds no other call of the handle in flight; until then the handle serves
+    from the old mapping, still valid memory, as it does before its once-a-second check notices.
+    """
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._calls_lock:
+            self._check()
+            self._calls += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._calls_lock:
+                self._calls = max(self._calls - 1, 0)
+
+    return call
 
 
 class _Unpublished(Exception):
@@ -256,17 +283,19 @@ class SegmentHandle(Recovery):
                 pass
 
     def _check(self) -> None:
-        """Called by every public method: refuse closed handles, reattach after fork or unlink."""
+        """Run by every public call (``public``): refuse closed handles, reattach after fork or unlink."""
         if self._closed:
             raise InvalidInput(f"hot tier {self.name} is closed")
         if os.getpid() != self._pid:
             # A forked child shares the parent's open file description (and so its locks): it needs
-            # its own. The parent still owns the registry entry, so don't deregister it.
+            # its own. The parent still owns the registry entry, so don't deregister it. The calls
+            # other threads had in flight at the fork do not exist here.
+            self._calls = 0
             self._drop_mapping()
             self._open(**self._args)
             return
         now = time.monotonic()
-        if now - self._last_check > 1.0:
+        if now - self._last_check > 1.0 and not self._calls:
             self._last_check = now
             if not self._still_published():
                 a = self._args
@@ -278,7 +307,11 @@ class SegmentHandle(Recovery):
                     return
                 warnings.warn(f"tieredkv: segment {self.name} was removed or replaced; reattaching",
                               RuntimeWarning, stacklevel=3)
-                self.close()
+                # This handle's close, not the tier's: ``before_close`` (the cache's write-behind
+                # rescue) is for closing for good; run from here it could be the writer's own call,
+                # waiting on the job it is inside. Blocks still queued for a lower level are then
+                # read from the new segment: the ones it lacks are counted as dropped.
+                SegmentHandle.close(self)
                 self._open(**self._args)
 
     def _still_published(self) -> bool:

@@ -21,6 +21,7 @@ from typing import TypeVar
 import numpy as np
 
 from tieredkv import policies
+from tieredkv.errors import LockTimeout
 from tieredkv.hot import batch, locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.damage import POLICY_FAULTS, Damage
@@ -34,6 +35,7 @@ class Recovery(SlotTable):
     """Critical sections over a segment's metadata, and the repairs they run."""
 
     _tlock: threading.Lock  # threads sharing this handle take turns in critical sections
+    _tlock_holder: int = 0  # the thread inside one (threading.get_ident), 0 when none
     _fd: int  # the segment's descriptor: its byte-range locks are the segment lock and the registry
     lock_timeout_s: float  # bound on every lock wait
     _closed: bool
@@ -56,9 +58,19 @@ class Recovery(SlotTable):
     # live (and maybe idle) process. Here the unlock is the finally's first call, and no Python-level
     # code runs before it (an exception on entry to ``body`` is inside the try); releasing a lock this
     # description does not hold is a no-op. tests/test_hot_hardening.py interrupts it at random points.
+    #
+    # A thread that is inside one already and enters again (a signal handler that closes the cache
+    # while the interrupted code held the lock) would wait for itself for ever: it gets ``LockTimeout``
+    # at once instead (``close`` then warns and drops the mapping; the segment sees a holder that
+    # died inside, and the next holder scrubs).
     def _locked(self, body: Callable[[], _T]) -> _T:
         """Run ``body()`` as a critical section (see above) and return what it returns."""
+        me = threading.get_ident()
+        if self._tlock_holder == me and self._tlock.locked():
+            raise LockTimeout(f"segment {self.name} lock: this thread is inside a critical section "
+                                    "already (re-entered from a signal handler or a callback)")
         with self._tlock:
+            self._tlock_holder = me
             try:
                 self._enter()
                 result = body()
@@ -66,6 +78,7 @@ class Recovery(SlotTable):
                 return result
             finally:
                 fcntl.fcntl(self._fd, locks.SETLK, locks.UNLOCK_META)
+                self._tlock_holder = 0
 
     def _enter(self) -> None:
         """Take the metadata lock; repair first if the previous holder died inside (or if a reader

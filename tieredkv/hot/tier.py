@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, forksafe, numa, policies
-from tieredkv.errors import InvalidInput, require_positive_int, require_positive_seconds
+from tieredkv.errors import InvalidInput, LockTimeout, require_positive_int, require_positive_seconds
 from tieredkv.hot import batch
 from tieredkv.hot import segment as seg
 from tieredkv.hot.allocation import Allocation
 from tieredkv.hot.damage import POLICY_FAULTS, Damage, survives_damage
-from tieredkv.hot.handle import SegmentHandle
+from tieredkv.hot.handle import SegmentHandle, public
 from tieredkv.hot.segment import FREE, READY, WRITING
 from tieredkv.hot.slots import STAT
 from tieredkv.keys import ChunkKeys
@@ -105,14 +105,17 @@ class HotTier(SegmentHandle, Allocation, Tier):
         self._args = dict(capacity_bytes=capacity_bytes, n_slots=n_slots, policy=policy, mode=mode,
                           create=create)
         self._tlock = threading.Lock()
+        self._calls_lock = threading.RLock()  # over _calls, and a reattach (see handle.public)
+        self._calls = 0  # this handle's public calls in flight, every thread's
         self._read_lock = threading.Lock()
+        self._read_holder = 0  # the thread inside a read (threading.get_ident), 0 when none
         forksafe.register(self)  # unlocked in a forked child (see tieredkv.forksafe)
         self._closed = True
         self._open(**self._args)
 
+    @public
     def recover(self) -> dict:
         """Reclaim what dead processes left (WRITING slots, pins) and scrub; returns what was done."""
-        self._check()
 
         def reclaim_and_scrub() -> int:
             freed = self._reclaim_dead()
@@ -126,21 +129,22 @@ class HotTier(SegmentHandle, Allocation, Tier):
     def _check_keys(self, keys: ChunkKeys) -> None:
         check_keys(self.spec, keys)
 
+    @public
     @survives_damage
     def contains_many(self, keys: ChunkKeys) -> np.ndarray:
-        self._check()
         self._check_keys(keys)
         return self._held(keys)
 
+    @public
     @survives_damage
     def match(self, keys: ChunkKeys) -> int:
-        self._check()
         self._check_keys(keys)
         n = batch.leading(self._held(keys))
         self._stats[STAT["lookups"]] += 1
         return n
 
-    @survives_damage
+    @public
+    @survives_damage(user_code=True)  # sink is the caller's
     def get_many(self, keys: ChunkKeys, out: np.ndarray,
                  sink: Callable[[int, np.ndarray], None] | None = None, *, touch: bool = True) -> int:
         """Copy the leading resident blocks into ``out`` rows; return how many.
@@ -151,7 +155,6 @@ class HotTier(SegmentHandle, Allocation, Tier):
         ``touch=False``: a read on the cache's own behalf (write-behind copying a block to a lower
         level), not a request's: no hit or miss counted, the eviction policy not told.
         """
-        self._check()
         self._check_keys(keys)
         dst = out_rows(self.spec, out, len(keys))
         data = self._data
@@ -174,6 +177,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
 
         return self._read(keys, copy, touch)
 
+    @public
     @survives_damage(user_code=True)
     def read_runs(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
         """Like ``get_many``, but hand each run of blocks to ``sink(i, rows)`` while it is pinned.
@@ -184,7 +188,6 @@ class HotTier(SegmentHandle, Allocation, Tier):
         copy ``get_many`` would make. A prefix stored in one call is one run. Returns how many
         leading blocks were delivered.
         """
-        self._check()
         self._check_keys(keys)
         data = self._data
 
@@ -194,6 +197,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
 
         return self._read(keys, copy)
 
+    @public
     @survives_damage(user_code=True)
     def read_into(self, keys: ChunkKeys, sink: Callable[[int, np.ndarray], None]) -> int:
         """Like ``get_many``, but hand each block to ``sink(i, block_bytes)`` while it is pinned.
@@ -202,7 +206,6 @@ class HotTier(SegmentHandle, Allocation, Tier):
         copy it where it belongs (e.g. a strided slice of a model's cache tensor), which saves the
         intermediate copy ``get_many`` would make. Returns how many leading blocks were delivered.
         """
-        self._check()
         self._check_keys(keys)
         data = self._data
 
@@ -215,10 +218,18 @@ class HotTier(SegmentHandle, Allocation, Tier):
     def _read(self, keys: ChunkKeys, copy: Callable[[int, np.ndarray], None], touch: bool = True) -> int:
         n = len(keys)
         done = 0
+        me = threading.get_ident()
+        if self._read_holder == me and self._read_lock.locked():  # as in Recovery._locked
+            raise LockTimeout(f"segment {self.name}: this thread is inside a read already (re-entered from "
+                              "a signal handler or a callback)")
         while done < n:
             size = min(n - done, seg.MAX_PINS)
             with self._read_lock:  # one pin list per handle: threads sharing a handle take turns
-                got = self._read_batch(keys[done:done + size], done, copy, touch)
+                self._read_holder = me
+                try:
+                    got = self._read_batch(keys[done:done + size], done, copy, touch)
+                finally:
+                    self._read_holder = 0
             done += got
             if got < size:
                 break
@@ -283,6 +294,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
         return n
 
 
+    @public
     @survives_damage(user_code=True)  # on_evict is the caller's
     def put_many(self, keys: ChunkKeys, payloads: np.ndarray | Callable[[np.ndarray, np.ndarray, np.ndarray], None]
                  ) -> np.ndarray:
@@ -295,7 +307,6 @@ class HotTier(SegmentHandle, Allocation, Tier):
         (an index into ``keys``) into ``data[slots[j]]`` (the segment's ``(n_slots, block_bytes)``
         rows): the caller builds its blocks in place, with no copy of its own (``TieredCache.store``).
         """
-        self._check()
         self._check_keys(keys)
         n = len(keys)
         if callable(payloads):
@@ -346,6 +357,11 @@ class HotTier(SegmentHandle, Allocation, Tier):
             return victims, old, spare, use, stored
 
         def publish() -> None:
+            # The claim is still ours, or something broke an invariant (a reattach or a reclaim freed
+            # it, and another writer may have filled the slots since): publish nothing then.
+            if not ((rec["state"][use] == WRITING) & (rec["owner"][use] == self._owner)
+                    & (rec["owner_token"][use] == self._token) & (rec["claim"][use] == claim)).all():
+                raise Damage("a slot this put claimed was taken from it before it published")
             run = batch.one_run(use)
             batch.bump(words, use, run)  # even again: published
             batch.set_words(words, use, run, batch.STATE, READY)
@@ -416,10 +432,10 @@ class HotTier(SegmentHandle, Allocation, Tier):
             skew = skew0 if uniform else (dst0 + s * sstride - src0 - r * rstride) % 64 != 0
             copy_rows(data[s:s + e - b], src[r:r + e - b], skew)
 
+    @public
     @survives_damage
     def remove(self, keys: ChunkKeys) -> int:
         """Remove resident, unpinned blocks; returns how many were removed."""
-        self._check()
         self._check_keys(keys)
 
         def free_unpinned() -> np.ndarray:
@@ -433,10 +449,10 @@ class HotTier(SegmentHandle, Allocation, Tier):
         self._stats[STAT["removed"]] += len(slots)
         return len(slots)
 
+    @public
     @survives_damage
     def evict(self, n: int) -> Evicted:
         """Evict up to ``n`` blocks chosen by the policy; returns their keys and bytes."""
-        self._check()
         n = check_count(n)
         rec = self._slots
         claim = next(self._claim_ids)
@@ -450,8 +466,8 @@ class HotTier(SegmentHandle, Allocation, Tier):
         return Evicted(old.keys, payloads, old.hits)
 
     # ---- introspection ---------------------------------------------------------------------------
+    @public
     def stats(self) -> TierStats:
-        self._check()
         totals = self._owners["stats"].sum(axis=0)
         s = {name: int(totals[i]) for name, i in STAT.items()}
         state = self._slots["state"]
@@ -466,9 +482,9 @@ class HotTier(SegmentHandle, Allocation, Tier):
                    "live_handles": self.live_handles(), "scrubs": int(self._h["scrubs"]),
                    **{k: s[k] for k in ("lookups", "exists", "no_space", "removed", "reclaimed", "torn_reads")}})
 
+    @public
     def cache_counters(self) -> counters.CacheCounters | None:
         """This handle's row of the cache's counters, in the segment (totals: per host)."""
-        self._check()
         return self.counters
 
     def close(self) -> None:
@@ -496,9 +512,9 @@ class HotTier(SegmentHandle, Allocation, Tier):
         return sum(1 for i in np.flatnonzero(self._owners["token"])
                    if self._owner_alive(int(i), int(self._owners[int(i)]["token"])))
 
+    @public
     def slot_census(self) -> dict:
         """Counts of slots by state, and WRITING slots split by live and dead owners (for checks)."""
-        self._check()
         rec = self._slots
         writing = np.flatnonzero(rec["state"] == WRITING)
         live = sum(1 for s in writing if self._owner_alive(int(rec["owner"][s]), int(rec["owner_token"][s])))

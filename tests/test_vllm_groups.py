@@ -608,3 +608,134 @@ def test_fp8_pages_round_trip_as_their_bytes(models, seg_name):
         assert torch.equal(pages2[layer][got], pages[layer][ids["a"][0][:6]])
     w.shutdown()
     w2.shutdown()
+
+
+# ---- asynchronous loads: what vLLM's scheduler does around them ------------------------------------------------
+def _load_step(w: tv.TieredKVConnector, out, *, evict: bool = False):
+    meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
+    if evict:
+        assert len(w.cache.hot.evict(10**6).keys) > 0
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.wait_for_save()
+    results = w.get_transfer_results(set())
+    errors = w.get_block_ids_with_load_errors()
+    w.clear_connector_metadata()
+    return results, errors
+
+
+def _loads_only(results) -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                             kv_connector_output=KVConnectorOutput(finished_recving=results.finished_recving,
+                                                                   failed_recving=results.failed_recving))
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["plain", "reset-between"])
+def test_a_request_whose_asynchronous_load_ended_is_not_planned_afresh(models, seg_name, reset):
+    """When a request leaves WAITING_FOR_REMOTE_KVS vLLM allocates again, without a lookup. The connector
+    planned the request afresh then: the step that computes it saved every loaded chunk again (read
+    back from the pages, hashed, skipped by the store), and after a reset_cache in between it saved
+    them under the new generation's salt, where a request after the reset found KV from before it."""
+    from vllm.v1.request import RequestStatus
+
+    tokens = np.arange(1, 301)
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=3)
+    a = request("a", tokens)
+    sched.add_request(a)
+    run_step(sched, [w], [a], kv, {})
+    sched2 = scheduler(cfg, kvc)
+    w2, _ = worker(cfg, kvc)
+    conn = sched2.connector
+    try:
+        b = request("b", tokens)
+        sched2.add_request(b)
+        out = sched2.schedule()
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        results, _ = _load_step(w2, out)
+        assert results.finished_recving == {"b"} and not results.failed_recving
+        sched2.update_from_output(out, _loads_only(results))
+        if reset:
+            sched2.reset_prefix_cache(reset_running_requests=False, reset_connector=True)
+        out = sched2.schedule()
+        assert out.num_scheduled_tokens["b"] == 300 - 256
+        assert not out.kv_connector_metadata.saves  # the loaded chunks are in the tiers already
+        _load_step(w2, out)
+        if reset:
+            assert conn.get_num_new_matched_tokens(request("c", tokens), 0)[0] == 0
+    finally:
+        for c in (sched.connector, conn, w, w2):
+            c.shutdown()
+
+
+@pytest.mark.parametrize("case", ["aborted-while-loading", "load-failure-policy-fail"])
+def test_a_failed_receive_of_a_request_vllm_finished_leaves_nothing_behind(models, seg_name, case):
+    """vLLM may finish a request before the connector hears that its load failed (an abort while the
+    load runs; ``kv_load_failure_policy="fail"`` fails the request first). Its id stayed in the set of
+    requests served without the tiers, one per such request, for the engine's lifetime."""
+    from vllm.v1.request import RequestStatus
+
+    tokens = np.arange(1, 301)
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=3)
+    a = request("a", tokens)
+    sched.add_request(a)
+    run_step(sched, [w], [a], kv, {})
+    if case == "load-failure-policy-fail":
+        cfg.kv_transfer_config.kv_load_failure_policy = "fail"
+    sched2 = scheduler(cfg, kvc)
+    w2, _ = worker(cfg, kvc)
+    conn = sched2.connector
+    try:
+        b = request("b", tokens)
+        sched2.add_request(b)
+        out = sched2.schedule()
+        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        results, _ = _load_step(w2, out, evict=True)
+        assert results.failed_recving == {"b"}
+        if case == "aborted-while-loading":  # the engine handles aborts before the step's output
+            sched2.finish_requests({"b"}, RequestStatus.FINISHED_ABORTED)
+        sched2.update_from_output(out, _loads_only(results))
+        assert "b" not in sched2.requests
+        assert not conn._no_load and "b" not in conn._tracked
+    finally:
+        for c in (sched.connector, conn, w, w2):
+            c.shutdown()
+
+
+def test_under_async_scheduling_a_failed_load_never_becomes_another_requests_local_hit(models, seg_name):
+    """With async scheduling (vLLM's default on GPUs) step N+1 is scheduled before vLLM sees step N's
+    load fail. A synchronously loaded block is in vLLM's prefix cache from its allocation, so a request
+    admitted in N+1 could take the never-written blocks as a local hit, and vLLM then takes back only
+    the failed request's tokens. Under async scheduling every load is asynchronous: vLLM caches the
+    blocks only once the load has succeeded."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    n = names(2)
+    cfg = config(models["llama"], extra(seg_name), 2)
+    cfg.scheduler_config.async_scheduling = True
+    kvc = kv_config((n, full()))
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    sched = AsyncScheduler(vllm_config=cfg, kv_cache_config=kvc, log_stats=True,
+                           structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
+    w, _ = worker(cfg, kvc)
+    conn = sched.connector
+    try:
+        assert conn._async_loads and w._async_loads
+        prompt = np.arange(1, 301)
+        C = conn.spec.chunk_tokens
+        conn.cache.put_blocks(tv.chunk_keys(conn.spec, prompt[:4 * C]), np.ones((4, conn.spec.block_bytes), np.uint8))
+        first = request("A", prompt)
+        sched.add_request(first)
+        out1 = sched.schedule()
+        assert "A" not in out1.num_scheduled_tokens  # waits for its load
+        results, errors = _load_step(w, out1, evict=True)  # the load fails
+        assert errors == set() and results.failed_recving == {"A"}
+        second = request("B", list(prompt[:256]) + [999] * 50)
+        sched.add_request(second)
+        out2 = sched.schedule()  # step N+1, before vLLM has seen step N's output
+        assert out2.num_scheduled_tokens["B"] == 306  # computed whole: no local hit on blocks nobody wrote
+        (new,) = out2.scheduled_new_reqs
+        loading = set(sched.kv_cache_manager.get_block_ids("A")[0])
+        assert loading and loading.isdisjoint(new.block_ids[0])  # none of the failed load's blocks
+    finally:
+        w.shutdown()
+        conn.shutdown()

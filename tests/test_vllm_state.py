@@ -173,3 +173,69 @@ def test_without_vllms_boundary_snapshots_every_request_is_declined(llama, seg_n
     conn = tv.TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_config(([n[0]], mamba()), ([n[1]], full())))
     assert not conn._declined
     conn.shutdown()
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["loaded", "failed-load"])
+def test_an_attention_and_mamba_model_loads_asynchronously_and_a_failed_load_is_recomputed(llama, seg_name, fail):
+    """One attention group and one mamba state group are two KV cache groups to vLLM 0.32, which stops
+    the engine (RuntimeError from ``update_from_output``) when a connector reports invalid blocks for
+    such a model. The loads counted attention groups only, so this model loaded synchronously and a
+    block evicted between lookup and load killed the engine. They are asynchronous now: a failed one is
+    a failed receive and the request is recomputed from its start."""
+    import pickle
+
+    from test_vllm_groups import NUM_BLOCKS, caches, scheduler
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    n = names(2)
+    cfg = config(llama, extra(seg_name), 2)
+    cfg.cache_config.mamba_cache_mode = "align"
+    kvc = kv_config(([n[0]], mamba()), ([n[1]], full()))
+    sched = scheduler(cfg, kvc)
+    w = tv.TieredKVConnector(cfg, KVConnectorRole.WORKER, kvc)
+    pages = caches(kv_config(([n[1]], full())))
+    pages[n[0]] = torch.zeros((NUM_BLOCKS, w._layout.states[0].state_bytes), dtype=torch.int8)
+    w.register_kv_caches(pages)
+    conn = sched.connector
+    try:
+        assert conn._async_loads and w._async_loads
+        tokens = np.arange(1, 200)
+        C = conn.spec.chunk_tokens
+        keys = tv.chunk_keys(conn.spec, tokens[:2 * C])
+        conn.cache.put_blocks(keys, np.full((2, conn.spec.block_bytes), 3, np.uint8))
+        pieces = state_keys(keys[1:2], conn._states.pieces)
+        conn.cache.put_blocks(pieces, np.full((len(pieces), conn.spec.block_bytes), 5, np.uint8))
+        r = request("r", tokens)
+        sched.add_request(r)
+        scheduled = []
+        for step in range(3):
+            out = sched.schedule()
+            meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
+            if step == 0:
+                assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and meta.loads
+                if fail:
+                    assert len(w.cache.hot.evict(10**6).keys) > 0  # gone before the worker loads
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            results = w.get_transfer_results(set())
+            errors = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            assert errors == set()  # nothing vLLM would refuse for this model
+            if step == 0:
+                assert results.finished_recving == {"r"} and results.failed_recving == ({"r"} if fail else set())
+            ids = list(out.num_scheduled_tokens)
+            scheduled.append(dict(out.num_scheduled_tokens))
+            sched.update_from_output(out, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={q: i for i, q in enumerate(ids)}, sampled_token_ids=[[0] for _ in ids],
+                kv_connector_output=KVConnectorOutput(finished_recving=results.finished_recving,
+                                                      failed_recving=results.failed_recving)))
+        # Loaded: computed from the hit on; failed: from the first token, and the tiers are not asked
+        # again. (Mamba's align mode computes up to the last block boundary first.)
+        boundary = len(tokens) // 32 * 32
+        assert scheduled[0] == {} and scheduled[1]["r"] == boundary - (0 if fail else 2 * C)
+        assert (r.request_id in conn._no_load) == fail
+    finally:
+        w.shutdown()
+        conn.shutdown()

@@ -315,11 +315,17 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config, kv_cache_config, chunk_tokens=extra.get("chunk_tokens"), model_id=extra.get("model_id"),
             tp_rank=tp_rank)
         self._block_size = self._layout.block_size
-        # Several KV cache groups (a full and a sliding group under the hybrid manager, attention and
-        # mamba state): vLLM 0.32 takes a failed load of such a model only as a failed receive of an
-        # asynchronous load (block ids are not unique across groups; reporting them as invalid blocks
-        # stops the engine). Its loads are asynchronous: the request waits a step for them.
-        self._async_loads = len(self._layout.groups) > 1
+        # Loads are asynchronous (the request waits a step for them, vLLM caches its blocks only once
+        # the load succeeded) where a failed synchronous load cannot be undone:
+        # - several KV cache groups (a full and a sliding group under the hybrid manager; attention and
+        #   mamba state groups, which count too): vLLM 0.32 takes a failed load of such a model only as
+        #   a failed receive (block ids are not unique across groups; reporting them as invalid blocks
+        #   stops the engine);
+        # - async scheduling (vLLM's default on GPUs): a synchronously loaded block is in vLLM's prefix
+        #   cache at once, and the next step, scheduled before vLLM sees the load fail, can give it
+        #   to another request as a local hit; vLLM then takes back only the failed request's tokens.
+        async_scheduling = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        self._async_loads = len(self._layout.groups) + len(self._layout.states) > 1 or async_scheduling
         # A replicated cache (MLA) is written by rank 0 alone; every rank loads it.
         self._writer = not self._layout.replicated or tp_rank == 0
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -451,6 +457,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         hit, local = self._lookups.pop(req_id, (None, 0))
         block_ids = _group_ids(blocks.get_block_ids()) if blocks is not None else [[] for _ in self._layout.groups]
+        tracked = self._tracked.get(req_id)
+        if hit is None and num_external_tokens <= 0 and tracked is not None:
+            # The request leaves WAITING_FOR_REMOTE_KVS (its asynchronous load ended) and vLLM allocates
+            # again, without a lookup: it is tracked already. Planned afresh, it would save every loaded
+            # chunk again, and after a reset_cache under the new generation's salt.
+            tracked.block_ids = block_ids
+            return
         identity = self._identity(request)
         self._count_once(req_id, int(getattr(request, "num_prompt_tokens", 0) or 0), hit, local,
                          num_external_tokens if hit is not None else 0)
@@ -597,9 +610,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             # An asynchronous load that failed: vLLM recomputes the whole request. It is served without
             # the tiers from now on (a load failing again would send it round that loop once more),
             # and its chunks are stored once computed.
-            self._no_load.add(req_id)
             tracked = self._tracked.get(req_id)
-            if tracked is not None:
+            if tracked is not None:  # else vLLM has finished it already (aborted, or load failures fail it)
+                self._no_load.add(req_id)
                 tracked.saved_tokens = 0
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:

@@ -68,7 +68,7 @@ class Recovery(SlotTable):
         me = threading.get_ident()
         if self._tlock_holder == me and self._tlock.locked():
             raise LockTimeout(f"segment {self.name} lock: this thread is inside a critical section "
-                                    "already (re-entered from a signal handler or a callback)")
+                              "already (re-entered from a signal handler or a callback)")
         with self._tlock:
             self._tlock_holder = me
             try:

@@ -80,3 +80,30 @@ def test_put_and_get_blocks_reach_the_remote_tier(seg_name, valkey_url):
         assert cache.stats()["remote_bytes_read"] == 5 * B
     with RemoteTier(SPEC, valkey_url) as remote:
         assert remote.contains_many(keys).all()
+
+
+def test_a_read_promotes_after_the_whole_run_not_in_its_middle(seg_name, tmp_path):
+    """A full hot tier, block 0 in warm and blocks 1-8 in hot: the read takes 1 block from warm and 8
+    from hot. Promoting block 0 in the middle of the read evicted block 1 to warm, which was then read
+    from warm and promoted, evicting block 2, and so on: all 9 from warm, on every read."""
+    from tieredkv import blocks
+    from tieredkv.keys import opaque_keys
+
+    with TieredCache(SPEC, hot_blocks=8, hot_name=seg_name, warm_dir=str(tmp_path), warm_bytes="4M",
+                     demotion="on_evict", promotion="always", eviction="lru") as cache:
+        keys = opaque_keys(SPEC, [b"page%d" % i for i in range(9)])
+        rows = np.arange(9, dtype=np.uint8)[:, None].repeat(B, 1)
+        cache.put_blocks(keys[0:1], rows[0:1])
+        cache.put_blocks(keys[1:9], rows[1:9])  # the hot tier's 8 slots: block 0 goes down to warm
+        assert cache.resident_run(keys).tolist() == [WARM] + [HOT] * 8
+        got = {}
+
+        def sink(i, part):
+            for j in range(len(part)):
+                got[i + j] = bytes(part[j])
+
+        for _ in range(2):
+            by_level = blocks.read(cache, keys, sink)
+            assert by_level == {"hot": 8, "warm": 1}
+            assert [got[i] for i in range(9)] == [bytes(r) for r in rows]
+        cache.unlink_hot()

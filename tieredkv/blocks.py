@@ -33,7 +33,8 @@ Sink = Callable[[int, np.ndarray], None]
 
 def read(cache: TieredCache, keys: ChunkKeys, sink: Sink) -> dict[str, int]:
     """Hand the leading run of ``keys`` the levels hold to ``sink``, each block from the first level
-    that has it. Blocks read below the top level are promoted per the cache's promotion rule.
+    that has it. Blocks read below the top level are promoted per the cache's promotion rule, once
+    the whole run has been read.
 
     Returns:
         How many of the leading blocks came from each level, by level name; the run is their sum.
@@ -41,6 +42,10 @@ def read(cache: TieredCache, keys: ChunkKeys, sink: Sink) -> dict[str, int]:
     levels = list(cache.levels)
     by_level = {level.name: 0 for level in levels}
     done, n = 0, len(keys)
+    # Promoted once the read is over, as ``load`` does: promoted at once, a run read from below could
+    # evict this same read's later blocks from the top level (with a full top level, each block then
+    # goes round through the lower one, read after read).
+    promotions = []
     while done < n:
         got = levels[0].read_shared(keys[done:], functools.partial(_shifted, sink, done))
         done += got
@@ -54,13 +59,15 @@ def read(cache: TieredCache, keys: ChunkKeys, sink: Sink) -> dict[str, int]:
             got, kept = cache._loader.read_below(level, rest, functools.partial(_shifted, sink, done), staging)
             if got:
                 if kept:
-                    cache._loader.promote(levels, level, rest[:got], staging[:got])
+                    promotions.append((level, rest[:got], staging[:got]))
                 done += got
                 by_level[level.name] += got
                 progress += got
                 break  # back to the top: the next blocks may be there
         if not progress:
             break
+    for level, promoted, rows in promotions:
+        cache._loader.promote(levels, level, promoted, rows)
     return by_level
 
 

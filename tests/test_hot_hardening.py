@@ -818,7 +818,7 @@ def torch_kv(spec, n_tokens):
     return torch.randn(spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim)
 
 
-def _close_from_a_signal_handler(spec, name):
+def _close_from_a_signal_handler(spec, name, inside):
     tier = HotTier(spec, n_slots=16, name=name, lock_timeout_s=60)
 
     def on_term(signum, frame):
@@ -829,6 +829,7 @@ def _close_from_a_signal_handler(spec, name):
     real = tier._take_slots
 
     def slow_take(*args, **kwargs):  # inside the put's critical section: the handler runs in it
+        inside.set()
         time.sleep(30)
         return real(*args, **kwargs)
 
@@ -843,12 +844,11 @@ def test_a_signal_handler_that_closes_the_tier_inside_a_critical_section_does_no
     """The handler runs on the thread that holds the handle's critical section: waiting for it would be
     waiting for itself. The close gives up on the section at once, warns and drops the mapping."""
     with HotTier(tiny_spec, n_slots=16, name=seg_name) as survivor:
-        p = FORK.Process(target=_close_from_a_signal_handler, args=(tiny_spec, seg_name))
+        inside = FORK.Event()
+        p = FORK.Process(target=_close_from_a_signal_handler, args=(tiny_spec, seg_name, inside))
         p.start()
-        deadline = time.monotonic() + 30
-        while not survivor._h["dirty"] and time.monotonic() < deadline:  # the child is inside
-            time.sleep(0.01)
-        assert survivor._h["dirty"]
+        assert inside.wait(60), "the child never reached the put's critical section"
+        assert survivor._h["dirty"]  # the child is inside, its handler installed
         os.kill(p.pid, signal.SIGTERM)
         p.join(10)
         alive = p.is_alive()

@@ -630,27 +630,37 @@ def _loads_only(results) -> ModelRunnerOutput:
                                                                    failed_recving=results.failed_recving))
 
 
+def _second_engine_loading(models, seg_name, tokens, failure_policy: str | None = None):
+    """Engine 1 (Gemma 3 under the hybrid manager) computes and stores ``tokens``; engine 2 gets request
+    "b" with the same prompt, which waits for its asynchronous load. Returns engine 2's scheduler and
+    worker, the request, the step's output, and every connector to shut down."""
+    from vllm.v1.request import RequestStatus
+
+    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=3)
+    a = request("a", tokens)
+    sched.add_request(a)
+    run_step(sched, [w], [a], kv, {})
+    if failure_policy is not None:
+        cfg.kv_transfer_config.kv_load_failure_policy = failure_policy
+    sched2 = scheduler(cfg, kvc)
+    w2, _ = worker(cfg, kvc)
+    b = request("b", tokens)
+    sched2.add_request(b)
+    out = sched2.schedule()
+    assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return sched2, w2, b, out, (sched.connector, sched2.connector, w, w2)
+
+
 @pytest.mark.parametrize("reset", [False, True], ids=["plain", "reset-between"])
 def test_a_request_whose_asynchronous_load_ended_is_not_planned_afresh(models, seg_name, reset):
     """When a request leaves WAITING_FOR_REMOTE_KVS vLLM allocates again, without a lookup. The connector
     planned the request afresh then: the step that computes it saved every loaded chunk again (read
     back from the pages, hashed, skipped by the store), and after a reset_cache in between it saved
     them under the new generation's salt, where a request after the reset found KV from before it."""
-    from vllm.v1.request import RequestStatus
-
     tokens = np.arange(1, 301)
-    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=3)
-    a = request("a", tokens)
-    sched.add_request(a)
-    run_step(sched, [w], [a], kv, {})
-    sched2 = scheduler(cfg, kvc)
-    w2, _ = worker(cfg, kvc)
+    sched2, w2, b, out, connectors = _second_engine_loading(models, seg_name, tokens)
     conn = sched2.connector
     try:
-        b = request("b", tokens)
-        sched2.add_request(b)
-        out = sched2.schedule()
-        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         results, _ = _load_step(w2, out)
         assert results.finished_recving == {"b"} and not results.failed_recving
         sched2.update_from_output(out, _loads_only(results))
@@ -663,7 +673,7 @@ def test_a_request_whose_asynchronous_load_ended_is_not_planned_afresh(models, s
         if reset:
             assert conn.get_num_new_matched_tokens(request("c", tokens), 0)[0] == 0
     finally:
-        for c in (sched.connector, conn, w, w2):
+        for c in connectors:
             c.shutdown()
 
 
@@ -674,21 +684,10 @@ def test_a_failed_receive_of_a_request_vllm_finished_leaves_nothing_behind(model
     requests served without the tiers, one per such request, for the engine's lifetime."""
     from vllm.v1.request import RequestStatus
 
-    tokens = np.arange(1, 301)
-    cfg, kvc, sched, w, _, kv = gemma3_hybrid(models, seg_name, seed=3)
-    a = request("a", tokens)
-    sched.add_request(a)
-    run_step(sched, [w], [a], kv, {})
-    if case == "load-failure-policy-fail":
-        cfg.kv_transfer_config.kv_load_failure_policy = "fail"
-    sched2 = scheduler(cfg, kvc)
-    w2, _ = worker(cfg, kvc)
+    sched2, w2, b, out, connectors = _second_engine_loading(
+        models, seg_name, np.arange(1, 301), "fail" if case == "load-failure-policy-fail" else None)
     conn = sched2.connector
     try:
-        b = request("b", tokens)
-        sched2.add_request(b)
-        out = sched2.schedule()
-        assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         results, _ = _load_step(w2, out, evict=True)
         assert results.failed_recving == {"b"}
         if case == "aborted-while-loading":  # the engine handles aborts before the step's output
@@ -697,7 +696,7 @@ def test_a_failed_receive_of_a_request_vllm_finished_leaves_nothing_behind(model
         assert "b" not in sched2.requests
         assert not conn._no_load and "b" not in conn._tracked
     finally:
-        for c in (sched.connector, conn, w, w2):
+        for c in connectors:
             c.shutdown()
 
 

@@ -182,9 +182,7 @@ def test_an_attention_and_mamba_model_loads_asynchronously_and_a_failed_load_is_
     such a model. The loads counted attention groups only, so this model loaded synchronously and a
     block evicted between lookup and load killed the engine. They are asynchronous now: a failed one is
     a failed receive and the request is recomputed from its start."""
-    import pickle
-
-    from test_vllm_groups import NUM_BLOCKS, caches, scheduler
+    from test_vllm_groups import NUM_BLOCKS, _load_step, caches, scheduler
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
@@ -211,17 +209,10 @@ def test_an_attention_and_mamba_model_loads_asynchronously_and_a_failed_load_is_
         scheduled = []
         for step in range(3):
             out = sched.schedule()
-            meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
             if step == 0:
-                assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and meta.loads
-                if fail:
-                    assert len(w.cache.hot.evict(10**6).keys) > 0  # gone before the worker loads
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
-            w.wait_for_save()
-            results = w.get_transfer_results(set())
-            errors = w.get_block_ids_with_load_errors()
-            w.clear_connector_metadata()
+                assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and out.kv_connector_metadata.loads
+            # A failed load: the blocks are gone before the worker loads.
+            results, errors = _load_step(w, out, evict=fail and step == 0)
             assert errors == set()  # nothing vLLM would refuse for this model
             if step == 0:
                 assert results.finished_recving == {"r"} and results.failed_recving == ({"r"} if fail else set())

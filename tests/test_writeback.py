@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import threading
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -194,3 +195,74 @@ def test_closing_the_hot_tier_with_writes_queued_still_writes_them(tmp_path, seg
     with TieredCache(SPEC, **kw) as fresh:
         assert warm_blocks_are_right(fresh, [1, 2]) == [4, 4]
         fresh.hot.unlink()
+
+
+def test_a_block_another_handle_is_still_writing_is_not_counted_as_dropped(tmp_path, seg_name):
+    """Another handle of the segment has claimed prompt 1's slots and is still filling them when this
+    cache stores the same prompt: the hot tier answers EXISTS, the block is queued, and the writer finds
+    it not readable yet. That block is the other handle's to write behind, not a drop of this cache's
+    (before: 4 counted in ``warm_dropped_blocks``, on a host where nothing was lost)."""
+    cache = TieredCache(SPEC, hot_bytes=8 * MiB, hot_name=seg_name, warm_dir=tmp_path / "warm", warm_bytes=4 * MiB)
+    other = TieredCache(SPEC, hot_bytes=8 * MiB, hot_name=seg_name)
+    tokens = prompt(1)
+    keys = chunk_keys(SPEC, tokens[:16])
+    kv = kv_for(SPEC, tokens)
+    rows = np.stack([np.ascontiguousarray(kv[:, :, :, 4 * b:4 * b + 4, :]).view(np.uint8).reshape(-1)
+                     for b in range(4)])
+    filling, release = threading.Event(), threading.Event()
+
+    def fill(data, slots, idx):
+        filling.set()
+        assert release.wait(60)
+        data[slots] = rows[idx]
+
+    writer = threading.Thread(target=lambda: other.hot.put_many(keys, fill))
+    writer.start()
+    try:
+        assert filling.wait(60)
+        assert cache.store(tokens, kv) == 0  # EXISTS: the other handle is writing them
+        assert cache.flush(60)
+        assert cache.stats()["warm_dropped_blocks"] == 0
+        release.set()
+        writer.join(60)
+        out = np.zeros_like(kv)
+        assert cache.load(cache.lookup(tokens), out) == 16  # the other handle's blocks, published
+        assert out[:, :, :, :16].tobytes() == kv[:, :, :, :16].tobytes()
+    finally:
+        release.set()
+        writer.join(60)
+        other.close()
+        cache.close()
+
+
+def test_jobs_a_closing_writer_drops_leave_the_cache(tmp_path, seg_name, stuck_first_put):
+    """Prompt 1's warm write is stuck and prompt 2's is queued when the cache closes with a short
+    ``warm_flush_s``: the writer drops prompt 2's job, counted. The dropped job is told: it leaves the
+    cache's set of jobs and holds no rows (before: it stayed there for good, and the close's rescue
+    copied its blocks into rows nobody would write)."""
+    cache = TieredCache(SPEC, hot_bytes=8 * MiB, hot_name=seg_name, warm_dir=tmp_path / "warm", warm_bytes=4 * MiB,
+                        warm_flush_s=0.2)
+    started, release = stuck_first_put(cache)
+    behind = cache._storer.behind
+    writer = next(level.writer for level in cache._levels if level.name == "warm")
+    try:
+        for seed in (1, 2):
+            tokens = prompt(seed)
+            assert cache.store(tokens, kv_for(SPEC, tokens)) == 4
+        assert started.wait(60)
+        queued = [job for job in behind._jobs]
+        assert len(queued) == 2
+        with warnings.catch_warnings():  # the stuck put, once released, finds warm closed: warned
+            warnings.simplefilter("ignore", RuntimeWarning)
+            cache.close()
+            assert writer.dropped_blocks == 4
+            release.set()
+            for _ in range(600):  # the stuck job ends once released, on the writer's thread
+                if not behind._jobs:
+                    break
+                threading.Event().wait(0.05)
+        assert not behind._jobs
+        assert all(job._rescued is None for job in queued)
+    finally:
+        release.set()
+        cache.close()

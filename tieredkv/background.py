@@ -110,19 +110,28 @@ class BackgroundWriter:
             return self._cond.wait_for(lambda: not self._queue and not self._running, timeout=timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> bool:
-        """Flush within ``timeout_s``, then stop the thread; jobs still queued are dropped and counted.
+        """Flush within ``timeout_s``, then stop the thread; jobs still queued are dropped and counted,
+        and a dropped job that has a ``dropped()`` method is told (it never runs).
 
         Idempotent. Returns whether everything queued was written.
         """
         flushed = self.flush(timeout_s)
         with self._cond:
             self._closed = True
-            for _, blocks in self._queue:
+            left = list(self._queue)
+            for _, blocks in left:
                 self.dropped += 1
                 self.dropped_blocks += blocks
                 self._pending_blocks -= blocks
             self._queue.clear()
             self._cond.notify_all()
+        for job, _ in left:  # outside the lock: a job's hook may take locks of its own
+            dropped = getattr(job, "dropped", None)
+            if callable(dropped):
+                try:
+                    dropped()
+                except Exception:  # noqa: BLE001 - one job's hook must not keep the others' from running
+                    pass
         return flushed
 
     def _after_fork(self) -> None:

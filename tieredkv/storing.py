@@ -105,14 +105,17 @@ class Storer:
 
     def _write_behind(self, levels: list[Level], new: ChunkKeys, codes: np.ndarray) -> None:
         """Queue the blocks the top level holds now (stored, or there already) on each written-behind
-        level's writer, which copies them out of the top level (``tieredkv.writeback``)."""
+        level's writer, which copies them out of the top level (``tieredkv.writeback``). A block there
+        already (EXISTS: stored by another process, or still being written by it) is that process's to
+        write behind: if it is gone when the writer comes, no drop is counted."""
         held = np.flatnonzero(codes != PutResult.NO_SPACE)
         if not len(held):
             return
         keys = new if len(held) == len(new) else new.take(held)
+        ours = codes[held] == PutResult.STORED
         for level in levels[1:]:
             if level.at_store and level.writer is not None:
-                self.behind.submit(level, levels[0], keys)
+                self.behind.submit(level, levels[0], keys, ours=ours)
 
     def release(self) -> None:
         """Drop the staging rows and the write-behind buffers (``close``)."""

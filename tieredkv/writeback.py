@@ -18,7 +18,10 @@ makes the top level evict (fewer free slots than blocks to put), the queued jobs
 have not copied yet into memory of their own (``WriteBehind.before_put``): the eviction cannot take
 them first. A block another process's put evicted before the writer reached it is not written and
 is counted as dropped (for the warm tier: ``warm_dropped_blocks``), like a block a full queue refuses;
-the writer lags by milliseconds, so that takes a top level that turns over in milliseconds.
+the writer lags by milliseconds, so that takes a top level that turns over in milliseconds. A block the
+top level answered EXISTS for (another process stored it, or is storing it) is queued too, but its
+absence is that process's business, not a drop. Jobs a closing writer drops are told (``dropped``) and
+leave the cache's set of jobs.
 """
 
 from __future__ import annotations
@@ -100,15 +103,19 @@ def copy_out(top: Level, keys: ChunkKeys, rows: np.ndarray) -> np.ndarray:
 
 class FromTop:
     """One queued write of ``keys`` to ``level``: the blocks are copied out of ``top`` (the top
-    level) a group at a time through ``staging`` and put into ``level``.
+    level) a group at a time through ``staging`` and put into ``level``. A block of ``ours`` the top
+    level no longer holds is counted as dropped; any other one is left to the process that stores it.
 
     ``rescue()`` (from a thread about to make the top level evict) copies the blocks the writer has not
     copied yet into memory of the job's own at once, so an eviction cannot take them first.
     """
 
     def __init__(self, level: Level, top: Level, keys: ChunkKeys, staging: Staging, why: str = "stored",
-                 done: Callable[[FromTop], None] | None = None):
+                 done: Callable[[FromTop], None] | None = None, ours: np.ndarray | None = None):
         self.level, self.top, self.keys, self.staging, self.why = level, top, keys, staging, why
+        #: Per key: this process stored it (its absence from the top level is a drop). Blocks another
+        #: process stored or is still storing are queued too, but that process writes them itself.
+        self.ours = np.ones(len(keys), dtype=bool) if ours is None else ours
         self._done = done
         self._lock = threading.Lock()  # over the copy out of the top level and the progress mark
         self._next = 0                 # keys before it are copied out (into staging, or rescued)
@@ -130,6 +137,15 @@ class FromTop:
             self._rescued = (first, rows, present)
             self._next = len(self.keys)
 
+    def dropped(self) -> None:
+        """The writer closed before running this job (``BackgroundWriter.close``): let go of the rescued
+        rows and leave the cache's set of jobs."""
+        with self._lock:
+            self._rescued = None
+            self._next = len(self.keys)
+        if self._done is not None:
+            self._done(self)
+
     def __call__(self) -> None:
         keys, n = self.keys, len(self.keys)
         try:
@@ -145,23 +161,23 @@ class FromTop:
                         except TieredKVError:  # the top level failed or closed: nothing left to read
                             present = np.zeros(j - i, dtype=bool)
                         self._next = j
-                    self._put(keys[i:j], buf[: j - i], present)
+                    self._put(keys[i:j], buf[: j - i], present, i)
             with self._lock:
                 rescued, self._rescued = self._rescued, None
             if rescued is not None:
                 first, rows, present = rescued
-                self._put(keys[first:], rows, present)
+                self._put(keys[first:], rows, present, first)
         finally:
             if self._gone:
                 self.level.count(dropped=self._gone)
             if self._done is not None:
                 self._done(self)
 
-    def _put(self, keys: ChunkKeys, rows: np.ndarray, present: np.ndarray) -> None:
+    def _put(self, keys: ChunkKeys, rows: np.ndarray, present: np.ndarray, first: int) -> None:
         if present.all():
             self.level.put(keys, rows, why=self.why)
             return
-        self._gone += int(np.count_nonzero(~present))
+        self._gone += int(np.count_nonzero(~present & self.ours[first:first + len(keys)]))
         idx = np.flatnonzero(present)
         if len(idx):
             self.level.put(keys.take(idx), rows[idx], why=self.why)
@@ -181,10 +197,12 @@ class WriteBehind:
     def _after_fork_in_child(self) -> None:
         self._jobs = set()  # the parent's queued jobs stay the parent's (tieredkv.background)
 
-    def submit(self, level: Level, top: Level, keys: ChunkKeys, why: str = "stored") -> None:
+    def submit(self, level: Level, top: Level, keys: ChunkKeys, why: str = "stored",
+               ours: np.ndarray | None = None) -> None:
         """Queue ``keys`` (blocks the top level holds) on ``level``'s writer, in jobs of at most its
         bound, so a store larger than the whole queue is written in part rather than not at all. A job
-        the full queue refuses is counted as dropped."""
+        the full queue refuses is counted as dropped. ``ours``: per key, whether this process stored
+        it (default all); see ``FromTop``."""
         writer = level.writer
         assert writer is not None, "write-behind needs a level with a background writer"
         with self._lock:
@@ -194,7 +212,8 @@ class WriteBehind:
         step = writer.max_blocks
         for i in range(0, len(keys), step):
             part = keys[i:i + step]
-            job = FromTop(level, top, part, staging, why, self._finished)
+            job = FromTop(level, top, part, staging, why, self._finished,
+                          None if ours is None else ours[i:i + step])
             with self._lock:
                 self._jobs.add(job)
             if writer.submit(job, blocks=len(part)):

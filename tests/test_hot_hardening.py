@@ -910,3 +910,29 @@ def test_a_handle_stores_again_what_its_own_interrupted_put_abandoned(tiny_spec,
         assert (tier.put_many(keys, payload_for(tiny_spec, keys)) == PutResult.STORED).all()
         out = np.zeros((4, tiny_spec.block_bytes), np.uint8)
         assert tier.get_many(keys, out) == 4 and np.array_equal(out, payload_for(tiny_spec, keys))
+
+
+def test_the_segment_layout_is_the_one_its_version_names():
+    """Processes of two releases with the same ``LAYOUT_VERSION`` share a segment (its name carries the
+    version), so a release that changes how segment bytes are read must bump it. The digest of every
+    record, limit, offset and built-in policy state holds the two together."""
+    assert seg.layout_digest() == seg.LAYOUT_DIGEST, (
+        "the hot segment's layout changed: bump LAYOUT_VERSION in tieredkv/hot/segment.py and set "
+        f"LAYOUT_DIGEST = {seg.layout_digest()!r}")
+
+
+@pytest.mark.parametrize("change", ["owner row", "slot record", "policy state"])
+def test_the_layout_digest_sees_a_same_size_change(monkeypatch, change):
+    """What the geometry check at attach cannot see, the digest does: an owner-row field or a slot field
+    that keeps its size but not its type, or a policy that gains a state field."""
+    if change == "owner row":
+        descr = [(n, "<i8" if n == "n_pins" else t, *rest) for n, t, *rest in seg.OWNER_DTYPE.descr]
+        monkeypatch.setattr(seg, "OWNER_DTYPE", np.dtype(descr))
+    elif change == "slot record":
+        descr = [(n, "<i8" if n == "length" else t, *rest) for n, t, *rest in seg.SLOT_DTYPE.descr]
+        monkeypatch.setattr(seg, "SLOT_DTYPE", np.dtype(descr))
+    else:
+        from tieredkv import policies
+        lru = type(policies.make("lru"))
+        monkeypatch.setattr(lru, "slot_fields", (*lru.slot_fields, "a_new_field"), raising=False)
+    assert seg.layout_digest() != seg.LAYOUT_DIGEST

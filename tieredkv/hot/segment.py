@@ -21,6 +21,7 @@ so a full ``/dev/shm`` is a ``CapacityError`` at start-up, never a SIGBUS in som
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 
-from tieredkv import counters
+from tieredkv import counters, policies
 from tieredkv.errors import (
     CapacityError,
     FormatError,
@@ -52,6 +53,11 @@ MAGIC = 0x5EADBEEF_7D0C4B1E
 # 2: the hash index holds (key word, slot) entries (hot/index.py);
 # 3: remote-tier and write-behind counters in the owner rows.
 LAYOUT_VERSION = 3
+#: ``layout_digest()`` of this ``LAYOUT_VERSION``. A test holds the two together: a change to any record
+#: a segment is read through (header, slot, owner rows, index hashing, region offsets, a built-in
+#: policy's state) fails it until the version is bumped (so the segment's name changes, and processes
+#: of the old and new release keep separate segments) and this digest is set anew.
+LAYOUT_DIGEST = "c0e13bc0e61748eb"
 #: Where POSIX shared memory lives on Linux. Segments go here unless ``TIEREDKV_SHM_DIR`` names
 #: another tmpfs directory, e.g. one mounted with ``huge=always`` (docs/tuning.md, huge pages).
 SHM_DIR = Path("/dev/shm")
@@ -165,6 +171,38 @@ class Layout:
         while n > 1 and cls.compute(spec, n, policy_bytes_of(n)).total_bytes > capacity_bytes:
             n = int(n * 0.98)
         return n
+
+
+def layout_digest() -> str:
+    """A 64-bit digest (hex) of how a segment's bytes are laid out and read: the header, slot and owner
+    records (dtypes with field names, byte orders and offsets), the size limits, the hot index's hash,
+    the regions' offsets for a reference geometry, and every built-in policy's state layout.
+
+    It covers structure, not meaning: a field that keeps its type but changes what it means still needs
+    a ``LAYOUT_VERSION`` bump by hand.
+    """
+    import xxhash
+
+    from tieredkv import hashtable
+
+    geometry = dataclasses.asdict(Layout.compute(_Geometry(block_bytes=65_536, chunk_tokens=16), 1_000, 4_096))
+    states = {}
+    for name in _BUILT_IN_POLICIES:
+        st = policies.StateLayout.for_policy(policies.make(name), 1_000)
+        states[name] = [st.slot_fields, st.global_fields, st.ghost_slots, st.ghost_lists, st.ghost_table, st.nbytes]
+    doc = {
+        "records": [str(d.descr) for d in (HEADER_DTYPE, SLOT_DTYPE, OWNER_DTYPE)],
+        "limits": [HEADER_BYTES, PAGE, MAX_OWNERS, MAX_PINS, POLICY_BYTES, FREE, WRITING, READY, MAGIC],
+        "index_hash": [hashtable._FIB, index_slots_for(1_000)],
+        "geometry": geometry,
+        "policies": states,
+    }
+    return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, default=str).encode())
+
+
+#: The policies this package ships (their state lives in segments); third-party ones version themselves.
+_BUILT_IN_POLICIES = ("lru", "fifo", "lfu", "clock", "sieve", "s3fifo", "arc", "kv_aware", "cost_aware",
+                      "prefix_aware:lru", "prefix_aware:s3fifo", "prefix_aware:arc")
 
 
 _TEMP_RE = re.compile(r"^/" + re.escape(PREFIX) + r"tmp-(\d+)-[0-9a-f]+$")

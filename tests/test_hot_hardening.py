@@ -916,6 +916,10 @@ def test_the_segment_layout_is_the_one_its_version_names():
     """Processes of two releases with the same ``LAYOUT_VERSION`` share a segment (its name carries the
     version), so a release that changes how segment bytes are read must bump it. The digest of every
     record, limit, offset and built-in policy state holds the two together."""
+    from tieredkv import policies
+    shipped = {n for n in policies.names() if type(policies.make(n)).__module__.startswith("tieredkv.policies.")}
+    in_digest = {name.split(":")[0] for name in seg._BUILT_IN_POLICIES}
+    assert shipped <= in_digest, f"{sorted(shipped - in_digest)}: state not in the digest (_BUILT_IN_POLICIES)"
     assert seg.layout_digest() == seg.LAYOUT_DIGEST, (
         "the hot segment's layout changed: bump LAYOUT_VERSION in tieredkv/hot/segment.py and set "
         f"LAYOUT_DIGEST = {seg.layout_digest()!r}")

@@ -217,6 +217,82 @@ def test_store_can_wait_until_the_first_token_is_out(models, namespace, tmp_path
         assert pending.phases["store_cpu"] > 0
 
 
+def _rewind_and_run_other_tokens(model, res, keep: int, n: int, seed: int) -> None:
+    """What a caller may do with a result before its pending store: crop the cache back into the prompt
+    and run other tokens there (an edited tail, a rejected speculation)."""
+    res.cache.crop(keep - n)
+    other = prompt(n - keep, seed=seed)
+    with torch.inference_mode():
+        model(input_ids=other, position_ids=torch.arange(keep, n).unsqueeze(0), past_key_values=res.cache,
+              use_cache=True)
+
+
+@pytest.mark.parametrize("path", ["in place", "concatenating", "sliding window"])
+def test_a_pending_store_never_stores_what_the_caller_rewrote(models, namespace, tmp_path, monkeypatch, path):
+    """``prefill(store=False)``, then the caller crops the cache to 56 of 64 positions and runs 8 other
+    tokens, then ``store(result)``. Stored is only KV of the prompt itself: in place, the chunks below the
+    first rewritten position (3 of 4); on the concatenating paths, the new chunks as the prefill left
+    them (taken then). Before, the rewritten chunk was stored under the prompt's key, and a later hit
+    gave logits off by 0.05-0.34."""
+    if path == "sliding window":
+        model = hf_models.random_model(hf_models.tiny_mistral_config(sliding_window=24), seed=0)
+    else:
+        model = models("llama")
+        if path == "concatenating":
+            monkeypatch.setattr("tieredkv.integrations.hf.DynamicLayer", None)
+    ids = prompt(64, seed=21)
+    with open_cache(model, namespace, tmp_path) as cache:
+        runner = hf.CachedPrefill(model, cache)
+        res = runner.prefill(ids, store=False)
+        _rewind_and_run_other_tokens(model, res, 56, 64, seed=22)
+        assert runner.store(res) == (3 if path == "in place" else 4)
+        longer = torch.cat([ids, prompt(1, seed=23)], dim=1)
+        hit = hf.CachedPrefill(model, cache).prefill(longer, all_logits=True)
+        assert hit.cached_tokens == (48 if path == "in place" else 64)
+        assert_matches_full(model, hit, longer, torch.float32)
+
+
+def test_a_pending_store_on_the_concatenating_path_ignores_what_later_prompts_did_to_the_buffer(
+        models, namespace, tmp_path, monkeypatch):
+    """On the concatenating path (transformers < 4.56) the kept host buffer holds a restored prefix only
+    during its prefill. A's store, pending across B's prefill, with A's prefix evicted meanwhile, stored
+    B's bytes from that buffer under A's keys; now it stores A's new chunks only."""
+    monkeypatch.setattr("tieredkv.integrations.hf.DynamicLayer", None)
+    model = models("llama")
+    a, b = prompt(100, seed=31), prompt(100, seed=32)
+    with open_cache(model, namespace, tmp_path, warm=False) as cache:
+        runner = hf.CachedPrefill(model, cache)
+        runner.prefill(a[:, :70])                     # A's first 4 chunks
+        pending = runner.prefill(a, store=False)
+        assert pending.cached_tokens == 64
+        runner.prefill(b)
+        cache.hot.remove(cache.lookup(a[0].numpy()).keys)  # A's prefix evicted before its store
+        assert runner.store(pending) == 2                  # chunks 4 and 5: A's own
+        longer = torch.cat([a, prompt(1, seed=33)], dim=1)
+        hit = hf.CachedPrefill(model, cache).prefill(longer, all_logits=True)
+        assert hit.cached_tokens == 0  # the prefix is gone, and nothing after it was restored wrongly
+        runner.prefill(a[:, :70])
+        hit = hf.CachedPrefill(model, cache).prefill(longer, all_logits=True)
+        assert hit.cached_tokens == 96
+        assert_matches_full(model, hit, longer, torch.float32)
+
+
+def test_where_torch_cannot_count_a_buffers_users_it_is_never_reused(models, namespace, tmp_path, monkeypatch):
+    """Without ``torch._C._storage_Use_Count`` nobody can tell whether a live result still views the kept
+    buffer: every prefill takes a new one. Before, None == None passed the check, B's prefill overwrote
+    the buffer A's cache lives in, and decoding A went wrong from its third token."""
+    import torch as real_torch  # the lazy module answers no private names
+
+    monkeypatch.delattr(real_torch._C, "_storage_Use_Count")
+    model = models("llama")
+    a, b = prompt(100, seed=41), prompt(100, seed=42)
+    with open_cache(model, namespace, tmp_path) as cache:
+        runner = hf.CachedPrefill(model, cache)
+        first = runner.prefill(a)
+        runner.prefill(b)
+        assert runner.decode(first, 6, eos_token_id=[]) == greedy_reference(model, a, 6)
+
+
 def test_update_path_gives_the_same_result(models, namespace, tmp_path, monkeypatch):
     model = models("qwen2")
     ids = prompt(80, seed=4)

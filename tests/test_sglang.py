@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -409,3 +410,61 @@ def test_two_instances_share_through_hot_and_a_restart_finds_warm(seg_name, tmp_
 def test_the_backend_signature_is_what_sglangs_factory_calls():
     params = list(inspect.signature(TieredKVStorage.__init__).parameters)
     assert params[:3] == ["self", "storage_config", "kwargs"]
+
+
+class MXFP8Pool(HostPool):
+    """SGLang's MXFP8 host pool keeps each page's UE8M0 scales beside ``kv_buffer``, in ``k_scale_host`` and
+    ``v_scale_host`` ((pages, layers, bytes) uint8 each, as its ``_init_scale_buffers`` makes them)."""
+
+    def __init__(self, seed: int):
+        super().__init__("page_first", seed=seed)
+        g = torch.Generator().manual_seed(seed + 100)
+        self.k_scale_host = torch.randint(0, 255, (PAGES, LAYERS, 16), generator=g, dtype=torch.uint8)
+        self.v_scale_host = torch.randint(0, 255, (PAGES, LAYERS, 16), generator=g, dtype=torch.uint8)
+
+
+class LogicalPool:
+    """The attributes of SGLang's ``LogicalHostPool`` (DeepSeek-V4's anchor pool): no KV tensor."""
+
+    storage_format_tag = None
+
+    def __init__(self):
+        self.size, self.page_size, self.device, self.layout = PAGES * PAGE, PAGE, "cpu", "layer_first"
+        self.dtype, self.layer_num, self.kv_buffer = torch.uint8, 0, None
+
+
+def test_pools_whose_pages_are_not_all_in_their_kv_buffer_are_refused_at_start_up(extra):
+    """An MXFP8 pool was accepted and only its payload stored: another instance then got the writer's
+    payload with its own stale scales, as a hit. A logical pool (no KV tensor) crashed registration with
+    a bare ``AttributeError``. Both are refused, saying why."""
+    with pytest.raises(InvalidInput, match="k_scale_host, v_scale_host"):
+        backend(MXFP8Pool(seed=1), extra)
+    with pytest.raises(InvalidInput, match="no KV buffer"):
+        backend(LogicalPool(), extra, mla=True)
+
+
+def test_attention_context_parallelism_is_refused(extra):
+    """Context-parallel ranks hold slices of a page; keyed like the whole page, a rank (or an instance
+    without context parallelism) was served rank 0's slice."""
+    config = dataclasses.replace(storage_config(extra, mla=True, tp_size=2), attn_cp_rank=1, attn_cp_size=2)
+    with pytest.raises(InvalidInput, match="attn_cp_size"):
+        StorageBackendFactory.create_backend("dynamic", config, HostPool("page_first", mla=True))
+
+
+def test_pages_past_the_pool_and_missing_values_are_bad_input_and_store_nothing(extra, request):
+    """``batch_set`` with fewer values than keys stored uninitialised memory for the rest (and said True);
+    a ``batch_set_v1`` index past the pool stored the pool's last page under that key. Both raise
+    ``InvalidInput`` now, and nothing is stored."""
+    pool = HostPool("page_first", seed=3)
+    store = backend(pool, extra)
+    request.addfinalizer(store.close)
+    keys = page_keys(list(range(2 * PAGE)))
+    with pytest.raises(InvalidInput, match="2 keys and 1 values"):
+        store.batch_set(keys, [pool.get_data_page(0, flat=True)])
+    with pytest.raises(InvalidInput, match="2 keys and 0 values"):
+        store.batch_set(keys, None)
+    with pytest.raises(InvalidInput, match="past the host pool"):
+        store.batch_set_v1(keys, indices([0, PAGES]))
+    with pytest.raises(InvalidInput, match="past the host pool"):
+        store.batch_get_v1(keys, indices([PAGES + 1, 0]))
+    assert store.batch_exists(keys) == 0 and not store.exists(keys[1])

@@ -121,6 +121,18 @@ def page_components(pool: Any, mla: bool) -> list[torch.Tensor]:
     if layout not in LAYOUTS[kind]:
         raise InvalidInput(f"tieredkv's SGLang backend does not read the {kind.upper()} host layout {layout!r}; "
                            f"supported: {list(LAYOUTS[kind])} (--hicache-mem-layout)")
+    kv = getattr(pool, "k_buffer" if mla and layout == "page_first_kv_split" else "kv_buffer", None)
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidInput(f"host pool {type(pool).__name__} holds no KV buffer of its own (a logical or anchor "
+                           "pool): tieredkv's SGLang backend stores pools whose pages are their kv_buffer")
+    # A page's bytes must be all in the buffers read here: a pool that keeps part of a page elsewhere
+    # (MXFP8's per-page scales in k_scale_host / v_scale_host) would be served another writer's
+    # payload with its own scales. SGLang's own page methods refuse such pools for storage too.
+    elsewhere = sorted(name for name, value in vars(pool).items()
+                       if isinstance(value, torch.Tensor) and "scale" in name)
+    if elsewhere:
+        raise InvalidInput(f"host pool {type(pool).__name__} keeps part of each page outside its KV buffer "
+                           f"({', '.join(elsewhere)}): tieredkv's SGLang backend cannot store its pages")
     P = int(pool.page_size)
     if mla and layout == "page_first_kv_split":
         comps = [pool.k_buffer, pool.v_buffer]                      # [pages, L, P, 1, width] each
@@ -178,6 +190,10 @@ class TieredKVStorage(HiCacheStorage):
         self._model_id_override = extra.get("model_id")
         if storage_config.dcp_size > 1:
             raise InvalidInput("tieredkv's SGLang backend does not support decode context parallelism (dcp_size > 1)")
+        if getattr(storage_config, "attn_cp_size", 1) > 1:
+            # Context-parallel ranks hold slices of a page; SGLang's own key scheme refuses them too.
+            raise InvalidInput("tieredkv's SGLang backend does not support attention context parallelism "
+                               "(attn_cp_size > 1)")
         if storage_config.should_split_heads:
             raise InvalidInput("tieredkv's SGLang backend does not split heads across TP sizes (tp_lcm_size)")
         self.mla = bool(storage_config.is_mla_model)
@@ -253,7 +269,10 @@ class TieredKVStorage(HiCacheStorage):
         starts = idx[: n * P: P]
         if (starts % P).any():
             raise InvalidInput("host indices do not start pages (not multiples of the page size)")
-        return starts // P
+        pages = starts // P
+        if len(pages) and (pages.min() < 0 or pages.max() >= len(self._comps[0])):
+            raise InvalidInput(f"host indices past the host pool ({len(self._comps[0])} pages of {P} tokens)")
+        return pages
 
     def _scatter(self, pages: np.ndarray, rows: np.ndarray) -> None:
         """Copy blocks ``rows`` (``(k, block_bytes)``) into host pages ``pages``: one copy per buffer."""
@@ -268,6 +287,7 @@ class TieredKVStorage(HiCacheStorage):
         out = np.empty((n, sum(self._widths)), dtype=np.uint8)
         at = 0
         for comp, width in zip(self._comps, self._widths):
+            # _pages checked the range; "clip" only spares numpy a buffered copy ("raise" buffers ``out``).
             np.take(comp, pages, axis=0, out=out[:, at:at + width].reshape(n, *comp.shape[1:]), mode="clip")
             at += width
         return out
@@ -361,8 +381,10 @@ class TieredKVStorage(HiCacheStorage):
         """Store flat pages; True when every one is held afterwards."""
         if not keys:
             return True
+        if values is None or len(values) != len(keys):
+            raise InvalidInput(f"batch_set: {len(keys)} keys and {0 if values is None else len(values)} values")
         rows = np.empty((len(keys), sum(self._widths)), dtype=np.uint8)
-        for i, value in enumerate(values or []):
+        for i, value in enumerate(values):
             rows[i] = self._flat(value.contiguous()).view(torch.uint8).numpy()
         return all(self._write(keys, rows))
 

@@ -279,6 +279,80 @@ def test_an_announcer_announces_once_per_tier_and_follows_the_key_generation():
     assert kv_events.Announcer().feed([j(jr.NOTED, HOT, [key], [mine]), j(jr.STORED, HOT, [key])])
 
 
+def test_a_router_always_hears_that_an_announced_block_left():
+    """An announced block keeps its note: when other requests' notes push it out of the bounded note
+    table, its eviction is still a ``BlockRemoved`` (before: a removal with no note, which no event
+    could describe, so the router kept routing to a prefix that was gone). An announced block the
+    announcer itself forgets to make room is announced removed then, and an eviction from one tier
+    leaves the other tiers' stores that still wait for their note (before: the warm copy was never
+    announced)."""
+    def note(i: int) -> bytes:
+        return kv_events.chunk_notes(request(f"r{i}", np.arange(64) + 1000 * i), 1, CHUNK, BLOCK)[0]
+
+    def key(i: int) -> bytes:
+        return i.to_bytes(16, "little")
+
+    def j(op, tier, keys, notes=()):
+        return jr.Record(op, tier, np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 16), tuple(notes), 1, 0.0)
+
+    ann = kv_events.Announcer(max_blocks=4)
+    assert [a[:2] for a in ann.feed([j(jr.NOTED, HOT, [key(1)], [note(1)]), j(jr.STORED, HOT, [key(1)])])] \
+        == [("stored", HOT)]
+    ann.feed([j(jr.NOTED, HOT, [key(100 + i) for i in range(4)], [note(100 + i) for i in range(4)])])
+    assert not ann.knows(key(1))  # its description was pushed out of the note table
+    (removed,) = kv_events.to_kv_events(ann.feed([j(jr.EVICTED, HOT, [key(1)])]))
+    assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
+    # Announced blocks past the bound: the oldest is announced removed as it is forgotten.
+    out = ann.feed([j(jr.STORED, HOT, [key(100 + i)]) for i in range(4)] + [j(jr.NOTED, HOT, [key(5)], [note(5)]),
+                                                                             j(jr.STORED, WARM, [key(5)])])
+    assert [a[:2] for a in out] == [("stored", HOT)] * 4 + [("stored", WARM), ("removed", HOT)]
+    assert kv_events.to_kv_events(out[-1:])[0].block_hashes == kv_events.to_kv_events(out[:1])[0].block_hashes
+    # Stored hot and warm before the note came, evicted from hot meanwhile: the warm copy is announced.
+    fresh = kv_events.Announcer()
+    out = fresh.feed([j(jr.STORED, HOT, [key(7)]), j(jr.STORED, WARM, [key(7)]), j(jr.EVICTED, HOT, [key(7)]),
+                      j(jr.NOTED, HOT, [key(7)], [note(7)])])
+    assert [a[:2] for a in out] == [("stored", WARM)]
+
+
+def test_journal_files_rotated_away_unread_clear_what_was_announced(tmp_path):
+    """A reader that falls behind by whole journal files cannot tell which announced blocks those files
+    evicted: it announces ``AllBlocksCleared`` (a router then forgets them, and loses hits at worst)
+    rather than leave them announced (before: nothing, and the router kept routing to a gone prefix)."""
+    note = kv_events.chunk_notes(request("r", np.arange(64)), 1, CHUNK, BLOCK)[0]
+    journal = jr.HostJournal(str(tmp_path / "j.journal"), max_bytes=1000)
+    reader, ann = jr.JournalReader(journal.path), kv_events.Announcer()
+    kept = b"k" * 16
+    journal.append(jr.NOTED, HOT, [kept], [note])
+    journal.append(jr.STORED, HOT, [kept])
+    assert [a[:2] for a in kv_events.poll(reader, ann)] == [("stored", HOT)]
+    journal.append(jr.EVICTED, HOT, [kept])
+    for i in range(100):  # several rotations before the next poll: the eviction's file is gone
+        journal.append(jr.STORED, WARM, [i.to_bytes(16, "little")])
+    out = kv_events.poll(reader, ann)
+    assert reader.lost_files > 0
+    assert [type(e) for e in kv_events.to_kv_events(out)] == [AllBlocksCleared]
+    assert kv_events.poll(reader, ann) == []
+
+
+def test_the_exporter_publishes_what_was_journaled_before_it_stopped(tmp_path):
+    """``Exporter.run`` steps once more after ``stop`` is set: records journaled since its last step are
+    published, not lost at shutdown."""
+    import threading
+
+    note = kv_events.chunk_notes(request("r", np.arange(64)), 1, CHUNK, BLOCK)[0]
+    journal = jr.HostJournal(str(tmp_path / "j.journal"))
+    exporter = kv_events.Exporter([journal.path], endpoint=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        stop = threading.Event()
+        stop.set()
+        journal.append(jr.NOTED, HOT, [b"k" * 16], [note])
+        journal.append(jr.STORED, HOT, [b"k" * 16])
+        exporter.run(stop)
+        assert exporter.published == 1
+    finally:
+        exporter.close()
+
+
 def test_the_secondary_tier_yields_offloading_events_vllms_tracker_accepts(seg_name, tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
 

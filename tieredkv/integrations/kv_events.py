@@ -135,7 +135,9 @@ class Announcer:
     for a block this announcer announced. Stores whose note has not been seen yet wait for it (the
     worker's ``STORED`` and the scheduler's ``NOTED`` come from different processes, in either order).
     Memory is bounded: at most ``max_blocks`` notes, announced blocks and waiting stores each (the
-    oldest are forgotten first).
+    oldest are forgotten first). An announced block keeps its own note, so its removal can always be
+    described; an announced block forgotten to make room is announced removed then (a router that
+    skips a block still held loses a hit; one told of a block that is gone routes to a miss).
     """
 
     def __init__(self, max_blocks: int = 1 << 20, generation: bytes | None = None):
@@ -143,7 +145,8 @@ class Announcer:
         #: Only connector notes of this key generation are used (None: every note, as the exporter does).
         self.generation = generation
         self._notes: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
-        self._announced: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> tier bits
+        #: key -> (tier bits, the note it was announced with)
+        self._announced: collections.OrderedDict[bytes, tuple[int, bytes]] = collections.OrderedDict()
         self._waiting: collections.OrderedDict[bytes, int] = collections.OrderedDict()
 
     @staticmethod
@@ -154,15 +157,19 @@ class Announcer:
             d.popitem(last=False)
 
     def _store(self, key: bytes, tier: int, out: list[Announcement]) -> None:
-        bits = self._announced.get(key, 0)
+        bits, _ = self._announced.get(key, (0, b""))
         if bits & (1 << tier):
             return
         note = self._notes.get(key)
         if note is None:
             self._bounded(self._waiting, key, self._waiting.get(key, 0) | (1 << tier), self.max_blocks)
             return
-        self._bounded(self._announced, key, bits | (1 << tier), self.max_blocks)
+        self._announced[key] = (bits | (1 << tier), note)
+        self._announced.move_to_end(key)
         out.append(("stored", tier, note))
+        while len(self._announced) > self.max_blocks:  # forgotten: the router must not count on it
+            _, (gone, gone_note) = self._announced.popitem(last=False)
+            out.extend(("removed", t, gone_note) for t in (HOT, WARM, REMOTE) if gone & (1 << t))
 
     def feed(self, records: Iterable[jr.Record]) -> list[Announcement]:
         """Announcements for journal records, in order."""
@@ -184,14 +191,18 @@ class Announcer:
                 elif rec.op == jr.STORED:
                     self._store(key, rec.tier, out)
                 elif rec.op == jr.EVICTED:
-                    bits = self._announced.get(key, 0)
-                    self._waiting.pop(key, None)
+                    waiting = self._waiting.get(key, 0) & ~(1 << rec.tier)  # the other tiers' copies wait on
+                    if waiting:
+                        self._waiting[key] = waiting
+                    else:
+                        self._waiting.pop(key, None)
+                    bits, note = self._announced.get(key, (0, b""))
                     if bits & (1 << rec.tier):
                         if bits == 1 << rec.tier:
                             del self._announced[key]
                         else:
-                            self._announced[key] = bits & ~(1 << rec.tier)
-                        out.append(("removed", rec.tier, self._notes.get(key, b"")))
+                            self._announced[key] = (bits & ~(1 << rec.tier), note)
+                        out.append(("removed", rec.tier, note))
         return out
 
     def knows(self, key: bytes) -> bool:
@@ -252,6 +263,19 @@ def to_offloading_events(announcements: Iterable[Announcement]) -> list[Offloadi
 
 
 # ---- readers ------------------------------------------------------------------------------------------------
+def poll(reader: jr.JournalReader, announcer: Announcer) -> list[Announcement]:
+    """Announcements for the records ``reader`` gained since its last poll. Whole journal files it never
+    saw (rotated away between two polls) may have held evictions the router can no longer be told of
+    one by one: everything announced so far is announced cleared first."""
+    lost = reader.lost_files
+    records = reader.poll()
+    out = announcer.cleared() if reader.lost_files > lost else []
+    if out:
+        logger.warning("tieredkv: %d journal file(s) rotated away unread; announced blocks cleared",
+                       reader.lost_files - lost)
+    return out + announcer.feed(records)
+
+
 class _JournalEvents:
     """A journal reader and an announcer over a cache with an attached journal."""
 
@@ -269,7 +293,7 @@ class _JournalEvents:
     def _take(self) -> list[Announcement]:
         with self._lock:
             local, self._local = self._local, []
-            return local + self.announcer.feed(self.reader.poll())
+            return local + poll(self.reader, self.announcer)
 
     def close(self) -> None:
         """Close the journal reader (the journal itself belongs to the cache)."""
@@ -364,17 +388,19 @@ class Exporter:
 
     def step(self) -> int:
         """Publish what the journals gained since the last step (one batch); return the event count."""
-        events = to_kv_events(self.announcer.feed(r for reader in self.readers for r in reader.poll()))
+        events = to_kv_events([a for reader in self.readers for a in poll(reader, self.announcer)])
         if events:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
             self.published += len(events)
         return len(events)
 
     def run(self, stop: threading.Event, poll_s: float = 0.05) -> None:
-        """Step every ``poll_s`` seconds until ``stop`` is set."""
+        """Step every ``poll_s`` seconds until ``stop`` is set, then once more (what was journaled
+        since the last step is published, not lost at shutdown)."""
         while not stop.is_set():
             self.step()
             stop.wait(poll_s)
+        self.step()
 
     def close(self) -> None:
         self.publisher.shutdown()

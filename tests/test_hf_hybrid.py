@@ -125,6 +125,33 @@ def test_qwen3_next_hit_restores_kv_and_state_exactly(tmp_path):
         cache.close()
 
 
+def test_a_pending_store_stores_the_prompts_kv_whatever_the_caller_did_to_the_cache_since(tmp_path):
+    """``prefill(a, store=False)``, then the caller resets the cache and runs 64 other tokens through it,
+    then ``store``: the prompt's own attention KV is stored (copied at prefill). Before, the store read
+    the cache when it ran and filed the other tokens' KV under a's keys."""
+    model = build(hf_models.tiny_qwen3_next_config(**QWEN3_NEXT))
+    spec = hf.spec_for_model(model, chunk_tokens=CHUNK, model_id=f"test-hybrid-{uuid.uuid4().hex[:8]}")
+    a, other = prompt(4 * CHUNK, seed=11), prompt(4 * CHUNK, seed=12)
+    cache = open_cache(spec, tmp_path)
+    try:
+        runner = hf.CachedPrefill(model, cache)
+        pending = runner.prefill(a, store=False)
+        with torch.inference_mode():
+            pending.cache.reset()
+            model(input_ids=other, position_ids=torch.arange(4 * CHUNK)[None], past_key_values=pending.cache,
+                  use_cache=True)
+        assert runner.store(pending) == 4
+        b = torch.cat([a, prompt(5, seed=13)], dim=1)
+        hit = hf.CachedPrefill(model, cache).prefill(b, all_logits=True)
+        assert hit.cached_tokens == 4 * CHUNK
+        # Within the rounding of a prefill in other pieces (the module docstring); the other tokens' KV
+        # gave differences of order 1.
+        assert torch.allclose(hit.logits, pieces_logits(model, b, [])[:, 4 * CHUNK:], atol=1e-3, rtol=0)
+    finally:
+        cache.unlink_hot()
+        cache.close()
+
+
 def test_no_hit_beyond_the_last_boundary_with_a_state(tmp_path):
     model = build(hf_models.tiny_hybrid_config("granitemoehybrid", initializer_range=0.2))
     spec = hf.spec_for_model(model, chunk_tokens=CHUNK, model_id=f"test-hybrid-{uuid.uuid4().hex[:8]}")

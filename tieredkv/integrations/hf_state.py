@@ -401,6 +401,18 @@ class HybridPrefill:
             phases[name], phases[f"{name}_cpu"] = (mark[0] - last[0]) * 1e3, (mark[1] - last[1]) * 1e3
             last = mark
 
+        def extract() -> None:
+            for j, i in enumerate(self.layout.attention):
+                layer = kv_cache.layers[i]
+                host[j, 0, :, cached:n_full].copy_(layer.keys[0, :, cached:n_full])
+                host[j, 1, :, cached:n_full].copy_(layer.values[0, :, cached:n_full])
+
+        # A pending store must not read the cache later (the caller may crop or reset it and run other
+        # tokens first): ``host`` is this call's own, so the new chunks are copied into it now.
+        extracted = not store and host is not None and n_full > cached
+        if extracted:
+            extract()
+
         def save() -> int:
             """Store the new attention chunks (from ``host``, which holds the restored prefix) and
             the states of ``boundaries``."""
@@ -408,10 +420,8 @@ class HybridPrefill:
             stored = 0
             b = a
             if host is not None and n_full > cached:
-                for j, i in enumerate(self.layout.attention):
-                    layer = kv_cache.layers[i]
-                    host[j, 0, :, cached:n_full].copy_(layer.keys[0, :, cached:n_full])
-                    host[j, 1, :, cached:n_full].copy_(layer.values[0, :, cached:n_full])
+                if not extracted:
+                    extract()
                 b = _timer()
                 stored = int(self.cache.store(ids[0, :n_full].numpy(), host, salt=salt, extra=extra))
                 if boundaries and keys is not None:

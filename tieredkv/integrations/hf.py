@@ -303,6 +303,9 @@ class CachedPrefill:
     active adapters' identity (``hf_adapters.adapter_identity``): KV computed under an adapter is never
     restored for another adapter or for the base model.
 
+    A runner serves one thread at a time (its kept buffer is taken without a lock): give each thread a
+    runner of its own; they may share the model and the cache.
+
     Raises:
         SpecMismatch: the cache's spec describes another geometry or dtype than the model's KV.
         InvalidInput: the model has linear-attention or mamba layers of a family ``hf_state`` refuses

@@ -270,6 +270,36 @@ def test_garbage_and_foreign_values_are_refused_and_counted(spec, valkey_server,
     client.close()
 
 
+def test_a_block_another_host_writes_while_it_is_read_is_a_miss_not_a_corrupt_value(spec, valkey_server):
+    """Host B reads a block that is absent (an empty GETRANGE reply); host A stores it before B's
+    second round trip, the one that tells an absent name from an empty string. Before, B took the
+    name for an empty string: counted corrupt and deleted A's good value (58 of 300 blocks in a run of
+    two real processes). Now B misses this once, and the value stays for the next read."""
+    url = generous(valkey_server.url)
+    a, b = RemoteTier(spec, url), RemoteTier(spec, url)
+    try:
+        keys = chunk_keys(spec, prompt(4, seed=9))
+        rows = np.random.default_rng(9).integers(0, 256, (1, spec.block_bytes), dtype=np.uint8)
+        real = b.store._client.pipeline
+        calls = []
+
+        def pipeline(*args, **kwargs):  # B's second round trip of the read: A's store lands first
+            calls.append(1)
+            if len(calls) == 2:
+                assert a.put_many(keys, rows)[0] == PutResult.STORED
+            return real(*args, **kwargs)
+
+        b.store._client.pipeline = pipeline
+        out = np.zeros((1, spec.block_bytes), np.uint8)
+        assert b.get_many(keys, out) == 0
+        b.store._client.pipeline = real
+        assert len(calls) == 2 and b.counts["corrupt"] == 0
+        assert b.get_many(keys, out) == 1 and np.array_equal(out, rows)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_eviction_by_the_store_is_a_clean_miss(spec, host):
     big = KVSpec(model_id=spec.model_id, num_layers=4, num_kv_heads=4, head_dim=64, dtype="bfloat16",
                  chunk_tokens=16)  # 32 KiB blocks

@@ -401,17 +401,17 @@ class HybridPrefill:
             phases[name], phases[f"{name}_cpu"] = (mark[0] - last[0]) * 1e3, (mark[1] - last[1]) * 1e3
             last = mark
 
-        def extract() -> None:
+        def extract(into: torch.Tensor) -> None:
             for j, i in enumerate(self.layout.attention):
                 layer = kv_cache.layers[i]
-                host[j, 0, :, cached:n_full].copy_(layer.keys[0, :, cached:n_full])
-                host[j, 1, :, cached:n_full].copy_(layer.values[0, :, cached:n_full])
+                into[j, 0, :, cached:n_full].copy_(layer.keys[0, :, cached:n_full])
+                into[j, 1, :, cached:n_full].copy_(layer.values[0, :, cached:n_full])
 
         # A pending store must not read the cache later (the caller may crop or reset it and run other
         # tokens first): ``host`` is this call's own, so the new chunks are copied into it now.
         extracted = not store and host is not None and n_full > cached
-        if extracted:
-            extract()
+        if extracted and host is not None:
+            extract(host)
 
         def save() -> int:
             """Store the new attention chunks (from ``host``, which holds the restored prefix) and
@@ -421,7 +421,7 @@ class HybridPrefill:
             b = a
             if host is not None and n_full > cached:
                 if not extracted:
-                    extract()
+                    extract(host)
                 b = _timer()
                 stored = int(self.cache.store(ids[0, :n_full].numpy(), host, salt=salt, extra=extra))
                 if boundaries and keys is not None:

@@ -91,6 +91,18 @@ class ValkeyStore(Store):
 
         return self._run("EXISTS", probe) if names else np.zeros(0, dtype=bool)
 
+    def _empty_strings(self, names: list[str]) -> np.ndarray:
+        """Per name: an empty string is stored under it now (EXISTS and STRLEN in one transaction)."""
+        def probe():
+            pipe = self._client.pipeline(transaction=True)
+            for name in names:
+                pipe.exists(_wire(name))
+                pipe.strlen(_wire(name))
+            replies = [_integer(r) for r in pipe.execute()]
+            return np.asarray([e == 1 and n == 0 for e, n in zip(replies[0::2], replies[1::2])], dtype=bool)
+
+        return self._run("EXISTS", probe)
+
     def get_many(self, names: list[str], max_bytes: int, sink: Sink) -> None:
         if not names:
             return
@@ -106,9 +118,10 @@ class ValkeyStore(Store):
         if len(values) != len(names):
             raise RemoteUnavailable(f"{self.url}: {len(values)} replies to {len(names)} reads")
         # An empty reply is an absent name or an empty string under it; only the latter, which no writer
-        # could ever replace (SET NX), is worth a second round trip to tell apart.
+        # could ever replace (SET NX), is worth a second round trip to tell apart. A name another host
+        # set since the read is neither: a miss this time (counting it corrupt deleted a good value).
         empty = [i for i, v in enumerate(values) if isinstance(v, bytes) and not v]
-        held = self.exists_many([names[i] for i in empty]) if empty else np.zeros(0, dtype=bool)
+        held = self._empty_strings([names[i] for i in empty]) if empty else np.zeros(0, dtype=bool)
         present = {i for i, h in zip(empty, held) if h}
         for i, value in enumerate(values):
             if (isinstance(value, Exception) or not isinstance(value, bytes) or len(value) > max_bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import sys
 import types
 from pathlib import Path
 
@@ -531,6 +532,45 @@ def test_uniform_window_under_chunked_prefill_saves_each_chunk_while_in_the_wind
     back = torch.zeros_like(kv[:, :, :, :256])
     w.cache.load(hit, back)
     assert same(back, kv[:, :, :, :256])
+    w.shutdown()
+
+
+def test_blocks_vllm_freed_behind_the_window_are_never_read_for_a_save(models, seg_name, monkeypatch):
+    """A 320-token prompt in 64-token steps: vLLM frees the blocks that leave the 64-token window and
+    nulls them in its table; the connector's copy nulls them too. Before, it kept the old ids; once a
+    second request had been given them, a failed load reported in one of them planned the first
+    request's saves again from token 0, and its chunk 0 (evicted from the tiers meanwhile) was stored
+    with the second request's KV under the first request's key."""
+    monkeypatch.setattr(sys.modules[__name__], "NUM_BLOCKS", 12)  # tight: freed blocks are reused at once
+    n = names(2)
+    kvc = kv_config((n, sliding(64)))
+    cfg = config(models["mistral"], extra(seg_name), 2, batch_tokens=64)
+    sched = scheduler(cfg, kvc)
+    w, _ = worker(cfg, kvc)
+    s_tokens, r_tokens = np.arange(5, 325), np.arange(400, 528)
+    kv = model_kv(w, 352, seed=1)
+    s = request("s", s_tokens)
+    s.max_tokens = 64  # run_step samples a token every step, partial prefills too: s must outlive its prompt
+    sched.add_request(s)
+    block_ids: dict = {}
+    for _ in range(5):
+        run_step(sched, [w], [s], kv, block_ids)
+    assert s.num_computed_tokens >= 320
+    tracked = sched.connector._tracked["s"]
+    assert tracked.block_ids == [list(g) for g in sched.kv_cache_manager.get_blocks("s").get_block_ids()]
+    r = request("r", r_tokens)
+    sched.add_request(r)
+    run_step(sched, [w], [s, r], model_kv(w, 352, seed=2), block_ids)
+    r_blocks = set(sched.kv_cache_manager.get_blocks("r").get_block_ids()[0])
+    assert r_blocks and not r_blocks & {b for g in tracked.block_ids for b in g}
+    w.cache.hot.remove(tv.chunk_keys(w.spec, s_tokens[:64]))  # s's chunk 0 leaves the tiers
+    saved = tracked.saved_tokens
+    sched.connector.update_connector_output(KVConnectorOutput(invalid_block_ids={min(r_blocks)}))
+    assert tracked.saved_tokens == saved  # a block of r's is not s's
+    _, meta, _ = run_step(sched, [w], [s, r], None, block_ids)
+    assert not [p for p in meta.saves if p.req_id == "s"]
+    hit = w.cache.lookup(s_tokens)
+    assert hit.tokens == 0  # chunk 0 is gone: no prefix, and nothing wrong put back under its key
     w.shutdown()
 
 

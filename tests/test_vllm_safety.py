@@ -126,6 +126,31 @@ def test_lora_adapters_and_the_base_model_never_share_kv(pair):
     assert conn.get_num_new_matched_tokens(req("b2", TOKENS, lora=lora("b", "/adapters/b", 2)), 0) == (0, False)
 
 
+def test_an_adapter_replaced_in_place_is_another_identity(pair, tmp_path):
+    """vLLM names an adapter by name and path; the tiers outlive an engine, so an adapter retrained or
+    replaced in place (same name, same path) after a restart, or in another engine of the host, must
+    not be served the old adapter's KV: its files' digest is in the keys. Before, 256 tokens of the old
+    adapter's KV were served."""
+    conn, worker = pair
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-v1" * 100)
+    assert serve(conn, worker, req("v1", TOKENS, lora=lora("a", str(adapter), 1)), BLOCKS)[0] == 0
+    assert conn.get_num_new_matched_tokens(req("v1b", TOKENS, lora=lora("a", str(adapter), 1)), 0) == (256, False)
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights-v2" * 100)
+    assert conn.get_num_new_matched_tokens(req("v2", TOKENS, lora=lora("a", str(adapter), 1)), 0) == (0, False)
+
+
+def test_a_cache_salt_with_a_lone_surrogate_is_keyed_as_vllm_hashes_it(pair):
+    """JSON ``"\ud800"`` decodes to a lone surrogate; vLLM hashes such a salt. The connector raised
+    ``UnicodeEncodeError`` out of the scheduler; now the salt is a tenant of its own."""
+    conn, worker = pair
+    assert serve(conn, worker, req("s1", TOKENS, salt="t\ud800"), BLOCKS)[0] == 0
+    assert conn.get_num_new_matched_tokens(req("s2", TOKENS, salt="t\ud800"), 0) == (256, False)
+    assert conn.get_num_new_matched_tokens(req("s3", TOKENS, salt="t\ud801"), 0) == (0, False)
+
+
 def test_images_change_only_the_chunks_they_touch_and_all_after(pair):
     conn, worker = pair
     # One image over tokens [140, 170): chunk 2 (128..191). Chunks 0 and 1 are text before it.

@@ -37,8 +37,8 @@ def is_model_dir(path: str | os.PathLike) -> bool:
         return False
 
 
-def _files(directory: Path) -> list[Path]:
-    found = [directory / "config.json"]
+def _files(directory: Path, config: str = "config.json") -> list[Path]:
+    found = [directory / config]
     for p in sorted(directory.iterdir()):
         if p.suffix in WEIGHT_SUFFIXES and p.is_file():
             found.append(p)
@@ -52,7 +52,31 @@ def local_model_id(path: str | os.PathLike) -> str:
         OSError: the directory or one of its files cannot be read.
     """
     directory = Path(os.path.realpath(path))
-    files = _files(directory)
+    return f"{directory.name or 'model'}@local-{_digest(directory, _files(directory))}"
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory holding a peft ``adapter_config.json`` (a local LoRA adapter)."""
+    try:
+        return (Path(path) / "adapter_config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def local_adapter_digest(path: str | os.PathLike) -> str:
+    """The digest of a local adapter directory's ``adapter_config.json`` and weight files: an adapter
+    retrained or replaced in place under the same name and path has another one (memoised as
+    ``local_model_id``).
+
+    Raises:
+        OSError: the directory or one of its files cannot be read.
+    """
+    directory = Path(os.path.realpath(path))
+    return _digest(directory, _files(directory, "adapter_config.json"))
+
+
+def _digest(directory: Path, files: list[Path]) -> str:
+    """xxh3-128 (24 hex digits) of ``files``' names, sizes and bytes, memoised by their stat."""
     stats = tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
                   for p, st in ((p, p.stat()) for p in files))
     memo_key = (str(directory), stats)
@@ -67,10 +91,10 @@ def local_model_id(path: str | os.PathLike) -> str:
         with open(p, "rb") as f:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
-    ident = f"{directory.name or 'model'}@local-{h.hexdigest()[:24]}"
+    digest = h.hexdigest()[:24]
     with _memo_lock:
-        _memo[memo_key] = ident
-    return ident
+        _memo[memo_key] = digest
+    return digest
 
 
 def canonical_model_id(name: str, revision: str | None = None) -> str:

@@ -384,7 +384,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             tokens = request_tokens(request)
             extra = chunk_extras(request, len(tokens) // self.spec.chunk_tokens, self.spec.chunk_tokens)
             salt = getattr(request, "cache_salt", None)
-            salt = salt.encode() if isinstance(salt, str) else bytes(salt or b"")
+            # As vLLM hashes it: any str, lone surrogates included (JSON "\ud800" decodes to one).
+            salt = salt.encode("utf-8", "surrogatepass") if isinstance(salt, str) else bytes(salt or b"")
             if self._generation:
                 salt = _GENERATION_TAG + self._generation + salt
             identity = _Identity(tokens, salt, extra)
@@ -540,6 +541,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = _group_ids(new.block_ids)
+                self._forget_behind_windows(tracked, new.num_computed_tokens)
                 self._maybe_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -555,10 +557,28 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 else:
                     for ids, more in zip(tracked.block_ids, new_ids):
                         ids.extend(more)
+            self._forget_behind_windows(tracked, cached.num_computed_tokens[i])
             self._maybe_save(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self._tracked.pop(req_id, None)
         return meta
+
+    def _forget_behind_windows(self, tracked: _Tracked, computed: int) -> None:
+        """Null the blocks of sliding groups that vLLM may have freed by this step (``computed``: the
+        request's computed tokens as the step starts).
+
+        vLLM frees a sliding group's blocks wholly before ``computed - window + 1`` and nulls them in
+        its own table, but the lists it sends only ever grow: kept here, such an id may belong to
+        another request by now, and a save planned again after a failed load (or a failure report
+        naming it) would read that request's KV. Nulling at least what vLLM freed (its count of
+        processed tokens is never larger) makes such chunks unreadable instead (``_maybe_save``)."""
+        N = self._block_size
+        for g in self._layout.groups:
+            if g.window is None:
+                continue
+            ids = tracked.block_ids[g.index]
+            for b in range(min(max(0, computed - g.window + 1) // N, len(ids))):
+                ids[b] = NULL_BLOCK
 
     def _maybe_save(self, meta: TieredKVMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
         """Plan the save of the prompt's chunks completed by the end of this step and not saved yet.
@@ -621,7 +641,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         N = self._block_size
         for tracked in self._tracked.values():
             full = len(tracked.token_ids) // self.spec.chunk_tokens * self.spec.chunk_tokens
-            if any(not invalid.isdisjoint(g[:full // N]) for g in tracked.block_ids):
+            if any(not invalid.isdisjoint(b for b in g[:full // N] if b != NULL_BLOCK) for g in tracked.block_ids):
                 tracked.saved_tokens = 0  # chunks lost from the tiers are stored again
 
     def reset_cache(self) -> bool:

@@ -7,9 +7,10 @@ hash unless the client gave its own uuid, and its offset relative to the block),
 block's prompt embeddings, and the cache salt. Two requests with the same token ids but another
 adapter, another image or other embeddings have other KV. ``chunk_extras`` asks vLLM's function for
 each tieredkv chunk (a run of whole vLLM blocks) and encodes the answer injectively, so a chunk's key
-depends on exactly what vLLM's block hashes depend on; the cache salt is left out (tieredkv folds it
-into the first key already, as the HF integration does). A chunk with no extra keys keeps the plain
-token key: text before an image still shares.
+depends on what vLLM's block hashes depend on; the cache salt is left out (tieredkv folds it into the
+first key already, as the HF integration does). One thing is added: the digest of a local adapter's
+files (``_adapter_files``), since the tiers outlive an engine and its names for adapters. A chunk with
+no extra keys keeps the plain token key: text before an image still shares.
 
 Whatever cannot be keyed exactly raises ``Unkeyable`` and the connector neither looks the request up
 nor stores it: an extra key of a type this module does not know (a later vLLM may add one), a
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from tieredkv.keys import as_tokens
+from tieredkv.model_identity import is_adapter_dir, local_adapter_digest
 
 
 class Unkeyable(Exception):
@@ -101,12 +103,33 @@ def chunk_extras(request: Any, n_chunks: int, chunk_tokens: int) -> list[bytes |
                                                   n_chunks * chunk_tokens)):
             raise Unkeyable("vLLM reports extra keys this module does not know for a plain prompt")
         return None
+    adapter = _adapter_files(request)
     out: list[bytes | None] = []
     for i in range(n_chunks):
         keys = _without_salt(_extra_keys(generate_block_hash_extra_keys, request, i * chunk_tokens,
-                                         (i + 1) * chunk_tokens))
+                                         (i + 1) * chunk_tokens)) + adapter
         out.append(encode_extra_keys(keys) if keys else None)
     return out if any(e is not None for e in out) else None
+
+
+def _adapter_files(request: Any) -> tuple[Any, ...]:
+    """``(("lora_files", digest),)`` for a LoRA adapter in a local directory, else ``()``.
+
+    vLLM names an adapter by its name and path, which is enough inside one engine. Across engines and
+    restarts (the tiers outlive both) an adapter retrained or replaced in place keeps both: its files'
+    digest (``model_identity.local_adapter_digest``, as the base model's files name it) tells them apart.
+
+    Raises:
+        Unkeyable: the adapter's directory cannot be read.
+    """
+    lora = getattr(request, "lora_request", None)
+    path = getattr(lora, "lora_path", None) or getattr(lora, "path", None) if lora is not None else None
+    if not path or not is_adapter_dir(path):
+        return ()
+    try:
+        return (("lora_files", local_adapter_digest(path)),)
+    except OSError as e:
+        raise Unkeyable(f"the LoRA adapter at {path} cannot be read ({e})") from None
 
 
 def _extra_keys(generate: Any, request: Any, start: int, end: int) -> tuple[Any, ...]:

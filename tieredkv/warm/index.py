@@ -506,6 +506,14 @@ class Index:
                 self.env.sync(True)
             return result
 
+    def sync_meta(self) -> None:
+        """Make the last commit durable, meta page included (``sync="data"`` commits leave it to the next
+        commit's fsync)."""
+        try:
+            self.env.sync(True)
+        except lmdb.Error as exc:
+            raise _unavailable(self.path, exc) from exc
+
     def _grow(self) -> None:
         current = self.env.info()["map_size"]
         if current >= self.map_max:

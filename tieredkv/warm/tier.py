@@ -335,15 +335,21 @@ class WarmTier(Writes, CheckedReads, Tier):
                         txn.delete(k, db=self._index.inflight)
                         txn.put(ix.slot_key(slot), b"", db=self._index.free)
                     todo.append(i)
+                fresh_from = ix.get_u64(txn, self._index.info, ix.INFO_HWM)  # slots never used start here
                 slots, victims = self._take_slots(txn, len(todo))
                 with OWN_CLAIMS_LOCK:  # before the commit makes the claims visible
                     OWN_CLAIMS.update((int(s), claim_time) for s in slots)
                 for i, s in zip(todo, slots):
                     txn.put(key_at(raw, i), ix.CLAIM.pack(s, owner, token, claim_time),
                             db=self._index.inflight)
-                return todo, slots, victims
+                return todo, slots, victims, any(s < fresh_from for s in slots)
 
-            todo, slots, victims = self._index.write(claim)
+            todo, slots, victims, reused = self._index.write(claim)
+            if reused and self.sync == "data":
+                # MDB_NOMETASYNC leaves this commit's meta page to the next commit's fsync: a power loss
+                # before it would bring back the records of the blocks whose slots are about to be
+                # rewritten (victims, or blocks removed earlier), pointing at the new bytes.
+                self._index.sync_meta()
             evicted = np.asarray([v[0] for v in victims], dtype=np.int64)
             with self._mem:
                 self._counts["evictions"] += len(evicted)

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import urllib.request
@@ -269,12 +270,78 @@ def test_rm_stale_removes_foreign_and_dead_leftovers_and_idle_ones_only_with_idl
             os.unlink(f"/dev/shm{leftover}")
 
 
+def test_rm_removes_only_what_is_tieredkvs_and_reports_every_name(capsys, spec, names, tmp_path):
+    """``rm NAME`` removed any file of the segment directory (another program's shared memory: "removed",
+    exit 0), and stopped at the first name it could not unlink with a bare traceback, the names removed
+    before it unreported and those after it never tried."""
+    foreign = "/audit-" + names.split("-", 2)[-1]  # another program's name: no tieredkv- prefix, no header
+    with open(f"/dev/shm{foreign}", "wb") as f:
+        f.write(b"\x00" * 4096)
+    try:
+        status, _, err = run(capsys, "rm", foreign)
+        assert status == 1 and "not a tieredkv segment" in err and os.path.exists(f"/dev/shm{foreign}")
+        status, _, err = run(capsys, "rm", foreign, "--dry-run")
+        assert status == 1 and "would not be removed" in err
+    finally:
+        os.unlink(f"/dev/shm{foreign}")
+    # A custom-named segment carries tieredkv's header: it is removed.
+    TieredCache(spec, hot_bytes=MiB, hot_name="/custom-" + names.split("-", 2)[-1]).close()
+    status, _, _ = run(capsys, "rm", "/custom-" + names.split("-", 2)[-1])
+    assert status == 0
+    # A name that cannot be unlinked (a directory) between two segments: both segments go, all reported.
+    for tag in ("-a", "-c"):
+        TieredCache(spec, hot_bytes=MiB, hot_name=names + tag).close()
+    os.mkdir(f"/dev/shm{names}-b")
+    try:
+        status, out, err = run(capsys, "rm", names + "-a", names + "-b", names + "-c", "--json", "-")
+        assert status == 1 and f"{names}-b" in err
+        doc = json.loads(out)
+        assert [d["name"] for d in doc["removed"]] == [names + "-a", names + "-c"]
+        assert doc["failed"] == [names + "-b"]
+    finally:
+        os.rmdir(f"/dev/shm{names}-b")
+
+
+def test_a_segment_with_a_damaged_fingerprint_is_listed_and_removed_as_stale(capsys, spec, names):
+    """One non-ASCII byte in a segment header's fingerprint made ``ls``, ``stats`` and ``rm --stale``
+    end in a bare ``UnicodeDecodeError``, so ``rm --stale`` cleaned up nothing at all."""
+    TieredCache(spec, hot_bytes=MiB, hot_name=names + "-d").close()
+    off = seg.HEADER_DTYPE.fields["fingerprint"][1]
+    with open(f"/dev/shm{names}-d", "r+b") as f:
+        f.seek(off)
+        f.write(b"\xff")
+    status, out, _ = run(capsys, "ls", "--json", "-")
+    assert status == 0 and any(d["name"] == names + "-d" for d in json.loads(out)["hot"])
+    status, out, _ = run(capsys, "rm", "--stale", "--match", names + "*")
+    assert status == 0 and out.startswith(f"removed {names}-d: unusable")
+
+
 def test_rm_needs_names_or_stale(capsys):
     status, _, err = run(capsys, "rm")
     assert status == 2 and "NAMEs or --stale" in err
 
 
 # ---- verify -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("what", ["slab-0000.bin", "meta.json"])
+def test_a_fifo_in_a_tier_directory_is_refused_not_waited_on(capsys, spec, names, tmp_path, what):
+    """A FIFO under a slab's or the meta file's name made ``verify`` (and ``ls --warm-dir``) block for
+    ever on its open, and ``verify --repair`` changed its mode first. Now each says what it is."""
+    with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-f", warm_dir=tmp_path, warm_bytes=4 * MiB,
+                     demotion="write_through") as cache:
+        traffic(cache, spec)
+    [tier] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    os.unlink(tier / what)
+    os.mkfifo(tier / what, 0o600)
+    status, out, err = run(capsys, "verify", str(tmp_path))
+    assert status in (1, 2) and "not a regular file" in out + err
+    status, out, err = run(capsys, "verify", str(tier), "--repair")
+    assert status in (1, 2) and "not a regular file" in out + err
+    assert stat.S_IMODE(os.stat(tier / what).st_mode) == 0o600
+    if what == "meta.json":
+        status, out, err = run(capsys, "ls", "--warm-dir", str(tmp_path))
+        assert "not a regular file" in out + err
+
+
 def test_verify_finds_a_corrupted_slab_and_repairs_it(capsys, spec, names, tmp_path):
     with TieredCache(spec, hot_bytes=MiB, hot_name=names + "-v", warm_dir=tmp_path, warm_bytes=4 * MiB,
                      demotion="write_through") as cache:

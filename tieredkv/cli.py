@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tieredkv.errors import TieredKVError, UsageError
+from tieredkv.errors import InvalidInput, TieredKVError, UsageError
 from tieredkv.spec import KVSpec
 
 
@@ -411,22 +411,27 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
     from tieredkv.hot import segment as seg
 
-    removed, missing = [], []
+    removed, missing, refused = [], [], []
     for name in args.names:
         name = seg.check_name(name)
         try:
             if args.dry_run:
-                os.stat(seg._shm_path(name))
+                if not admin.is_ours(name):
+                    raise InvalidInput(f"{name} is not a tieredkv segment (no {seg.PREFIX} prefix, no tieredkv "
+                                       "header): it would not be removed")
             else:
                 admin.remove(name)
             removed.append({"name": name, "reason": "named"})
         except (posix_ipc.ExistentialError, FileNotFoundError):
             missing.append(name)
+        except (OSError, posix_ipc.Error, TieredKVError) as e:  # one name must not stop (or hide) the others
+            refused.append(name)
+            print(f"tieredkv rm: {name}: {e}", file=sys.stderr)
     for name in missing:
         print(f"tieredkv rm: no segment {name}", file=sys.stderr)
-    _emit(args, {"removed": removed, "missing": missing, "dry_run": args.dry_run},
+    _emit(args, {"removed": removed, "missing": missing, "failed": refused, "dry_run": args.dry_run},
           lambda: "\n".join(f"{verb} {d['name']}" for d in removed))
-    return 1 if missing else 0
+    return 1 if missing or refused else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

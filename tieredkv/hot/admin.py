@@ -12,7 +12,7 @@ import numpy as np
 import posix_ipc
 
 from tieredkv import counters
-from tieredkv.errors import TieredKVError
+from tieredkv.errors import InvalidInput, TieredKVError
 from tieredkv.hot import locks
 from tieredkv.hot import segment as seg
 
@@ -58,7 +58,7 @@ def inspect(name: str) -> dict:
         totals = counters.totals(owners)
         cache_counters = {n: totals[n] for n in counters.CACHE_FIELDS}
         doc.update({
-            "model_id": spec.get("model_id"), "spec": spec, "fingerprint": h["fingerprint"].decode(),
+            "model_id": spec.get("model_id"), "spec": spec, "fingerprint": h["fingerprint"].decode(errors="replace"),
             "policy": h["policy"].decode(), "n_slots": int(h["n_slots"]), "block_bytes": int(h["block_bytes"]),
             "ready_slots": int(np.count_nonzero(state == seg.READY)),
             "writing_slots": int(np.count_nonzero(state == seg.WRITING)),
@@ -82,8 +82,27 @@ def list_segments() -> list[dict]:
 
 
 def remove(name: str) -> None:
-    """Unlink a segment by name. Processes that map it keep their mapping until they close."""
-    seg.unlink(seg.check_name(name))
+    """Unlink a segment by name. Processes that map it keep their mapping until they close.
+
+    Raises:
+        InvalidInput: the name is neither under tieredkv's prefix nor a file with a tieredkv header
+            (another program's shared memory: remove that with ``rm`` if you mean it).
+    """
+    name = seg.check_name(name)
+    if not is_ours(name):
+        raise InvalidInput(f"{name} is not a tieredkv segment (no {seg.PREFIX} prefix, no tieredkv header): "
+                           f"not removed; remove {seg._shm_path(name)} yourself if you mean it")
+    seg.unlink(name)
+
+
+def is_ours(name: str) -> bool:
+    """Whether ``name`` is tieredkv's to remove: under tieredkv's prefix (damaged or not), or a segment
+    of another name whose header starts with tieredkv's magic. Raises ``FileNotFoundError`` if absent."""
+    if name.lstrip("/").startswith(seg.PREFIX):
+        return True
+    with open(seg._shm_path(name), "rb", buffering=0) as f:
+        head = f.read(8)
+    return len(head) == 8 and int.from_bytes(head, "little") == seg.MAGIC
 
 
 def remove_if_stale(name: str, idle: bool = False) -> str | None:

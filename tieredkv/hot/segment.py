@@ -520,10 +520,11 @@ def _check_geometry(mapping: Mapping) -> None:
     sane = 0 < n <= size // 64 and 0 < block <= size and 0 < chunk <= size // 4 and policy < size
     expected = Layout.compute(_Geometry(block, chunk), n, policy) if sane else None
     bad = [f for f in _GEOMETRY if expected is None or int(h[f]) != getattr(expected, f)]
-    try:
-        h["policy"].decode("ascii")
-    except UnicodeDecodeError:
-        bad.append("policy")
+    for text in ("policy", "fingerprint"):
+        try:
+            h[text].decode("ascii")
+        except UnicodeDecodeError:
+            bad.append(text)
     if bad:
         raise FormatError(f"segment {mapping.name} has a damaged header ({', '.join(bad[:4])} do not fit its "
                           f"geometry); remove it with `tieredkv rm {mapping.name}` and let a worker recreate it")

@@ -30,6 +30,7 @@ from typing import Any
 from tieredkv.errors import (
     CapacityError,
     CorruptState,
+    FormatError,
     InvalidInput,
     LockTimeout,
     PermissionDenied,
@@ -76,6 +77,7 @@ def check_access(path: str) -> None:
         WarmTierUnavailable: there is no directory at ``path``.
         PermissionDenied: the directory is a symlink, or it or an entry in it (or in ``index.lmdb/``) is
             not this user's, or a mode open to others cannot be restricted.
+        FormatError: an entry is neither a regular file nor a directory (a FIFO, socket or device).
     """
     me = os.geteuid()
     try:
@@ -103,6 +105,10 @@ def check_access(path: str) -> None:
                 what = "is a symbolic link" if entry.is_symlink() else f"belongs to uid {est.st_uid}"
                 raise PermissionDenied(f"{entry.path} {what}, not a file of this user (uid {me}); remove "
                                        f"it, or use a warm directory only this user writes to")
+            if not (stat.S_ISREG(est.st_mode) or stat.S_ISDIR(est.st_mode)):
+                # A FIFO under a slab's name would hang the first read of it; a device, worse.
+                raise FormatError(f"{entry.path} is not a regular file (mode {stat.filemode(est.st_mode)}); "
+                                  "remove it")
             if est.st_mode & 0o077:
                 wide.append(entry.path)
     if wide:

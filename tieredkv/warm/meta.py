@@ -7,8 +7,10 @@ the index (``info/meta``) so ``verify --repair`` can restore a damaged meta file
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from typing import Any
 
 from tieredkv.errors import FormatError, SpecMismatch
@@ -124,8 +126,31 @@ def read_meta(directory: str) -> dict[str, Any]:
         FormatError: see ``parse_meta``.
     """
     path = os.path.join(directory, META_NAME)
-    with open(path, "rb") as f:
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
         return parse_meta(f.read(), path)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``: never a symlink followed, and never a FIFO
+    or device waited on (opened without blocking, then checked).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        FormatError: ``path`` is a symbolic link or not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FormatError(f"{path} is a symbolic link; tieredkv never follows one in a tier directory") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FormatError(f"{path} is not a regular file (mode {stat.filemode(mode)}); remove it")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def check_spec(meta: dict[str, Any], spec: KVSpec, where: str) -> None:

@@ -402,6 +402,40 @@ def job(job_id, keys, rows, promotion=False):
                        req_context=ReqContext(req_id=f"r{job_id}"))
 
 
+def test_secondary_tier_namespace_carries_the_engines_load_time_overrides(seg_name, tmp_path, monkeypatch, caplog):
+    """vLLM's ``OffloadingConfig`` names the model only: two engines of one checkpoint, one with
+    ``--hf-overrides`` (another RoPE theta: every K differs), shared the tier's rows. The tier now reads
+    the overrides, quantisation and revision from the engine's current config, as the connector does;
+    where vLLM has set none it says so and keeps the name alone."""
+    import vllm.config
+
+    def tier_under(model_config):
+        monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none",
+                            lambda: None if model_config is None else types.SimpleNamespace(model_config=model_config))
+        return tv._offload_model(offloading_spec().config, None)
+
+    def engine(**kw):
+        return types.SimpleNamespace(**{"model": "test/model", "revision": None, "quantization": None,
+                                        "hf_overrides": None, **kw})
+
+    plain = tier_under(engine())
+    assert tier_under(engine(hf_overrides={"rope_theta": 12345.0})) != plain
+    assert tier_under(engine(quantization="fp8")) != plain
+    assert tier_under(engine(revision="v2")) != plain
+    assert tier_under(engine()) == plain  # engines alike share
+    assert tier_under(engine(model="other/model", hf_overrides={"rope_theta": 1.0})) == tier_under(None)
+    assert "cannot see the engine's load-time overrides" in caplog.text
+    # The tier vLLM's factory builds carries it in its namespace.
+    tier_under(engine(hf_overrides={"rope_theta": 12345.0}))
+    tier = SecondaryTierFactory.create_secondary_tier(tier_config(seg_name, tmp_path / "warm"),
+                                                      memoryview(np.zeros((8, 4096), dtype=np.uint8)),
+                                                      offloading_spec())
+    try:
+        assert ";overrides=" in tier.spec.extra
+    finally:
+        tier.shutdown()
+
+
 def test_secondary_tier_through_vllms_factory(seg_name, tmp_path):
     rng = np.random.default_rng(0)
     primary = rng.integers(0, 256, size=(8, 4096), dtype=np.uint8)

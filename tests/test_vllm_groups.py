@@ -294,6 +294,8 @@ def test_context_parallelism_is_refused(models, seg_name, field):
     (full(torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD), "the quantised KV cache .int8_per_token_head"),
     (FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, head_size_v=32, dtype=torch.float32),
      "K and V of different head sizes"),
+    (FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, non_causal=True),
+     "non-causal .prefix-LM. attention"),
     (sliding(64), None),
 ])
 def test_features_tieredkv_cannot_store_are_refused_by_name(models, seg_name, group, feature):

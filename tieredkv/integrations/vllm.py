@@ -881,6 +881,34 @@ def offload_layout_extra(cfg: Any) -> str:
     return f"vllm-offload;dtype={cfg.model.dtype};rows={digest_of(doc)}"
 
 
+def _offload_model(cfg: Any, model_id: str | None) -> tuple[str, str]:
+    """A secondary tier's model id and weights part of its namespace.
+
+    vLLM's ``OffloadingConfig`` names the model only; what else decides the KV (``--hf-overrides``,
+    ``--quantization``, a pinned revision) is read from the engine's config where vLLM has set it as
+    the current one. Where it has not, two engines of one checkpoint with other overrides would share
+    rows: give each its own ``model_id`` then (logged)."""
+    name = getattr(getattr(cfg, "model", None), "name", None) if cfg is not None else None
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+    except ImportError:  # pragma: no cover - releases without it
+        current = None
+    engine = getattr(current, "model_config", None)
+    if engine is not None and name is not None and str(getattr(engine, "model", "")) != str(name):
+        engine = None  # another engine's config: not this tier's model
+    if model_id:
+        return model_id, vllm_weights_extra(engine) if engine is not None else ""
+    if name is None:
+        return "vllm-model", ""
+    if engine is None:
+        logger.warning("tieredkv: the secondary tier cannot see the engine's load-time overrides or "
+                       "quantisation; engines of %s with different ones must each set model_id", name)
+        return canonical_model_id(str(name)), ""
+    return canonical_model_id(str(name), getattr(engine, "revision", None)), vllm_weights_extra(engine)
+
+
 def offload_keys(spec: KVSpec, keys: Any) -> ChunkKeys:
     """``ChunkKeys`` for vLLM ``OffloadKey`` bytes (``tieredkv.keys.opaque_keys``).
 
@@ -914,12 +942,13 @@ class TieredKVTier(SecondaryTierManager):
             raise InvalidInput(f"the primary tier's rows must be {chunk_bytes} contiguous bytes (an even count), "
                                f"got shape {rows.shape} strides {primary_kv_view.strides}")
         cfg = getattr(offloading_spec, "config", None)
-        model = config.get("model_id") or (canonical_model_id(cfg.model.name) if cfg is not None else "vllm-model")
+        model, weights = _offload_model(cfg, config.get("model_id"))
         rank, world = _offload_rank(cfg)
         # One opaque block per chunk: 1 layer x (K,V) x 1 head x 1 token x chunk_bytes/2 int8 values. vLLM's
         # offload keys name the tokens and the request's identity, not the bytes' layout: the namespace does.
         self.spec = KVSpec(model_id=str(model), num_layers=1, num_kv_heads=1, head_dim=chunk_bytes // 2, dtype="int8",
-                           chunk_tokens=1, tp_rank=rank, tp_size=world, extra=offload_layout_extra(cfg))
+                           chunk_tokens=1, tp_rank=rank, tp_size=world,
+                           extra=join_extra(offload_layout_extra(cfg), weights))
         self.cache = TieredCache(self.spec, cache_cfg)
         # With the config's journal on, chunks stored and evicted on the host become OffloadingEvents.
         self._events = TierEvents(self.cache) if self.cache.journal is not None else None

@@ -233,6 +233,10 @@ def cache_layout(vllm_config: Any, kv_cache_config: Any) -> CacheLayout:
             raise _refuse(feature, f"layers {list(g.layer_names)[:3]}")
         if not getattr(g, "enable_kv_transfer", True):
             raise _refuse("a KV cache group vLLM marks as not transferable", f"layers {list(g.layer_names)[:3]}")
+        if getattr(spec, "non_causal", False):
+            # A token's KV then depends on the tokens after it: a prefix's KV is not the prefix's alone
+            # (vLLM turns its own prefix caching off for these models too).
+            raise _refuse("non-causal (prefix-LM) attention", f"layers {list(g.layer_names)[:3]}")
         families.append(family)
     if "mla" in families and set(families) != {"mla"}:
         raise _refuse("MLA mixed with other attention types", str(sorted(set(families))))

@@ -166,7 +166,7 @@ _LS_LEGEND = ("  hits / misses: blocks the hot tier delivered / could not delive
 
 def _remote_namespaces(url: str) -> dict:
     """The store's namespaces and numbers; a store that cannot list names still shows its numbers."""
-    from tieredkv.errors import InvalidInput, Unsupported
+    from tieredkv.errors import Unsupported
     from tieredkv.remote import admin
 
     try:
@@ -416,9 +416,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         name = seg.check_name(name)
         try:
             if args.dry_run:
-                if not admin.is_ours(name):
-                    raise InvalidInput(f"{name} is not a tieredkv segment (no {seg.PREFIX} prefix, no tieredkv "
-                                       "header): it would not be removed")
+                admin.check_ours(name)
             else:
                 admin.remove(name)
             removed.append({"name": name, "reason": "named"})
@@ -490,7 +488,7 @@ def _nothing_to_verify(args: argparse.Namespace, why: str) -> int:
 
 
 def _verify_remote(args: argparse.Namespace) -> int:
-    from tieredkv.errors import InvalidInput, Unsupported
+    from tieredkv.errors import Unsupported
     from tieredkv.remote import admin
 
     try:

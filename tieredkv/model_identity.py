@@ -29,10 +29,11 @@ _memo: dict[tuple, str] = {}
 _memo_lock = threading.Lock()
 
 
-def is_model_dir(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a directory holding a ``config.json`` (a local model, not a hub name)."""
+def is_model_dir(path: str | os.PathLike, config: str = "config.json") -> bool:
+    """True when ``path`` is a directory holding a ``config.json`` (a local model, not a hub name);
+    ``config="adapter_config.json"``: a local peft adapter."""
     try:
-        return (Path(path) / "config.json").is_file()
+        return (Path(path) / config).is_file()
     except (OSError, ValueError):
         return False
 
@@ -53,14 +54,6 @@ def local_model_id(path: str | os.PathLike) -> str:
     """
     directory = Path(os.path.realpath(path))
     return f"{directory.name or 'model'}@local-{_digest(directory, _files(directory))}"
-
-
-def is_adapter_dir(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a directory holding a peft ``adapter_config.json`` (a local LoRA adapter)."""
-    try:
-        return (Path(path) / "adapter_config.json").is_file()
-    except (OSError, ValueError):
-        return False
 
 
 def local_adapter_digest(path: str | os.PathLike) -> str:

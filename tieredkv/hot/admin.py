@@ -88,21 +88,26 @@ def remove(name: str) -> None:
         InvalidInput: the name is neither under tieredkv's prefix nor a file with a tieredkv header
             (another program's shared memory: remove that with ``rm`` if you mean it).
     """
+    seg.unlink(check_ours(name))
+
+
+def check_ours(name: str) -> str:
+    """``name`` (as ``/name``) when it is tieredkv's to remove: under tieredkv's prefix (damaged or not),
+    or a segment of another name whose header starts with tieredkv's magic.
+
+    Raises:
+        InvalidInput: neither (another program's shared memory), or a bad name.
+        FileNotFoundError: there is no such name.
+    """
     name = seg.check_name(name)
-    if not is_ours(name):
-        raise InvalidInput(f"{name} is not a tieredkv segment (no {seg.PREFIX} prefix, no tieredkv header): "
-                           f"not removed; remove {seg._shm_path(name)} yourself if you mean it")
-    seg.unlink(name)
-
-
-def is_ours(name: str) -> bool:
-    """Whether ``name`` is tieredkv's to remove: under tieredkv's prefix (damaged or not), or a segment
-    of another name whose header starts with tieredkv's magic. Raises ``FileNotFoundError`` if absent."""
     if name.lstrip("/").startswith(seg.PREFIX):
-        return True
+        return name
     with open(seg._shm_path(name), "rb", buffering=0) as f:
         head = f.read(8)
-    return len(head) == 8 and int.from_bytes(head, "little") == seg.MAGIC
+    if len(head) == 8 and int.from_bytes(head, "little") == seg.MAGIC:
+        return name
+    raise InvalidInput(f"{name} is not a tieredkv segment (no {seg.PREFIX} prefix, no tieredkv header): "
+                       f"it would not be removed (remove {seg._shm_path(name)} yourself if you mean it)")
 
 
 def remove_if_stale(name: str, idle: bool = False) -> str | None:

@@ -23,6 +23,7 @@ import errno
 import fcntl
 import os
 import struct
+import threading
 import time
 
 from tieredkv.errors import LockTimeout
@@ -41,6 +42,15 @@ try:
     _GETLK = fcntl.F_OFD_GETLK
 except AttributeError:  # pragma: no cover - non-Linux
     raise ImportError("tieredkv's hot tier needs Linux open-file-description locks (F_OFD_SETLK)") from None
+
+
+def refuse_reentry(lock, holder: int, what: str) -> int:
+    """This thread's id, or ``LockTimeout`` when it holds ``lock`` already (``holder``: the id the
+    holder recorded): a signal handler or a callback entering again would wait for itself for ever."""
+    me = threading.get_ident()
+    if holder == me and lock.locked():
+        raise LockTimeout(f"{what}: this thread is inside already (re-entered from a signal handler or a callback)")
+    return me
 
 
 def _flock(kind: int, start: int, length: int = 1) -> bytes:

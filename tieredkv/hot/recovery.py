@@ -21,7 +21,6 @@ from typing import TypeVar
 import numpy as np
 
 from tieredkv import policies
-from tieredkv.errors import LockTimeout
 from tieredkv.hot import batch, locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.damage import POLICY_FAULTS, Damage
@@ -65,10 +64,7 @@ class Recovery(SlotTable):
     # died inside, and the next holder scrubs).
     def _locked(self, body: Callable[[], _T]) -> _T:
         """Run ``body()`` as a critical section (see above) and return what it returns."""
-        me = threading.get_ident()
-        if self._tlock_holder == me and self._tlock.locked():
-            raise LockTimeout(f"segment {self.name} lock: this thread is inside a critical section "
-                              "already (re-entered from a signal handler or a callback)")
+        me = locks.refuse_reentry(self._tlock, self._tlock_holder, f"segment {self.name}'s critical section")
         with self._tlock:
             self._tlock_holder = me
             try:

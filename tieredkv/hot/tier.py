@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from tieredkv import counters, forksafe, numa, policies
-from tieredkv.errors import InvalidInput, LockTimeout, require_positive_int, require_positive_seconds
-from tieredkv.hot import batch
+from tieredkv.errors import InvalidInput, require_positive_int, require_positive_seconds
+from tieredkv.hot import batch, locks
 from tieredkv.hot import segment as seg
 from tieredkv.hot.allocation import Allocation
 from tieredkv.hot.damage import POLICY_FAULTS, Damage, survives_damage
@@ -218,10 +218,7 @@ class HotTier(SegmentHandle, Allocation, Tier):
     def _read(self, keys: ChunkKeys, copy: Callable[[int, np.ndarray], None], touch: bool = True) -> int:
         n = len(keys)
         done = 0
-        me = threading.get_ident()
-        if self._read_holder == me and self._read_lock.locked():  # as in Recovery._locked
-            raise LockTimeout(f"segment {self.name}: this thread is inside a read already (re-entered from "
-                              "a signal handler or a callback)")
+        me = locks.refuse_reentry(self._read_lock, self._read_holder, f"a read of segment {self.name}")
         while done < n:
             size = min(n - done, seg.MAX_PINS)
             with self._read_lock:  # one pin list per handle: threads sharing a handle take turns

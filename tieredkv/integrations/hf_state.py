@@ -409,9 +409,10 @@ class HybridPrefill:
 
         # A pending store must not read the cache later (the caller may crop or reset it and run other
         # tokens first): ``host`` is this call's own, so the new chunks are copied into it now.
-        extracted = not store and host is not None and n_full > cached
-        if extracted and host is not None:
+        extracted = False
+        if not store and host is not None and n_full > cached:
             extract(host)
+            extracted = True
 
         def save() -> int:
             """Store the new attention chunks (from ``host``, which holds the restored prefix) and

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tieredkv.keys import as_tokens
-from tieredkv.model_identity import is_adapter_dir, local_adapter_digest
+from tieredkv.model_identity import is_model_dir, local_adapter_digest
 
 
 class Unkeyable(Exception):
@@ -124,7 +124,7 @@ def _adapter_files(request: Any) -> tuple[Any, ...]:
     """
     lora = getattr(request, "lora_request", None)
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None) if lora is not None else None
-    if not path or not is_adapter_dir(path):
+    if not path or not is_model_dir(path, "adapter_config.json"):
         return ()
     try:
         return (("lora_files", local_adapter_digest(path)),)

@@ -607,3 +607,28 @@ def test_a_worker_started_before_the_mooncake_master_catches_up(spec, host):
         assert b.load(hit, np.zeros((2, 2, 2, 16, 8), np.uint16)) == 16
     finally:
         server.stop()
+
+
+def test_a_block_another_client_is_still_putting_into_mooncake_is_a_miss(spec, mooncake_server):
+    """Mooncake answers REPLICA_IS_NOT_READY for a name whose put another client has started and not
+    ended. That is a miss for now, not the store failing: the tier must not mark the store down (every
+    read and write of this host would then be skipped for ``retry_s``), and the blocks before it load."""
+    from helpers import payload_for
+
+    keys = chunk_keys(spec, prompt(12, seed=411))
+    payloads = payload_for(spec, keys)
+    url = generous(f"{mooncake_server.url}?segment_mb=0&retry_s=60")
+    with RemoteTier(spec, url) as other, RemoteTier(spec, url) as tier:
+        assert (tier.put_many(keys[:1], payloads[:1]) == PutResult.STORED).all()
+        with other.store._using() as client:  # the other host's put of block 1: started, not ended
+            assert client.batch_put_session_start(tier.names(keys[1:2]), [tier.codec.max_bytes]) == [0]
+        try:
+            out = np.zeros_like(payloads)
+            assert tier.get_many(keys, out) == 1
+            assert same_bytes(out[:1], payloads[:1])
+            assert tier.counts["errors"] == 0
+            assert tier.get_many(keys[:1], out) == 1  # not marked down
+            assert tier.counts["skipped"] == 0
+        finally:
+            with other.store._using() as client:
+                client.batch_put_session_revoke(tier.names(keys[1:2]))

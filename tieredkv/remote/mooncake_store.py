@@ -26,6 +26,9 @@ from tieredkv.tier import PutResult
 
 #: Mooncake's "object not found" error code (OBJECT_NOT_FOUND): a clean miss, not a failure.
 _NOT_FOUND = -704
+#: REPLICA_IS_NOT_READY: another client's put of that name has started and not ended. A miss for now,
+#: as Mooncake's own clients take it, not the store failing.
+_NOT_READY = -703
 #: The code ``batch_get_into`` gives one name whose object is larger than its buffer (the client logs
 #: "Buffer too small"): no value of ours, which the tier refuses and deletes, not a failed store.
 _TOO_BIG = -600
@@ -160,7 +163,7 @@ class MooncakeStore(Store):
                 sizes = store.batch_get_into([names[j] for j in batch], [base + o for o in offsets],
                                              [max_bytes] * len(batch))
                 for j, off, size in zip(batch, offsets, sizes):
-                    if size == _NOT_FOUND:
+                    if size in (_NOT_FOUND, _NOT_READY):
                         sink(j, None)
                     elif size == _TOO_BIG:
                         sink(j, OVERSIZED)

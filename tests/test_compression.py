@@ -115,7 +115,8 @@ def test_decompress_checks_sizes_before_touching_the_destination():
     assert not cd.decompress_into(cd.BLOSC2, body[:-1], out, 2)  # truncated
     assert not cd.decompress_into(cd.BLOSC2, b"not a chunk at all", out, 2)
     assert not cd.decompress_into(cd.BLOSC2, b"", out, 2)
-    assert not cd.decompress_into(99, body, out, 2)  # an unknown codec id
+    with pytest.raises(MissingDependency, match="codec 99"):  # a codec added later: not damage
+        cd.decompress_into(99, body, out, 2)
 
 
 def test_choices_are_checked():
@@ -497,3 +498,61 @@ def test_remote_value_in_a_later_codec_is_left_alone():
     forged[-1] ^= 1  # the same value with its MAC broken is still refused as damaged
     assert not codec.decode_into(forged, digest, out)
     assert check_value(forged, digest.hex(), key) is not None
+
+
+# ---- blocks this process cannot decode are misses, never damage -------------------------------------
+def test_a_warm_frame_in_a_codec_this_version_does_not_know_is_kept(tmp_path):
+    """A frame a newer tieredkv sharing the directory wrote in a codec added later (checksum sound): a
+    miss here, counted undecodable, and the block stays for the processes that can read it."""
+    k = keys_of(3)
+    data = bf16_payloads(k)
+    with WarmTier(SPEC, tmp_path, 8 * SLOT, compress="zstd") as t:
+        t.put_many(k[:1], data[:1])
+        t._packer.compressor.id = 9  # the newer writer's codec byte; the tier checksums the frame as stored
+        t.put_many(k[1:], data[1:])
+        assert (lengths_of(t, k) < SPEC.block_bytes).all()
+    with WarmTier(SPEC, tmp_path) as t:
+        out = np.zeros_like(data)
+        assert t.get_many(k, out) == 1
+        np.testing.assert_array_equal(out[:1], data[:1])
+        s = t.stats()
+        assert s.corrupt == 0 and s.extra["undecodable"] == 1 and s.used_blocks == 3
+        assert t.contains_many(k).tolist() == [True, True, True]
+
+
+def test_evicting_frames_this_process_cannot_decode_counts_no_corruption(tmp_path, monkeypatch):
+    """Victims in a codec this process lacks are evicted (their slots are needed) and cannot be handed
+    on decoded: counted undecodable, not corrupt (they are sound)."""
+    k = keys_of(4)
+    with WarmTier(SPEC, tmp_path, 4 * SLOT, compress="zstd") as t:
+        assert (t.put_many(k, bf16_payloads(k)) == PutResult.STORED).all()
+    monkeypatch.setenv("TIEREDKV_DISABLE_CODECS", "blosc2")
+    handed = []
+    with WarmTier(SPEC, tmp_path, on_evict=handed.append) as t:
+        assert len(t.evict(2).keys) == 0
+        more = keys_of(4, base=10_000)  # two into the freed slots, two evicting the other frames
+        assert (t.put_many(more, noise(more)) == PutResult.STORED).all()  # raw: no codec needed
+        s = t.stats()
+        assert s.evictions == 4 and s.corrupt == 0 and s.extra["undecodable"] == 4
+        assert sum(len(e.keys) for e in handed) == 0
+
+
+def test_a_compact_tier_opens_where_this_process_cannot_compress(tmp_path, monkeypatch):
+    """A compact tier (every block a frame) opened read-write by a process without blosc2: it opens
+    with a warning instead of failing the process's start; it reads nothing and every put is refused
+    (nothing fits a slot uncompressed)."""
+    k = keys_of(4)
+    data = bf16_payloads(k)
+    with WarmTier(SPEC, tmp_path, 8 * SLOT, slot_fraction=0.75) as t:
+        assert (t.put_many(k[:2], data[:2]) == PutResult.STORED).all()
+    monkeypatch.setenv("TIEREDKV_DISABLE_CODECS", "blosc2")
+    with pytest.warns(UserWarning, match="cannot compress"), WarmTier(SPEC, tmp_path) as t:
+        assert t.match(k) == 0
+        assert (t.put_many(k[2:], data[2:]) == PutResult.NO_SPACE).all()
+        s = t.stats()
+        assert s.extra["too_big"] == 2 and s.used_blocks == 2 and s.corrupt == 0
+    monkeypatch.delenv("TIEREDKV_DISABLE_CODECS")
+    with WarmTier(SPEC, tmp_path) as t:
+        out = np.zeros_like(data)
+        assert t.get_many(k, out) == 2
+        np.testing.assert_array_equal(out[:2], data[:2])

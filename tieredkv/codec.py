@@ -172,9 +172,12 @@ def decompress_into(codec: int, body, out: np.ndarray, typesize: int) -> bool:
     caller has checked ``body``'s integrity (a checksum or MAC): the codecs do not.
 
     Raises:
-        MissingDependency: the codec's library is not installed here (the block is fine; this process
-            cannot read it).
+        MissingDependency: the codec's library is not installed here, or the codec is one this version
+            does not know (written by a newer tieredkv): the block is fine, this process cannot read it.
     """
+    if codec not in KNOWN:
+        raise MissingDependency(f"codec {codec}, which this tieredkv version does not know (written by a "
+                                "newer one): upgrade this host to read it")
     raw_len = out.nbytes
     if codec == RAW:
         if len(body) != raw_len:
@@ -187,8 +190,6 @@ def decompress_into(codec: int, body, out: np.ndarray, typesize: int) -> bool:
             return False
         join_planes(planes, typesize, out)
         return True
-    if codec != BLOSC2:
-        return False
     b = blosc2_module()
     try:
         nbytes, cbytes, _ = b.get_cbuffer_sizes(body)

@@ -182,6 +182,9 @@ class CheckedReads(Records):
         bad |= stable & failed
         end = np.flatnonzero(~stable | bad | lacking)  # lacking: this process lacks the codec (a miss)
         good = int(end[0]) if len(end) else run
+        if good < run and lacking[good] and stable[good]:
+            with self._mem:
+                self._counts["undecodable"] += 1
         if bad.any():
             self._drop_corrupt(raw, recs, np.flatnonzero(bad))
         return good

@@ -17,7 +17,7 @@ import warnings
 import lmdb
 
 from tieredkv import codec, forksafe
-from tieredkv.errors import CorruptState, FormatError, InvalidInput, WarmTierUnavailable
+from tieredkv.errors import CorruptState, FormatError, InvalidInput, MissingDependency, WarmTierUnavailable
 from tieredkv.warm import files, packed
 from tieredkv.warm import index as ix
 from tieredkv.warm import meta as mt
@@ -41,7 +41,7 @@ class Recovery(Records):
         """Counters, pending hit bookkeeping and the policy view: all private to one process."""
         self._pid = os.getpid()
         self._counts = dict(hits=0, misses=0, bytes_in=0, bytes_out=0, puts=0, evictions=0, corrupt=0,
-                            recoveries=0, too_big=0)
+                            recoveries=0, too_big=0, undecodable=0)
         # The policy state of this process and the hits it has not written yet (warm/view.py).
         self._view = PolicyView(self.policy, getattr(self, "n_slots", 0), getattr(self, "_rec", None),
                                 self.flush_every)
@@ -76,7 +76,13 @@ class Recovery(Records):
                           f"{self._slot_fraction} is only used to create a tier", stacklevel=4)
         if mt.is_compact(meta) and self._packer is None and not self.readonly:
             # Every block of a compact tier is a frame: it is written compressed whatever was asked.
-            self._packer = packed.Packer(codec.DEFAULT, self.spec.block_bytes, self.spec.dtype_bytes)
+            try:
+                self._packer = packed.Packer(codec.DEFAULT, self.spec.block_bytes, self.spec.dtype_bytes)
+            except MissingDependency as e:
+                # Still open it: its frames are misses here, and every put is refused (no block fits a
+                # slot uncompressed, counted ``too_big``), but the process that shares it starts.
+                warnings.warn(f"warm tier {path} is compact (every block compressed) and this process "
+                              f"cannot compress: it reads nothing and stores nothing here ({e})", stacklevel=4)
         self.meta = meta
         self.n_slots = int(meta["n_slots"])
         self.slot_bytes = int(meta["slot_bytes"])

@@ -103,8 +103,8 @@ class WarmTier(Writes, CheckedReads, Tier):
         compress: write blocks compressed (``tieredkv.codec.CHOICES``: "none", "zstd", "lz4"; True:
             "zstd"): fewer bytes to and from the disk; more capacity only with ``slot_fraction``
             (tieredkv.warm.packed). Pays when the disk is slower than the codec (docs/warm-tier.md).
-            Reads decode every block whatever this says; a block in a codec not installed here is a
-            miss.
+            Reads decode every block whatever this says; a block in a codec not installed here (or
+            unknown to this version) is a miss, left in place, counted in ``stats().extra["undecodable"]``.
         slot_fraction: when creating a tier, below 1 makes it compact: slots of this share of a
             block (rounded up to 4 KiB), so ``capacity_bytes`` holds ``1 / slot_fraction`` times as
             many blocks, each stored compressed (with ``compress``, or "zstd" when that is "none").
@@ -367,7 +367,7 @@ class WarmTier(Writes, CheckedReads, Tier):
                     # The victims' slots are claimed by this call and not rewritten yet: read them now.
                     if self.evict_payloads:
                         gone = np.empty((len(victims), self.block_bytes), dtype=np.uint8)
-                        self.on_evict(self._evicted(victims, gone, self._read_verified(victims, gone)))
+                        self.on_evict(self._evicted(victims, gone, *self._read_verified(victims, gone)))
                     else:
                         self.on_evict(self._evicted(victims, None, np.ones(len(victims), dtype=bool)))
                 sums, lengths, touched = packed.write(self._slabs, self._packer, slot_arr, rows, idx, parts)
@@ -419,7 +419,9 @@ class WarmTier(Writes, CheckedReads, Tier):
         Returns:
             ``(idx, slots, parts)`` of the blocks that fit.
         """
-        parts = [framed[i] if i in framed else self._packer.pack(rows[i]) for i in idx.tolist()]
+        late = np.asarray([i for i in idx.tolist() if i not in framed], dtype=np.int64)
+        framed.update(zip(late.tolist(), packed.pack(self._packer, rows, late)))
+        parts = [framed[i] for i in idx.tolist()]
         fit = np.asarray([p.nbytes <= self.slot_bytes for p in parts], dtype=bool)
         if not fit.all():
             self._release(raw, idx[~fit], slots[~fit], owner, token)
@@ -535,19 +537,23 @@ class WarmTier(Writes, CheckedReads, Tier):
                 m = len(victims)
                 rows = np.empty((m, self.block_bytes), dtype=np.uint8) if with_payloads else None
                 # The slots cannot be claimed by anyone before this transaction commits.
-                keep = self._read_verified(victims, rows) if with_payloads else np.ones(m, dtype=bool)
+                keep, lacking = self._read_verified(victims, rows) if with_payloads else (
+                    np.ones(m, dtype=bool), np.zeros(m, dtype=bool))
                 for s, _, _ in victims:
                     txn.put(ix.slot_key(s), b"", db=self._index.free)
-                return victims, rows, keep
+                return victims, rows, keep, lacking
 
-            victims, rows, keep = self._index.write(ev)
+            victims, rows, keep, lacking = self._index.write(ev)
             with self._mem:
                 self._counts["evictions"] += len(victims)
-            return self._evicted(victims, rows, keep)
+            return self._evicted(victims, rows, keep, lacking)
 
-    def _read_verified(self, victims: list, rows: np.ndarray) -> np.ndarray:
-        """Read the victims' slots into ``rows``; bool per victim: complete and its checksum holds."""
+    def _read_verified(self, victims: list, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read the victims' slots into ``rows``. Returns ``(keep, lacking)``, bool per victim: complete
+        and its checksum holds; a sound frame in a codec this process cannot run (neither kept nor
+        corrupt)."""
         keep = np.ones(len(victims), dtype=bool)
+        lacking = np.zeros(len(victims), dtype=bool)
         if victims:
             slots = np.asarray([v[0] for v in victims], dtype=np.int64)
             recs = np.array([v[2] for v in victims], dtype=self._rec).reshape(len(victims))
@@ -555,17 +561,22 @@ class WarmTier(Writes, CheckedReads, Tier):
                 complete, sums, _, failed, lacking = packed.read(
                     self._slabs, slots, recs["length"], recs["checksum"], rows, keep, None,
                     self.spec.dtype_bytes, READ_GROUP_BYTES)
-                return complete & (sums == recs["checksum"]) & ~failed & ~lacking
+                return complete & (sums == recs["checksum"]) & ~failed & ~lacking, lacking
             complete = self._slabs.read(slots, rows)
             for j, (_, _, rec) in enumerate(victims):
                 keep[j] = complete[j] and xxhash.xxh3_64_intdigest(rows[j]) == int(rec["checksum"])
-        return keep
+        return keep, lacking
 
-    def _evicted(self, victims: list, rows: np.ndarray | None, keep: np.ndarray) -> Evicted:
-        """``Evicted`` of the victims whose bytes verified (the others are counted corrupt)."""
+    def _evicted(self, victims: list, rows: np.ndarray | None, keep: np.ndarray,
+                 lacking: np.ndarray | None = None) -> Evicted:
+        """``Evicted`` of the victims whose bytes verified. The others are counted corrupt, except sound
+        frames this process cannot decode (``undecodable``): their bytes cannot be handed on from here."""
         chunk = self.spec.chunk_tokens
+        if lacking is None:
+            lacking = np.zeros(len(keep), dtype=bool)
         with self._mem:
-            self._counts["corrupt"] += int((~keep).sum())
+            self._counts["corrupt"] += int((~keep & ~lacking).sum())
+            self._counts["undecodable"] += int(lacking.sum())
         kept = [v for v, k in zip(victims, keep) if k]
         m = len(kept)
         raw = b"".join(v[1] for v in kept)
@@ -591,7 +602,7 @@ class WarmTier(Writes, CheckedReads, Tier):
         used, inflight, corrupt_total = self._index.read(read)
         with self._mem:
             counts, pending_n = dict(self._counts), self._view.pending_n
-        too_big = counts.pop("too_big")
+        too_big, undecodable = counts.pop("too_big"), counts.pop("undecodable")
         return TierStats(name="warm", capacity_blocks=self.n_slots, used_blocks=int(used), **counts,
                          extra={"path": str(self.path), "sync": self.sync, "verify": self.verify,
                                 "policy": self.policy.name, "readonly": self.readonly,
@@ -599,6 +610,7 @@ class WarmTier(Writes, CheckedReads, Tier):
                                 "pending_hits": pending_n, "slot_bytes": self.slot_bytes,
                                 "compress": self._packer.name if self._packer is not None else "none",
                                 "compact": self.slot_bytes < self.block_bytes, "too_big": too_big,
+                                "undecodable": undecodable,
                                 "map_size": self._index.map_size()})
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import stat
 import subprocess
@@ -360,14 +361,22 @@ def test_verify_finds_a_corrupted_slab_and_repairs_it(capsys, spec, names, tmp_p
     assert report["ok"] is False
     [bad] = report["tiers"][0]["bad_blocks"]
     assert (bad["slab"], bad["slot"], bad["reason"]) == (0, 0, "checksum")
+    shutil.copytree(tier, tmp_path / "copy" / tier.name)      # the same damage, repaired by text below
     status, out, _ = run(capsys, "verify", str(tier), "--repair", "--json", "-")
     assert status == 0 and json.loads(out)["removed"] == 1    # exit 0: the damage found was repaired
     status, out, _ = run(capsys, "verify", str(tier))
     assert status == 0 and "3 blocks checked, 0 bad" in out
+    status, out, _ = run(capsys, "verify", str(tmp_path / "copy"), "--repair")
+    assert status == 0 and "damaged, repaired" in out and "DAMAGED" not in out
 
 
 def test_verify_of_a_missing_directory(capsys, tmp_path):
+    """No warm tier there: exit 1 (as for an empty directory), not 2, which says damage (a cron job
+    alerting on 2 must not page for a new host). A path that is not a directory is bad usage (2)."""
     status, _, err = run(capsys, "verify", str(tmp_path / "nope"))
+    assert status == 1 and "no warm tier at" in err and "does not exist" in err
+    (tmp_path / "file").write_text("x")
+    status, _, err = run(capsys, "verify", str(tmp_path / "file"))
     assert status == 2 and "is not a directory" in err
 
 
@@ -421,3 +430,31 @@ def test_top_level_help(capsys):
     for command in ("demo", "estimate", "ls", "stats", "rm", "verify", "simulate", "bench"):
         assert command in out
     assert "example:" in out
+
+
+@pytest.mark.procs
+def test_a_segments_journal_files_are_not_segments_and_go_with_it(capsys, spec, names):
+    """A journaling cache (KV events) keeps NAME.journal and NAME.journal.lock beside its segment: they
+    are not segments. Listed as unusable ones, they made ``stats`` without a name refuse, put a
+    ``segment_up 0`` series (an alert firing forever) in the exporter, and ``rm --stale`` removed the
+    lock file from under the journal's live writers. ``rm NAME`` removes them with the segment."""
+    from tieredkv import metrics
+
+    name = names + "-j"
+    journal_files = [f"/dev/shm{name}.journal", f"/dev/shm{name}.journal.lock"]
+    with TieredCache(spec, hot_bytes=MiB, hot_name=name, journal=True) as cache:
+        traffic(cache, spec)
+        assert all(os.path.exists(p) for p in journal_files)
+        assert [n for n in seg.list_segment_names() if n.startswith(names)] == [name]
+        assert [d["name"] for d in admin.list_segments() if d["name"].startswith(names)] == [name]
+        status, out, _ = run(capsys, "rm", "--stale", "--match", names + "*", "--dry-run", "--json", "-")
+        assert status == 0 and json.loads(out)["removed"] == []
+        try:
+            import prometheus_client  # noqa: F401  (the metrics extra; .ci/setup installs it)
+        except ImportError:
+            pass
+        else:
+            assert ".journal" not in metrics.render()
+    status, out, _ = run(capsys, "rm", name)
+    assert status == 0 and out.strip() == f"removed {name}"
+    assert not any(os.path.exists(p) for p in journal_files + [f"/dev/shm{name}"])

@@ -76,7 +76,8 @@ class TieredCache:
             blocks in ``warm_bytes``), ``remote`` (a URL such as
             ``"valkey://host:6379"`` or a ``Tier``; the cache closes it), ``remote_write``,
             ``remote_queue_blocks`` or ``remote_queue_bytes``, ``remote_flush_s``, ``eviction``,
-            ``lock_timeout_s``. Their meaning is documented field by field in ``tieredkv/config.py``.
+            ``lock_timeout_s``, ``journal`` (record stored and evicted blocks in the host journal, for
+            KV events). Their meaning is documented field by field in ``tieredkv/config.py``.
 
     Raises:
         InvalidInput: a bad option (the message names it as the caller did) or spec.

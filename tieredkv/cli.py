@@ -403,6 +403,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 print(f"tieredkv rm: {d['name']}: {e}", file=sys.stderr)
                 continue
             if reason is not None:
+                _remove_journal(d["name"])
                 gone.append({"name": d["name"], "reason": reason})
         _emit(args, {"removed": gone, "missing": [], "failed": failed, "dry_run": args.dry_run},
               lambda: "\n".join(f"{verb} {d['name']}: {d['reason']}" for d in gone) or "no stale segments")
@@ -419,6 +420,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
                 admin.check_ours(name)
             else:
                 admin.remove(name)
+                _remove_journal(name)
             removed.append({"name": name, "reason": "named"})
         except (posix_ipc.ExistentialError, FileNotFoundError):
             missing.append(name)
@@ -432,6 +434,17 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 1 if missing or refused else 0
 
 
+def _remove_journal(segment_name: str) -> None:
+    """Remove the host journal files of a segment just removed (``tieredkv.journal``), if it had any: a
+    process that opens the namespace again starts a new journal, and readers keep what they opened."""
+    from tieredkv import journal
+
+    try:
+        journal.remove(journal.journal_path(segment_name))
+    except OSError as e:
+        print(f"tieredkv rm: {segment_name}: its journal stays: {e}", file=sys.stderr)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from tieredkv.warm.admin import verify
 
@@ -441,6 +454,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _verify_remote(args)
     if args.repair and not os.path.exists(args.directory):
         return _nothing_to_verify(args, "does not exist yet")
+    if not os.path.lexists(args.directory):
+        # No warm tier there (exit 1, as for an empty directory): exit 2 is for damage.
+        print(f"tieredkv verify: no warm tier at {args.directory} (it does not exist)", file=sys.stderr)
+        return 1
     if not os.path.isdir(args.directory):
         raise UsageError(f"{args.directory} is not a directory")
     report = verify(args.directory, repair=args.repair)
@@ -460,7 +477,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     + (f", index {t['index']}" if t.get("index", "ok") != "ok" else "")
                     + (f", {t['removed']:,} dropped" if args.repair else "")
                     + (f", error: {t['error']}" if t.get("error") else "")
-                    + ("" if t["ok"] else "  <-- DAMAGED"))
+                    + ("" if t["ok"] else "  <-- damaged, repaired" if args.repair and t["repaired"]
+                       and not t.get("error") else "  <-- DAMAGED"))
             lines.append(line)
             for b in t["bad_blocks"][:10]:
                 lines.append(f"    slab {b['slab']} slot {b['slot']} key {b['key']}: {b['reason']}")

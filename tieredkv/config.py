@@ -277,7 +277,7 @@ class LevelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() or self.name in ("hot", "warm",
                                                                                           "remote", "cache"):
-            raise InvalidInput(f"LevelConfig.name must be an identifier other than hot/warm/remote, "
+            raise InvalidInput(f"LevelConfig.name must be an identifier other than hot/warm/remote/cache, "
                                f"got {self.name!r}")
         if not callable(self.open):
             raise InvalidInput(f"LevelConfig.open must be callable(spec, on_evict) -> Tier, got {self.open!r}")

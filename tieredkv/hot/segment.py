@@ -589,10 +589,21 @@ def _has_magic(path: Path) -> bool:
         os.close(fd)
 
 
+def is_journal_file(filename: str) -> bool:
+    """Whether ``filename`` is one of a segment's host journal files (``tieredkv.journal``: NAME.journal,
+    its ``.lock``, and the ``.new-PID`` file a rotation renames over it): they share the segment's
+    prefix but are not segments."""
+    return _JOURNAL_FILE.search(filename) is not None
+
+
+_JOURNAL_FILE = re.compile(r"\.journal(\.lock|\.new-\d+)?$")
+
+
 def list_segment_names(*, published_only: bool = False) -> list[str]:
-    """Names of every tieredkv segment in /dev/shm, sorted: regular files named ``tieredkv-*``, and
-    files of any name whose first word is our magic (a ``HotTier(name=...)`` segment). Anything else
-    (a directory named like a segment, a socket) is not a segment.
+    """Names of every tieredkv segment in /dev/shm, sorted: regular files named ``tieredkv-*`` (not
+    their journal files, ``is_journal_file``), and files of any name whose first word is our magic (a
+    ``HotTier(name=...)`` segment). Anything else (a directory named like a segment, a socket) is not a
+    segment.
 
     Args:
         published_only: leave out temporary names (segments still being built, or leftovers of a
@@ -609,6 +620,8 @@ def list_segment_names(*, published_only: bool = False) -> list[str]:
             continue
         name = "/" + entry.name
         if not (entry.name.startswith(PREFIX) or _has_magic(Path(entry.path))):
+            continue
+        if is_journal_file(entry.name) and not _has_magic(Path(entry.path)):
             continue
         if published_only and temp_owner(name) is not None:
             continue

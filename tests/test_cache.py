@@ -397,3 +397,56 @@ def test_corrupt_warm_blocks_are_counted_per_host_and_never_served(spec, make):
     assert same_bytes(out[:, :, :, :4], kv[:, :, :, :4])
     stats = cache.stats()
     assert stats["corrupt_blocks"] == 1 and stats["lost_blocks"] == 3
+
+
+def test_torch_float8_kv_and_out(seg_name):
+    """fp8 KV as torch tensors (numpy has no float8): stored and loaded bit for bit, not a bare
+    TypeError from ``Tensor.numpy()``."""
+    torch = pytest.importorskip("torch")
+    for dtype in ("float8_e4m3fn", "float8_e5m2"):
+        spec = KVSpec(model_id="test/fp8", num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, chunk_tokens=4)
+        with TieredCache(spec, hot_bytes=2 * MiB, hot_name=seg_name) as cache:
+            tokens = torch.arange(100, 113)
+            bits = torch.randint(0, 256, (2, 2, 2, 13, 8), dtype=torch.uint8)
+            assert cache.store(tokens, bits.view(getattr(torch, dtype))) == 3
+            out = torch.zeros(2, 2, 2, 13, 8, dtype=getattr(torch, dtype))
+            assert cache.load(cache.lookup(tokens), out) == 12
+            assert torch.equal(out.view(torch.uint8)[:, :, :, :12], bits[:, :, :, :12])
+        posix_ipc.unlink_shared_memory(seg_name)
+
+
+def test_tensors_that_hold_no_plain_array_are_refused(spec, make):
+    torch = pytest.importorskip("torch")
+    cache = make()
+    tokens = prompt(9)
+    kv = torch.from_numpy(kv_for(spec, tokens))
+    with pytest.raises(InvalidPayload, match="dense"):
+        cache.store(tokens, kv.to_sparse())
+    with pytest.raises(InvalidPayload, match="negated"):
+        cache.store(tokens, kv._neg_view())
+    assert cache.lookup(tokens).blocks == 0
+
+
+def test_load_runs_hands_rows_that_go_forwards_through_memory(spec, make):
+    """A prefix whose chunks were stored last-first lies in descending slots: its rows still reach the
+    sink with a positive row stride (``torch.from_numpy`` refuses a negative one), in key order."""
+    cache = make(warm=False)
+    tokens = prompt(13, seed=5)
+    kv = kv_for(spec, tokens)
+    for end in (12, 8, 4):  # chunk 2, then 1, then 0
+        cache.store(tokens[:end + 1], kv[:, :, :, :end + 1], from_token=end - 4)
+    hit = cache.lookup(tokens)
+    assert hit.blocks == 3
+    got = {}
+
+    def sink(first_token, rows):
+        assert rows.strides[0] > 0
+        for j in range(rows.shape[0]):
+            got[first_token // 4 + j] = rows[j].copy()
+
+    assert cache.load_runs(hit, sink) == 12
+    from helpers import payload_for
+    from tieredkv import chunk_keys
+
+    expected = payload_for(spec, chunk_keys(spec, tokens))
+    assert sorted(got) == [0, 1, 2] and all(np.array_equal(got[i], expected[i]) for i in range(3))

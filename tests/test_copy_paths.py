@@ -129,12 +129,17 @@ def test_reads_coalesce_runs_in_both_directions(tiny_spec, seg_name, order):
         if order == "descending":
             assert slots.tolist() == list(range(11, -1, -1))
         runs = []
-        assert tier.read_runs(keys, lambda i, r: runs.append((i, r.copy()))) == 12
+        assert tier.read_runs(keys, lambda i, r: runs.append((i, r.strides[0], r.copy()))) == 12
         expect = payload_for(tiny_spec, keys)
-        assert same_bytes(np.concatenate([r for _, r in runs]), expect)
-        assert [i for i, _ in runs] == [b for b, _, _, _ in slot_runs(slots)]
-        if order != "shuffled":
-            assert len(runs) == 1  # one copy for the whole prompt, whichever direction
+        assert same_bytes(np.concatenate([r for _, _, r in runs]), expect)
+        assert all(stride > 0 for _, stride, _ in runs)  # what torch.from_numpy takes
+        if order == "ascending":
+            assert len(runs) == 1  # one copy for the whole prompt
+        elif order == "descending":
+            assert [i for i, _, _ in runs] == list(range(12))  # a block at a time, forwards in memory
+        else:
+            assert [i for i, _, _ in runs] == [i for a, b, _, step in slot_runs(slots)
+                                              for i in ([a] if step == 1 else range(a, b))]
         out = np.zeros((12, tiny_spec.block_bytes), np.uint8)
         assert tier.get_many(keys, out) == 12
         assert same_bytes(out, expect)

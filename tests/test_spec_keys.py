@@ -123,3 +123,24 @@ def test_keys_reject_str_salt_and_accept_empty():
     assert len(chunk_keys(spec, [])) == 0
     torch = pytest.importorskip("torch")
     assert list(chunk_keys(spec, torch.arange(128))) == list(chunk_keys(spec, np.arange(128)))
+
+
+def test_take_reads_a_bool_mask_as_a_mask():
+    """``keys.take(mask)`` (e.g. ``cache.locate(keys) < 0``) picks the masked keys; it once read the
+    mask as the indices 0 and 1, and ``put_blocks`` then stored chunk 0's bytes under chunk 1's key."""
+    spec = KVSpec(model_id="test/take", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", chunk_tokens=4)
+    keys = chunk_keys(spec, np.arange(12))
+    every = keys.take(np.ones(3, dtype=bool))
+    assert every.positions.tolist() == [0, 1, 2] and np.array_equal(every.keys, keys.keys)
+    some = keys.take(np.array([False, True, True]))
+    assert some.positions.tolist() == [1, 2] and np.array_equal(some.keys, keys.keys[1:])
+    assert keys.take([2, 0]).positions.tolist() == [2, 0]
+    with pytest.raises(InvalidInput, match="needs 3 entries"):
+        keys.take(np.ones(2, dtype=bool))
+
+
+def test_extra_may_be_any_iterable():
+    spec = KVSpec(model_id="test/extra", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", chunk_tokens=4)
+    extra = [b"image-1", None]
+    assert np.array_equal(chunk_keys(spec, np.arange(8), extra=(e for e in extra)).keys,
+                          chunk_keys(spec, np.arange(8), extra=extra).keys)

@@ -274,7 +274,11 @@ class TieredCache:
               extra: Sequence[bytes | None] | None = None) -> int:
         """Cache the full chunks among the first ``n_tokens`` tokens, ``n_tokens = kv.shape[3]``.
 
-        Blocks already present in a tier (or being written by another process) are skipped.
+        Blocks the top level holds (or another process is writing) are skipped; blocks held only by a
+        lower level are stored again on top, and a lower level that already holds one keeps its own
+        copy (each tier keeps the first bytes stored under a key). The same tokens give the same KV
+        under one model, so the copies agree; a producer whose KV varies from run to run (batch-variant
+        kernels) may leave slightly different, equally valid bytes in two tiers.
         ``from_token`` (a multiple of ``chunk_tokens``): chunks before it are not stored and ``kv``'s
         positions before it are never read (the caller just restored them, e.g. into a GPU cache).
         ``extra``: per-chunk bytes folded into the keys, as given to ``lookup``.

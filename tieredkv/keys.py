@@ -19,7 +19,7 @@ through its block hash).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 import numpy as np
@@ -140,8 +140,18 @@ class ChunkKeys:
         return self.keys[:, 0]
 
     def take(self, rows: np.ndarray) -> ChunkKeys:
-        """The keys at ``rows`` (any order), keeping each one's prompt position."""
-        rows = np.asarray(rows, dtype=np.int64)
+        """The keys at ``rows`` (indices, any order; or a bool mask of ``len(self)``), keeping each one's
+        prompt position.
+
+        Raises:
+            InvalidInput: a mask of another length (it is never read as the indices 0 and 1).
+        """
+        rows = np.asarray(rows)
+        if rows.dtype == bool:
+            if rows.shape != (len(self),):
+                raise InvalidInput(f"a mask for take() needs {len(self)} entries (one per key), got shape {rows.shape}")
+            rows = np.flatnonzero(rows)
+        rows = rows.astype(np.int64, copy=False)
         return ChunkKeys(self.keys[rows], self.parents[rows], self.tokens[rows], 0, self.positions[rows])
 
     def __repr__(self) -> str:
@@ -185,8 +195,9 @@ def chunk_keys(spec: KVSpec, tokens: Sequence[int] | np.ndarray, salt: bytes = b
     return ChunkKeys(chain[1:], chain[:-1], table)
 
 
-def _with_extra(pieces: list[bytes], extra: Sequence[bytes | None]) -> list[bytes]:
+def _with_extra(pieces: list[bytes], extra: Iterable[bytes | None]) -> list[bytes]:
     """Each chunk's hashed input with its extra bytes appended (``chunk_keys``)."""
+    extra = list(extra)
     if len(extra) < len(pieces):
         raise InvalidInput(f"extra has {len(extra)} entries for {len(pieces)} full chunks (one per chunk)")
     out = []

@@ -191,11 +191,21 @@ def torch_or_none(obj: Any):
 
 
 def numpy_of(t: Any, numpy_dtype: np.dtype) -> np.ndarray:
-    """A numpy view sharing ``t``'s memory (any strides); bfloat16 is viewed as uint16."""
+    """A numpy view sharing ``t``'s memory (any strides); bfloat16 is viewed as uint16, the float8
+    types as uint8 (numpy has neither).
+
+    Raises:
+        InvalidPayload: ``t`` is not a plain strided tensor (sparse, or a lazily negated view).
+    """
     import torch
 
+    if t.layout != torch.strided or t.is_neg() or t.is_conj():
+        raise InvalidPayload(f"a {t.layout} tensor{' (a lazily negated view)' if t.is_neg() else ''} holds no "
+                             "plain array of values; pass a dense tensor (.to_dense(), .resolve_neg())")
     if t.dtype == torch.bfloat16:
         t = t.view(torch.uint16) if hasattr(torch, "uint16") else t.view(torch.int16)
+    elif t.element_size() == 1 and t.dtype not in (torch.uint8, torch.int8, torch.bool):
+        t = t.view(torch.uint8)  # float8_e4m3fn, float8_e5m2, ...: numpy has no such type
     arr = t.numpy()
     return arr.view(numpy_dtype) if arr.dtype != numpy_dtype else arr
 

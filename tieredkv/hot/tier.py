@@ -185,15 +185,21 @@ class HotTier(SegmentHandle, Allocation, Tier):
         ``rows`` is a ``(k, block_bytes)`` uint8 view of ``k`` adjacent slots in shared memory holding
         blocks ``i .. i+k-1`` of ``keys``, valid only during the call: copy it where it belongs (e.g.
         a model-layout tensor, ``tieredkv.layout.blocks_to_model``), which saves the intermediate
-        copy ``get_many`` would make. A prefix stored in one call is one run. Returns how many
-        leading blocks were delivered.
+        copy ``get_many`` would make. A prefix stored in one call is one run. Its rows always go
+        forwards through memory (a positive row stride, as ``torch.from_numpy`` needs): blocks that
+        lie in descending slots are handed one at a time. Returns how many leading blocks were
+        delivered.
         """
         self._check_keys(keys)
         data = self._data
 
         def copy(first: int, slots: np.ndarray) -> None:
             for a, b, s, step in slot_runs(slots):
-                sink(first + a, run_rows(data, s, b - a, step))
+                if step == 1:
+                    sink(first + a, run_rows(data, s, b - a, step))
+                else:
+                    for j in range(b - a):
+                        sink(first + a + j, data[s - j:s - j + 1])
 
         return self._read(keys, copy)
 
